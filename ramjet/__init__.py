@@ -1,0 +1,8 @@
+"""Ramjet: a cache-aware request router for LLM serving.
+
+The package never imports torch or triton: the router installs and starts without them.
+The reference engine (`engine_stub`) and the simulator (`simulations`) import the shared
+pieces from here (prefix keys, report envelope, profiles, cost model, policies).
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from ramjet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,31 @@
+"""`ramjet` command line. Each subcommand lives in `ramjet/commands/<name>.py` and
+exposes `register(subparsers)`; the handler it sets returns a process exit code."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+import ramjet.commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ramjet", description="Cache-aware LLM request router")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(ramjet.commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"ramjet.commands.{info.name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.handler(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

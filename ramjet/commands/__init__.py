@@ -1,0 +1,1 @@
+"""One module per `ramjet` subcommand; each defines `register(subparsers)`."""

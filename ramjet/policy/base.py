@@ -1,0 +1,136 @@
+"""The policy plugin interface.
+
+A policy picks one engine for one request from a read-only view of the fleet. The
+contract, which the router, the simulator and the tests all rely on:
+
+- `pick` is synchronous and does no I/O. Everything it reads is in its arguments.
+  The router gathers the views before calling it; the simulator builds the same views
+  from simulated state. So the same object runs in both.
+- `pick` must return one of the engines in `engines` whose `healthy` is true when any
+  is; the runner (not the policy) handles an empty or all-unhealthy list.
+- It may keep small internal state (a round-robin cursor), updated only inside `pick`.
+  It is called from one thread (the router's event loop); it is not thread-safe.
+- It never raises for a well-formed view. The observe-mode runner still contains and
+  counts anything it raises.
+- `Decision.components` holds, per engine, named figures in seconds or tokens (for
+  example `wait_s`, `work_s`, `cost_s`, `match_tokens`); they are logged with the
+  decision so an operator can see why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from ramjet.profile import EngineProfile
+from ramjet.types import EngineId, PrefixKey, TrustGrade
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalMatch:
+    """Longest resident global-KV prefix on one engine, in tokens, split by tier."""
+
+    hbm: int = 0
+    host: int = 0
+    ssd: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.hbm + self.host + self.ssd
+
+    def by_tier(self) -> tuple[int, int, int]:
+        return (self.hbm, self.host, self.ssd)
+
+
+class ResidencyView(Protocol):
+    """What one engine holds, as far as the router knows. Read-only, synchronous."""
+
+    def global_match(self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]) -> GlobalMatch:
+        """Longest prefix of `block_keys` resident on the engine, in tokens by tier.
+
+        `block_tokens[i]` is the number of tokens block i covers. The match stops at the
+        first block that is not resident (a resident block implies its predecessors).
+        """
+        ...
+
+    def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
+        """Token offset of the furthest message boundary with live SWA state, else 0.
+
+        `boundary_keys` is a list of (token offset, key), ascending by offset.
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """Load of one engine: engine-reported figures corrected by the router's own."""
+
+    inflight_requests: int = 0
+    """Requests the router has sent and not yet seen finish."""
+    inflight_prompt_tokens: int = 0
+    """Prompt tokens of the router's requests whose first token has not yet arrived."""
+    queued_prompt_tokens: int | None = None
+    """Engine-reported prompt tokens waiting or being prefilled; None if not reported."""
+    running_requests: int | None = None
+    """Engine-reported requests in the running batch; None if not reported."""
+    kv_utilization: float = 0.0
+    """Share of HBM global-KV capacity in use, 0..1."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    id: EngineId
+    healthy: bool
+    load: EngineLoad
+    residency: ResidencyView
+    profile: EngineProfile | None = None
+    """None until the engine has reported one; policies then use their defaults."""
+    trust: TrustGrade = TrustGrade.APPROXIMATE
+    models: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What a policy may know about a request: its features, never its body."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    """Prompt length in tokens (exact for byte-level engines, estimated otherwise)."""
+    block_keys: Sequence[PrefixKey]
+    block_tokens: Sequence[int]
+    """Tokens covered by each block key (all equal but possibly the last)."""
+    boundary_keys: Sequence[tuple[int, PrefixKey]]
+    """(token offset, key) at each message boundary, ascending."""
+    session: str | None = None
+    max_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FleetStats:
+    """Recent fleet-wide figures a policy may use (measured by the router or simulator)."""
+
+    now_s: float = 0.0
+    arrival_rate_per_s: float = 0.0
+    """Recent request arrival rate across the fleet (EWMA)."""
+    mean_wait_s: float = 0.0
+    """Recent mean time requests waited before their prefill started (EWMA)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    engine: EngineId
+    policy: str
+    components: Mapping[EngineId, Mapping[str, float]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    """Free-form flags, e.g. "default_profile:e1" or "imbalanced"."""
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    name: str
+
+    def pick(self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats) -> Decision:
+        """Pick one engine; see the module docstring for the contract."""
+        ...

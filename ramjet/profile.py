@@ -1,0 +1,115 @@
+"""An engine's profiled costs: the figures the cost model predicts TTFT from.
+
+One definition, shared by the reference engine's profiler (which measures it), the
+signed `profile` report body (which carries it), the cost model (which reads it) and the
+simulator (which is calibrated by it).
+
+Prefill curve. Prefilling `n` new tokens on top of `c` tokens already in context costs
+
+    prefill_seconds(n, c) = overhead_s + integral from c to c+n of rate(x) dx
+
+where `rate(x)` (seconds per token at context length x) is piecewise linear through the
+profiled points and extrapolated along the last segment's slope (attention makes the
+marginal token dearer as context grows). A flat curve is a constant tokens/s engine.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ramjet.types import Tier
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+class CurvePoint(BaseModel):
+    """Marginal prefill cost at one context length."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    context_tokens: Annotated[int, Field(ge=0)]
+    seconds_per_token: NonNegFloat
+
+
+class TierCost(BaseModel):
+    """Restoring global KV from a tier: bytes / bandwidth + latency."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    bandwidth_bytes_per_s: PositiveFloat
+    latency_s: NonNegFloat = 0.0
+
+    def restore_seconds(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+class EngineProfile(BaseModel):
+    """Profiled costs of one engine. Times in seconds, sizes in bytes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefill_curve: Annotated[list[CurvePoint], Field(min_length=1)]
+    prefill_overhead_s: NonNegFloat = 0.0
+    replay_floor_s: NonNegFloat
+    """Cost of rebuilding SWA state by replaying the last window: paid on any warm
+    global hit whose SWA state is gone. Never zero on a real engine."""
+    replay_window_tokens: Annotated[int, Field(gt=0)] = 128
+    global_kv_bytes_per_token: PositiveFloat
+    swa_bytes_per_sequence: NonNegFloat = 0.0
+    tiers: dict[str, TierCost] = Field(default_factory=dict)
+    """Restore cost per non-HBM tier, by tier label ("host", "ssd"). HBM costs nothing."""
+    decode_step_s: NonNegFloat = 0.0
+    spec_acceptance: Annotated[float, Field(ge=0, le=1)] = 0.0
+    spec_tokens_per_step: Annotated[float, Field(ge=1)] = 1.0
+
+    @model_validator(mode="after")
+    def _check_curve(self) -> EngineProfile:
+        ctx = [p.context_tokens for p in self.prefill_curve]
+        if ctx != sorted(ctx) or len(set(ctx)) != len(ctx):
+            raise ValueError("prefill_curve context_tokens must be strictly increasing")
+        for name in self.tiers:
+            Tier.parse(name)
+        return self
+
+    # -- the curve ---------------------------------------------------------------
+
+    def _rate(self, x: float) -> float:
+        pts = self.prefill_curve
+        if len(pts) == 1:
+            return pts[0].seconds_per_token
+        xs = [p.context_tokens for p in pts]
+        i = bisect.bisect_right(xs, x) - 1
+        i = min(max(i, 0), len(pts) - 2)
+        a, b = pts[i], pts[i + 1]
+        slope = (b.seconds_per_token - a.seconds_per_token) / (b.context_tokens - a.context_tokens)
+        if x < a.context_tokens:  # before the first point: hold flat
+            return a.seconds_per_token
+        return max(0.0, a.seconds_per_token + slope * (x - a.context_tokens))
+
+    def prefill_seconds(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """Time to prefill `new_tokens` on top of `context_tokens` cached ones."""
+        if new_tokens <= 0:
+            return 0.0
+        lo, hi = float(context_tokens), float(context_tokens + new_tokens)
+        knots = [lo] + [float(p.context_tokens) for p in self.prefill_curve if lo < p.context_tokens < hi] + [hi]
+        total = 0.0
+        for a, b in zip(knots, knots[1:], strict=False):
+            total += (self._rate(a) + self._rate(b)) / 2 * (b - a)  # exact: rate is linear on [a, b]
+        return self.prefill_overhead_s + total
+
+    def restore_seconds(self, tokens_by_tier: Sequence[int]) -> float:
+        """Restore time for (hbm, host, ssd) token counts; HBM is free."""
+        total = 0.0
+        for tier in (Tier.HOST, Tier.SSD):
+            n = tokens_by_tier[tier]
+            if n > 0:
+                cost = self.tiers.get(tier.label)
+                if cost is None:
+                    raise KeyError(f"profile has no restore cost for tier {tier.label!r}")
+                total += cost.restore_seconds(n * self.global_kv_bytes_per_token)
+        return total
