@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ramjet.policy import baselines
+from ramjet.policy import baselines, tier_aware
 from ramjet.policy.base import RoutingPolicy
 
 
@@ -59,6 +59,11 @@ _ENTRIES: dict[str, _Entry] = {
         baselines.PrefixAffinityParams,
         lambda p, n: baselines.PrefixAffinity(p, name=n),
         "incumbent: longest resident prefix, bounded by load",
+    ),
+    "tier_aware": _Entry(
+        tier_aware.TierAwareParams,
+        lambda p, n: tier_aware.TierAware(p, name=n),
+        "candidate: least predicted TTFT plus the externality of wasted work",
     ),
 }
 

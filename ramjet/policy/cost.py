@@ -1,0 +1,237 @@
+"""The cost model of ARCHITECTURE section 6: predicted prompt work, wait and TTFT per
+engine, and the externality of wasted work.
+
+For request r (n prompt tokens) on engine e, with profile P:
+
+- g = longest resident global-KV prefix, split by tier (hbm, host, ssd tokens), clipped
+  to n; q = furthest message boundary with live SWA state (clipped to g).
+- restore(tokens by tier) = sum over host/ssd of bytes / bandwidth + latency.
+- Three resume points, the cheapest wins (ties prefer the earlier in this list):
+    swa:    from q with live SWA:  restore(share q/g of each tier) + prefill(n-q at q)
+    global: from g with replay:    restore(all of g) + replay_floor + prefill(n-g at g)
+    cold:   from 0:                prefill(n at 0)
+  The swa option has no replay; the global option always pays the profiled floor (a
+  warm global prefix is never free). Which tier holds which *positions* is not known, so
+  the swa option restores the same share of each tier as q is of g.
+- work_e = restore + replay + prefill: what the engine will spend on r's prompt.
+- wait_e = the time until e starts r: the engine's outstanding prompt tokens (reported,
+  corrected by the router's in-flight, see `candidates.outstanding_prompt_tokens`)
+  priced by the profile's prefill curve from context 0 (queued prompts mix lengths; the
+  curve's start is the conservative, common case), plus decode interference: a chunked
+  prefill engine runs one decode step for its running batch per prefill chunk, so while
+  any request decodes, each `chunk_tokens` of queued and own new tokens adds one
+  `decode_step_s`.
+- TTFT_e = wait_e + work_e.
+- Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
+  requests queued behind it. By Little's law about λ·W of them wait at any time, where λ
+  is the fleet's measured arrival rate and W its measured mean wait (both from
+  `FleetStats`, both EWMAs the router or simulator measures; not tuned constants):
+
+      cost_e = wait_e + work_e + scale · λ · W · Δ_e          (scale defaults to 1)
+
+  The engine of least cost wins; ties go to the shorter wait. Affinity needs no separate
+  load gate: a busy engine's wait is in its cost.
+
+Trust and profiles. An engine that has not reported a profile is priced with the
+policy's default profile (the decision notes `default_profile:<engine>`). An engine
+whose residency view is DEGRADED (reports were lost or went stale) is priced with
+caution: the default profile, no SWA credit (minute-scale state is the first to go
+stale), and every matched token charged as an SSD restore (notes `degraded:<engine>`).
+APPROXIMATE views (no reports, the router's own routing) are used as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ramjet.policy.base import EngineView, FleetStats, GlobalMatch, RequestView
+from ramjet.policy.candidates import outstanding_prompt_tokens
+from ramjet.profile import CurvePoint, EngineProfile, TierCost
+from ramjet.types import EngineId, TrustGrade
+
+V41_FLASH_TP4_ESTIMATE = EngineProfile(
+    # ~17.9k prompt tokens/s per TP4 engine at short context: the brief's "recomputing a
+    # 50k-token prefix costs about 2.8 s"; sparse attention (top-512) keeps the marginal
+    # token nearly flat, a mild rise for the window and indexer. Estimate.
+    prefill_curve=[
+        CurvePoint(context_tokens=0, seconds_per_token=5.4e-5),
+        CurvePoint(context_tokens=131_072, seconds_per_token=6.0e-5),
+        CurvePoint(context_tokens=1_048_576, seconds_per_token=8.0e-5),
+    ],
+    prefill_overhead_s=0.004,
+    replay_floor_s=0.012,  # 128 tokens x 40 layers plus a forward pass's fixed cost. Estimate.
+    replay_window_tokens=128,
+    global_kv_bytes_per_token=890.0,  # REFERENCE_MODEL: (288 + 68) x 2.5
+    swa_bytes_per_sequence=128 * 528 * 40,  # REFERENCE_MODEL: 2,703,360 bytes
+    tiers={
+        # PCIe 5 x16 host->GPU, ~50 GB/s effective per TP4 engine. Estimate.
+        "host": TierCost(bandwidth_bytes_per_s=50e9, latency_s=0.0005),
+        # NVMe: the brief's "50k-token restore from SSD costs about 10 ms" (44.5 MB).
+        "ssd": TierCost(bandwidth_bytes_per_s=5e9, latency_s=0.001),
+    },
+    decode_step_s=0.025,  # one batched decode step of a TP4 engine. Estimate.
+    spec_acceptance=0.7,
+    spec_tokens_per_step=2.0,
+)
+"""DeepSeek-V4.1-Flash on one TP4 engine of RTX PRO 6000 Blackwell Server Edition:
+the policy's default profile until an engine reports its own (figures: docs/simulation.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """Prompt work of one request on one engine, in seconds, at its cheapest resume point."""
+
+    resume: str
+    """"swa", "global" or "cold"."""
+    resume_tokens: int
+    """Tokens the engine resumes from (q, g or 0)."""
+    restore_s: float
+    replay_s: float
+    prefill_s: float
+
+    @property
+    def work_s(self) -> float:
+        return self.restore_s + self.replay_s + self.prefill_s
+
+
+def _restore(profile: EngineProfile, host: float, ssd: float) -> float:
+    total = 0.0
+    bpt = profile.global_kv_bytes_per_token
+    for label, tokens in (("host", host), ("ssd", ssd)):
+        if tokens > 0:
+            # A profile that lacks this tier's figures: price it at the estimate's.
+            cost = profile.tiers.get(label) or V41_FLASH_TP4_ESTIMATE.tiers[label]
+            total += cost.restore_seconds(tokens * bpt)
+    return total
+
+
+def _clip(match: GlobalMatch, n: int) -> tuple[int, int, int]:
+    hbm = min(match.hbm, n)
+    host = min(match.host, n - hbm)
+    ssd = min(match.ssd, n - hbm - host)
+    return hbm, host, ssd
+
+
+def prompt_work(
+    profile: EngineProfile, prompt_tokens: int, match: GlobalMatch, swa_tokens: int
+) -> Work:
+    """The cheapest of the swa, global and cold resume points (see module docstring)."""
+    n = max(prompt_tokens, 0)
+    hbm, host, ssd = _clip(match, n)
+    g = hbm + host + ssd
+    best = Work("cold", 0, 0.0, 0.0, profile.prefill_seconds(n, 0))
+    if g > 0:
+        restore = _restore(profile, host, ssd)
+        glob = Work("global", g, restore, profile.replay_floor_s, profile.prefill_seconds(n - g, g))
+        if glob.work_s <= best.work_s:
+            best = glob
+    q = min(swa_tokens, g)
+    if q > 0:
+        share = q / g
+        restore = _restore(profile, host * share, ssd * share)
+        swa = Work("swa", q, restore, 0.0, profile.prefill_seconds(n - q, q))
+        if swa.work_s <= best.work_s:
+            best = swa
+    return best
+
+
+def wait_seconds(
+    profile: EngineProfile, engine: EngineView, new_tokens: int, chunk_tokens: int
+) -> float:
+    """Time until the engine starts the request, plus decode interference on its prefill."""
+    queued = outstanding_prompt_tokens(engine.load)
+    wait = profile.prefill_seconds(queued, 0)
+    running = engine.load.running_requests
+    decoding = running if running is not None else engine.load.inflight_requests
+    if decoding > 0 and profile.decode_step_s > 0:
+        wait += math.ceil((queued + new_tokens) / chunk_tokens) * profile.decode_step_s
+    return wait
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEstimate:
+    """Every figure the candidate weighs for one engine (seconds unless named tokens)."""
+
+    engine: EngineId
+    work: Work
+    match: GlobalMatch
+    swa_tokens: int
+    wait_s: float
+    delta_s: float
+    externality_s: float
+    default_profile: bool
+    degraded: bool
+
+    @property
+    def ttft_s(self) -> float:
+        return self.wait_s + self.work.work_s
+
+    @property
+    def cost_s(self) -> float:
+        return self.ttft_s + self.externality_s
+
+    def components(self) -> dict[str, float]:
+        w = self.work
+        return {
+            "hbm_tokens": float(self.match.hbm),
+            "host_tokens": float(self.match.host),
+            "ssd_tokens": float(self.match.ssd),
+            "swa_tokens": float(self.swa_tokens),
+            "resume_tokens": float(w.resume_tokens),
+            "resume_swa": 1.0 if w.resume == "swa" else 0.0,
+            "restore_s": w.restore_s,
+            "replay_s": w.replay_s,
+            "prefill_s": w.prefill_s,
+            "work_s": w.work_s,
+            "wait_s": self.wait_s,
+            "ttft_s": self.ttft_s,
+            "delta_s": self.delta_s,
+            "externality_s": self.externality_s,
+            "cost_s": self.cost_s,
+            "default_profile": 1.0 if self.default_profile else 0.0,
+        }
+
+
+def externality_rate(fleet: FleetStats, scale: float = 1.0) -> float:
+    """λ · W: requests delayed per second of wasted work (dimensionless)."""
+    return scale * max(fleet.arrival_rate_per_s, 0.0) * max(fleet.mean_wait_s, 0.0)
+
+
+def estimate(
+    request: RequestView,
+    engines: Sequence[EngineView],
+    fleet: FleetStats,
+    *,
+    default_profile: EngineProfile = V41_FLASH_TP4_ESTIMATE,
+    chunk_tokens: int = 8192,
+    externality_scale: float = 1.0,
+) -> list[EngineEstimate]:
+    """Per-engine estimates for `request`, in the order of `engines` (see module docstring)."""
+    n = request.prompt_tokens
+    staged: list[tuple[EngineView, Work, GlobalMatch, int, float, bool, bool]] = []
+    for e in engines:
+        degraded = e.trust == TrustGrade.DEGRADED
+        use_default = e.profile is None or degraded
+        profile = default_profile if use_default else e.profile
+        assert profile is not None
+        match = e.residency.global_match(request.block_keys, request.block_tokens)
+        if degraded:
+            match = GlobalMatch(0, 0, match.total)
+            swa = 0
+        else:
+            swa = e.residency.swa_match(request.boundary_keys) if request.boundary_keys else 0
+        work = prompt_work(profile, n, match, swa)
+        new_tokens = max(n - work.resume_tokens, 0)
+        wait = wait_seconds(profile, e, new_tokens, chunk_tokens)
+        staged.append((e, work, match, swa, wait, use_default, degraded))
+    least = min(s[1].work_s for s in staged)
+    rate = externality_rate(fleet, externality_scale)
+    out: list[EngineEstimate] = []
+    for e, work, match, swa, wait, use_default, degraded in staged:
+        delta = work.work_s - least
+        out.append(
+            EngineEstimate(e.id, work, match, swa, wait, delta, rate * delta, use_default, degraded)
+        )
+    return out

@@ -1,0 +1,73 @@
+"""The candidate policy `tier_aware`: the engine of least cost, where cost is predicted
+TTFT (wait + restore + replay + prefill) plus the delay the choice's wasted work imposes
+on later arrivals. The model is `ramjet.policy.cost` (read its docstring); this module
+only holds the parameters, picks the minimum and records every component.
+
+Decision.components[engine] holds every figure of `EngineEstimate.components()`
+(`wait_s`, `work_s`, `restore_s`, `replay_s`, `prefill_s`, `delta_s`, `externality_s`,
+`cost_s`, tokens by tier, ...). Notes: `default_profile:<engine>` when an engine has not
+reported a profile, `degraded:<engine>` when its view is degraded, `externality_off`
+while the fleet has no measured arrival rate or wait yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
+from ramjet.policy.candidates import eligible
+from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, EngineEstimate, estimate
+from ramjet.profile import EngineProfile
+
+
+class TierAwareParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    default_profile: EngineProfile = V41_FLASH_TP4_ESTIMATE
+    """Used for engines that have not reported a profile, or whose view is degraded."""
+    chunk_tokens: Annotated[int, Field(gt=0)] = 8192
+    """Engine prefill chunk: one decode step interleaves per chunk while requests decode."""
+    externality_scale: Annotated[float, Field(ge=0)] = 1.0
+    """Multiplies λ·W (both measured). 0 gives the selfish minimum-TTFT policy."""
+
+
+class TierAware:
+    """Least `cost_s` among eligible engines; ties to the shorter wait, then list order."""
+
+    def __init__(self, params: TierAwareParams | None = None, name: str = "tier_aware") -> None:
+        self.name = name
+        self.params = params or TierAwareParams()
+
+    def estimates(
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> list[EngineEstimate]:
+        p = self.params
+        return estimate(
+            request,
+            eligible(request, engines),
+            fleet,
+            default_profile=p.default_profile,
+            chunk_tokens=p.chunk_tokens,
+            externality_scale=p.externality_scale,
+        )
+
+    def pick(
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> Decision:
+        ests = self.estimates(request, engines, fleet)
+        best = min(ests, key=lambda s: (s.cost_s, s.wait_s))
+        notes = [
+            f"default_profile:{s.engine}" for s in ests if s.default_profile and not s.degraded
+        ]
+        notes += [f"degraded:{s.engine}" for s in ests if s.degraded]
+        if fleet.arrival_rate_per_s <= 0 or fleet.mean_wait_s <= 0:
+            notes.append("externality_off")
+        return Decision(
+            engine=best.engine,
+            policy=self.name,
+            components={s.engine: s.components() for s in ests},
+            notes=tuple(notes),
+        )
