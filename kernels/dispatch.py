@@ -1,0 +1,257 @@
+"""The one entry point the engine uses for every kernel op: Triton or torch reference.
+
+Choice, per call: the Triton kernel when any tensor argument is on CUDA, or when the
+environment has ``TRITON_INTERPRET=1`` (then the Triton interpreter runs the kernels on
+CPU); the torch reference (``kernels.reference``) otherwise. ``use_backend("triton" |
+"torch" | "auto")`` overrides the choice inside a ``with`` block (tests compare both
+paths this way).
+
+Triton decides at *import* of a kernel module whether ``@triton.jit`` compiles or
+interprets, so the kernel modules are imported lazily, on the first Triton call, and a
+CPU call through a module imported in compiled mode raises a clear error instead of
+crashing inside Triton. ``load_kernels(interpret=True)`` imports them in interpreter mode
+without leaving ``TRITON_INTERPRET`` set (the kernel tests use it).
+
+Signatures and formats: see ``kernels.reference`` (identical arguments and results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kernels import reference as ref
+from kernels.reference import engram_hash_params, engram_table_rows
+
+__all__ = [
+    "active_backend",
+    "candidate_blocks",
+    "engram_gate",
+    "engram_gather",
+    "engram_hash_params",
+    "engram_rows",
+    "engram_table_rows",
+    "fp4_dequantize",
+    "fp4_pow2_dequantize",
+    "fp4_pow2_quantize",
+    "fp4_quantize",
+    "fp8_dequantize",
+    "fp8_qdq",
+    "fp8_quantize",
+    "indexer_scores",
+    "indexer_topk",
+    "load_kernels",
+    "sparse_attention",
+    "use_backend",
+]
+
+BACKENDS = ("auto", "triton", "torch")
+KERNEL_MODULES = (
+    "kernels.fp4",
+    "kernels.fp8",
+    "kernels.indexer",
+    "kernels.sparse_attention",
+    "kernels.engram",
+)
+_state = threading.local()
+
+
+def _override() -> str:
+    return getattr(_state, "backend", "auto")
+
+
+@contextlib.contextmanager
+def use_backend(backend: str) -> Iterator[None]:
+    """Force ``"triton"`` or ``"torch"`` (or ``"auto"``) for calls in this thread."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    previous = _override()
+    _state.backend = backend
+    try:
+        yield
+    finally:
+        _state.backend = previous
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def active_backend(*tensors: torch.Tensor | None) -> str:
+    """ "triton" or "torch" for a call with these tensor arguments."""
+    forced = _override()
+    if forced != "auto":
+        return forced
+    on_cuda = any(t is not None and t.is_cuda for t in tensors)
+    return "triton" if on_cuda or _interpret_env() else "torch"
+
+
+def load_kernels(interpret: bool = False) -> dict[str, ModuleType]:
+    """Import (or re-import) the Triton kernel modules; ``interpret=True`` makes their
+    ``@triton.jit`` functions interpreted regardless of the current environment."""
+    modules = {}
+    saved = os.environ.get("TRITON_INTERPRET")
+    try:
+        if interpret:
+            os.environ["TRITON_INTERPRET"] = "1"
+        for name in KERNEL_MODULES:
+            mod = sys.modules.get(name)
+            if mod is None:
+                mod = importlib.import_module(name)
+            elif interpret and not getattr(mod, "INTERPRETED", False):
+                mod = importlib.reload(mod)
+            modules[name] = mod
+    finally:
+        if interpret:
+            if saved is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+    return modules
+
+
+def _kernel(module: str, name: str, tensors: tuple[torch.Tensor | None, ...]) -> Callable[..., Any]:
+    mod = sys.modules.get(module) or load_kernels(interpret=_interpret_env())[module]
+    on_cuda = any(t is not None and t.is_cuda for t in tensors)
+    if not on_cuda and not getattr(mod, "INTERPRETED", False):
+        raise RuntimeError(
+            f"{module} was imported in compiled mode; CPU tensors need the Triton "
+            "interpreter: set TRITON_INTERPRET=1 before the first Triton call, or call "
+            "kernels.dispatch.load_kernels(interpret=True)"
+        )
+    fn: Callable[..., Any] = getattr(mod, name)
+    return fn
+
+
+def _route(module: str, name: str, *tensors: torch.Tensor | None) -> Callable[..., Any]:
+    if active_backend(*tensors) == "torch":
+        fn: Callable[..., Any] = getattr(ref, name)
+        return fn
+    return _kernel(module, name, tensors)
+
+
+# --------------------------------------------------------------------------------------
+# FP4 / FP8 formats
+
+
+def fp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (packed [..., D//2] uint8, scale [..., D//16] uint8 E4M3)."""
+    return _route("kernels.fp4", "fp4_quantize", x)(x)  # type: ignore[no-any-return]
+
+
+def fp4_dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """packed [..., D//2] uint8, scale [..., D//16] uint8 -> [..., D] ``dtype``."""
+    return _route("kernels.fp4", "fp4_dequantize", packed)(packed, scale, dtype)  # type: ignore[no-any-return]
+
+
+def fp4_pow2_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (packed [..., D//2] uint8, exp [..., D//block] int8)."""
+    return _route("kernels.fp4", "fp4_pow2_quantize", x)(x, block)  # type: ignore[no-any-return]
+
+
+def fp4_pow2_dequantize(
+    packed: torch.Tensor, exp: torch.Tensor, block: int = 32, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """packed [..., D//2] uint8, exp [..., D//block] int8 -> [..., D] ``dtype``."""
+    fn = _route("kernels.fp4", "fp4_pow2_dequantize", packed)
+    return fn(packed, exp, block, dtype)  # type: ignore[no-any-return]
+
+
+def fp8_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (E4M3 bits [..., D] uint8, exp [..., D//block] int8)."""
+    return _route("kernels.fp8", "fp8_quantize", x)(x, block)  # type: ignore[no-any-return]
+
+
+def fp8_dequantize(
+    bits: torch.Tensor, exp: torch.Tensor, block: int = 32, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """bits [..., D] uint8, exp [..., D//block] int8 -> [..., D] ``dtype``."""
+    return _route("kernels.fp8", "fp8_dequantize", bits)(bits, exp, block, dtype)  # type: ignore[no-any-return]
+
+
+def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [..., D] -> [..., D] (x's dtype), E4M3 quantize-dequantize with pow2 block scales."""
+    return _route("kernels.fp8", "fp8_qdq", x)(x, block)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------
+# CSA2 indexer
+
+
+def indexer_scores(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, m: int
+) -> torch.Tensor:
+    """q [T, H, Di], w [T, H], k [S, Di], q_pos [T] int64 -> scores [T, S] fp32."""
+    return _route("kernels.indexer", "indexer_scores", q, k)(q, w, k, q_pos, m)  # type: ignore[no-any-return]
+
+
+def candidate_blocks(
+    scores: torch.Tensor, block: int, keep: int, q_pos: torch.Tensor, m: int
+) -> torch.Tensor:
+    """scores [T, S] fp32, q_pos [T] -> cand_mask [T, ceil(S/block)] bool."""
+    fn = _route("kernels.indexer", "candidate_blocks", scores)
+    return fn(scores, block, keep, q_pos, m)  # type: ignore[no-any-return]
+
+
+def indexer_topk(
+    scores: torch.Tensor,
+    topk: int,
+    q_pos: torch.Tensor,
+    m: int,
+    cand_mask: torch.Tensor | None = None,
+    block: int = 8,
+) -> torch.Tensor:
+    """scores [T, S] fp32, q_pos [T], cand_mask [T, NB] bool | None -> idx [T, topk] int32."""
+    fn = _route("kernels.indexer", "indexer_topk", scores)
+    return fn(scores, topk, q_pos, m, cand_mask, block)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------
+# sparse attention
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    win_kv: torch.Tensor,
+    win_idx: torch.Tensor,
+    glob_packed: torch.Tensor,
+    glob_scale: torch.Tensor,
+    glob_idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D], win_kv [Nw, D], win_idx [T, W] int32, glob_packed [Ng, D//2] uint8,
+    glob_scale [Ng, D//16] uint8, glob_idx [T, K] int32, sink [H] -> [T, H, D]."""
+    fn = _route("kernels.sparse_attention", "sparse_attention", q)
+    return fn(q, win_kv, win_idx, glob_packed, glob_scale, glob_idx, sink, scale)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------
+# Engram
+
+
+def engram_rows(
+    ids: torch.Tensor, mult: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """ids [T+3] int64, mult [4], primes [3, 8], offsets [3, 8] -> rows [T, 24] int64."""
+    return _route("kernels.engram", "engram_rows", ids)(ids, mult, primes, offsets)  # type: ignore[no-any-return]
+
+
+def engram_gather(table: torch.Tensor, exp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """table [R, Dh] uint8, exp [R, Dh//32] int8, rows [T, 24] -> [T, 24*Dh] fp32."""
+    return _route("kernels.engram", "engram_gather", table, rows)(table, exp, rows)  # type: ignore[no-any-return]
+
+
+def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """h [T, C, dim], key [T, dim], value [T, dim] -> [T, C, dim]."""
+    return _route("kernels.engram", "engram_gate", h)(h, key, value)  # type: ignore[no-any-return]
