@@ -1,0 +1,233 @@
+"""`ResidencyTables`: the router's global-KV residency and SWA session tables.
+
+Writers:
+- the report processor (`ramjet.reports.processor`), from verified engine reports:
+  `store_global` / `evict_global` / `store_swa` / `expire_swa` for deltas,
+  `replace_engine` for snapshots, `purge_engine` for a new epoch. These are exact.
+- the router, after it dispatches a request: `record_routed(engine, keys, now)`. These
+  entries are approximate (HBM assumed, `approximate_ttl_s`), never override an exact
+  entry, and are only written and read for engines in `ViewMode.APPROXIMATE`.
+
+Readers: `view(engine)` returns a `ResidencyView` (see `ramjet.policy.base`) fixed at
+the current time. How an engine's view reads the tables is its `ViewMode`, which the
+report processor sets from the engine's trust:
+- APPROXIMATE (default, no reports): exact and approximate entries;
+- REPORTED (the engine reports; trust exact or degraded): exact entries only;
+- SILENT (reports stopped for longer than the staleness TTL): nothing steers.
+
+Longest match. A block key names a whole prefix, so on an engine a resident block
+implies its predecessors are resident. `global_match` binary-searches for the first
+non-resident block (O(log n) lookups) and then walks the matched blocks once to split
+the tokens by tier, stopping at the first hole should the table break monotonicity (a
+lost eviction, a shorter TTL): the result is exactly the linear scan's. The binary
+search lives here until `ramjet.prefix` offers a shared `longest_prefix` helper.
+
+Clocks: every method takes `now` in seconds of the tables' monotonic clock (`clock`,
+injected); `view` reads it once.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ramjet.policy.base import GlobalMatch, ResidencyView
+from ramjet.prefix import PrefixKeys
+from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.store import MemoryStore, ResidencyStore, Table
+from ramjet.types import EngineId, PrefixKey, Tier
+
+Clock = Callable[[], float]
+
+
+class ViewMode(enum.Enum):
+    APPROXIMATE = "approximate"
+    REPORTED = "reported"
+    SILENT = "silent"
+
+
+def longest_prefix(n: int, present: Callable[[int], bool]) -> int:
+    """Smallest i in [0, n] with `present(i)` false (n if none), assuming `present` is
+    true on a prefix of range(n). On a non-monotone predicate the result is still an
+    index whose item is absent (or n), so it bounds the first hole from above."""
+    lo, hi = 0, n  # invariant: answer in [lo, hi]; items < lo are present
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if present(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+class EngineResidencyView:
+    """One engine's residency at one instant; implements `ResidencyView`."""
+
+    __slots__ = ("_approx", "_engine", "_now", "_steer", "_store")
+
+    def __init__(self, store: ResidencyStore, engine: EngineId, now: float, mode: ViewMode) -> None:
+        self._store = store
+        self._engine = engine
+        self._now = now
+        self._approx = mode is ViewMode.APPROXIMATE
+        self._steer = mode is not ViewMode.SILENT
+
+    def global_match(
+        self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
+    ) -> GlobalMatch:
+        if not self._steer or not block_keys:
+            return GlobalMatch()
+        get, engine, now, approx = self._store.get, self._engine, self._now, self._approx
+        bound = longest_prefix(
+            len(block_keys),
+            lambda i: get(Table.GLOBAL, engine, block_keys[i], now, approx) is not None,
+        )
+        by_tier = [0, 0, 0]
+        for i in range(bound):
+            entry = get(Table.GLOBAL, engine, block_keys[i], now, approx)
+            if entry is None:
+                break
+            by_tier[entry.tier] += block_tokens[i]
+        return GlobalMatch(by_tier[Tier.HBM], by_tier[Tier.HOST], by_tier[Tier.SSD])
+
+    def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
+        if not self._steer:
+            return 0
+        for offset, key in reversed(boundary_keys):
+            if self._store.get(Table.SWA, self._engine, key, self._now, self._approx):
+                return offset
+        return 0
+
+
+class ResidencyTables:
+    """The two tables behind one store, with per-engine view modes. Single-threaded
+    (the router's event loop)."""
+
+    def __init__(
+        self,
+        config: ResidencyConfig | None = None,
+        store: ResidencyStore | None = None,
+        clock: Clock = time.monotonic,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config or ResidencyConfig()
+        self.store: ResidencyStore = store or MemoryStore(
+            {Table.GLOBAL: self.config.max_global_entries, Table.SWA: self.config.max_swa_entries}
+        )
+        self.clock = clock
+        self._modes: dict[EngineId, ViewMode] = {}
+        if registry is not None:
+            registry.register(_SizeCollector(self))
+
+    # -- reading ----------------------------------------------------------------------
+
+    def mode(self, engine: EngineId) -> ViewMode:
+        return self._modes.get(engine, ViewMode.APPROXIMATE)
+
+    def set_mode(self, engine: EngineId, mode: ViewMode) -> None:
+        self._modes[engine] = mode
+
+    def view(self, engine: EngineId, now: float | None = None) -> ResidencyView:
+        t = self.clock() if now is None else now
+        return EngineResidencyView(self.store, engine, t, self.mode(engine))
+
+    def size(self, table: Table) -> int:
+        return self.store.size(table)
+
+    # -- approximate: what the router itself routed --------------------------------------
+
+    def record_routed(self, engine: EngineId, keys: PrefixKeys, now: float) -> None:
+        """The router sent a prompt with these keys to `engine`: assume its blocks are in
+        HBM there and its SWA state sits at the prompt's last message boundary."""
+        if self.mode(engine) is not ViewMode.APPROXIMATE:
+            return
+        ttl = self.config.approximate_ttl_s
+        self.store.put(Table.GLOBAL, engine, keys.blocks, Tier.HBM, now, now + ttl, exact=False)
+        if keys.boundaries:
+            swa_ttl = min(ttl, self.config.swa_ttl_s)
+            last = keys.boundaries[-1][1]
+            self.store.put(Table.SWA, engine, (last,), Tier.HBM, now, now + swa_ttl, exact=False)
+
+    # -- exact: from verified reports ---------------------------------------------------
+
+    def _global_expiry(self, now: float, ttl_s: float | None) -> float:
+        ttl = self.config.global_ttl_s if ttl_s is None else min(ttl_s, self.config.global_ttl_s)
+        return now + ttl
+
+    def _swa_expiry(self, now: float, ttl_s: float | None) -> float:
+        ttl = self.config.swa_ttl_s if ttl_s is None else min(ttl_s, self.config.swa_max_ttl_s)
+        return now + ttl
+
+    def store_global(
+        self,
+        engine: EngineId,
+        keys: Iterable[PrefixKey],
+        tier: Tier,
+        now: float,
+        ttl_s: float | None = None,
+    ) -> None:
+        """Blocks entered (or moved to) `tier`; expiry is min(ttl_s, global_ttl_s)."""
+        expires = self._global_expiry(now, ttl_s)
+        self.store.put(Table.GLOBAL, engine, keys, tier, now, expires, exact=True)
+
+    def evict_global(self, engine: EngineId, keys: Iterable[PrefixKey]) -> None:
+        self.store.remove(Table.GLOBAL, engine, keys)
+
+    def store_swa(
+        self, engine: EngineId, keys: Iterable[PrefixKey], now: float, ttl_s: float | None = None
+    ) -> None:
+        """SWA state pooled at these boundary keys; expiry min(ttl_s, swa_max_ttl_s)."""
+        expires = self._swa_expiry(now, ttl_s)
+        self.store.put(Table.SWA, engine, keys, Tier.HBM, now, expires, exact=True)
+
+    def expire_swa(self, engine: EngineId, keys: Iterable[PrefixKey]) -> None:
+        self.store.remove(Table.SWA, engine, keys)
+
+    def replace_engine(
+        self,
+        engine: EngineId,
+        global_entries: Iterable[tuple[PrefixKey, Tier, float | None]],
+        swa_entries: Iterable[tuple[PrefixKey, float | None]],
+        now: float,
+    ) -> None:
+        """A snapshot: (key, tier, ttl_s) and (key, ttl_s) become the engine's whole
+        exact content of each table."""
+        self.store.replace_exact(
+            Table.GLOBAL,
+            engine,
+            ((k, t, self._global_expiry(now, ttl)) for k, t, ttl in global_entries),
+            now,
+        )
+        self.store.replace_exact(
+            Table.SWA,
+            engine,
+            ((k, Tier.HBM, self._swa_expiry(now, ttl)) for k, ttl in swa_entries),
+            now,
+        )
+
+    def purge_engine(self, engine: EngineId) -> None:
+        """Forget all the engine's residency (it restarted: a new epoch)."""
+        self.store.purge(engine)
+
+    def expire(self, now: float | None = None) -> int:
+        return self.store.expire(self.clock() if now is None else now)
+
+
+class _SizeCollector(Collector):
+    """`ramjet_residency_entries{table}` read from the store at scrape time."""
+
+    def __init__(self, tables: ResidencyTables) -> None:
+        self._tables = tables
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily(
+            "ramjet_residency_entries", "Entries held per residency table", labels=["table"]
+        )
+        for table in Table:
+            fam.add_metric([table.value], float(self._tables.size(table)))
+        yield fam
