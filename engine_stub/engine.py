@@ -1,0 +1,219 @@
+"""The engine: one model, its caches, the scheduler, metrics and profile, assembled from
+`EngineSettings`. The HTTP layer (`engine_stub.server`) only talks to this object.
+
+Epoch. Every start draws a fresh random 63-bit epoch (`secrets.randbits(63)`). Volatile
+tiers (HBM, host, the SWA pool) start empty; the SSD tier under `cache_dir` is re-indexed
+(see `engine_stub.kvstore`), so blocks on disk survive a restart and are announced again
+under the new epoch. Without `--cache-dir` the SSD tier lives in a temporary directory
+that is deleted at shutdown, so nothing survives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from engine_stub.events import CacheEvent, CacheEvents
+from engine_stub.kvstore import DEFAULT_TTL_S, GlobalKVStore
+from engine_stub.metrics import EngineMetrics
+from engine_stub.prompt_cache import PromptCache
+from engine_stub.scheduler import Scheduler, SchedulerConfig
+from engine_stub.speculation import Speculator
+from engine_stub.swa_pool import DEFAULT_TTL_S as SWA_TTL_S
+from engine_stub.swa_pool import SWAPool
+from ramjet.prefix import key_seed
+from ramjet.profile import EngineProfile
+from ramjet.types import Tier
+
+log = logging.getLogger("engine_stub")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    engine_id: str = "e0"
+    model_name: str = "mini-v4"
+    seed: int = 0
+    window: int = 128
+    device: str = "cpu"
+    cache_dir: Path | None = None
+    hbm_tokens: int = 65536
+    host_tokens: int = 262144
+    ssd_tokens: int = 1048576
+    global_ttl_s: float = DEFAULT_TTL_S
+    swa_ttl_s: float = SWA_TTL_S
+    swa_bytes: int | None = None
+    max_queue: int = 64
+    max_batch: int = 8
+    prefill_chunk: int = 512
+    max_gen_tokens: int = 256
+    """The generation budget at reasoning_effort=100 (and the default max_tokens)."""
+    max_prompt_tokens: int = 65536
+    speculate: bool = True
+    profile_mode: str = "fast"
+    threads: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings, model: Any | None = None) -> None:
+        from engine_stub.model.tokenizer import ByteTokenizer
+
+        self.settings = s = settings
+        torch.set_num_threads(max(1, s.threads))
+        self.epoch = secrets.randbits(63)
+        self.started_at = time.time()
+        self.registry = CollectorRegistry()
+        self.metrics = EngineMetrics(self.registry, s.engine_id)
+        self.metrics.info.labels(s.engine_id, str(self.epoch)).set(1)
+        if model is None:
+            from engine_stub.model import MiniV4, ModelConfig
+
+            cfg = ModelConfig.tiny(window=s.window)
+            model = MiniV4(cfg, seed=s.seed, device=s.device)
+        self.model = model
+        self.cfg = model.cfg
+        self.tokenizer = ByteTokenizer()
+        self.key_seed = key_seed(s.model_name)
+        self.events = CacheEvents()
+        self.events.subscribe(self._count_event)
+        self._tmpdir: str | None = None
+        cache_dir = s.cache_dir
+        if cache_dir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix=f"engine-{s.engine_id}-")
+            cache_dir = Path(self._tmpdir)
+        self.fingerprint = self._fingerprint()
+        self.kv = GlobalKVStore(
+            block_tokens=self.cfg.block_tokens,
+            capacity_tokens=(s.hbm_tokens, s.host_tokens, s.ssd_tokens),
+            cache_dir=cache_dir,
+            fingerprint=self.fingerprint,
+            device=s.device,
+            ttl_s=s.global_ttl_s,
+            events=self.events,
+        )
+        self.swa = SWAPool(cap_bytes=s.swa_bytes, ttl_s=s.swa_ttl_s, events=self.events)
+        self.cache = PromptCache(self.model, self.kv, self.swa, window=self.cfg.window)
+        self.speculator = Speculator(self.model) if s.speculate else None
+        self.scheduler = Scheduler(
+            self.model,
+            self.cache,
+            detokenize=self.detokenize,
+            eos_ids=frozenset(self.eos_ids()),
+            config=SchedulerConfig(
+                max_batch=s.max_batch,
+                max_queue=s.max_queue,
+                prefill_chunk=s.prefill_chunk,
+                speculate=s.speculate,
+            ),
+            metrics=self.metrics,
+            speculator=self.speculator,
+        )
+        self.scheduler.epoch = self.epoch
+        self.profile: EngineProfile | None = None
+        self.profile_extra: dict[str, Any] = {}
+
+    # -- identity -------------------------------------------------------------------
+
+    def _fingerprint(self) -> str:
+        s = self.settings
+        desc = f"{s.model_name}|{self.cfg!r}|seed={s.seed}"
+        return hashlib.sha256(desc.encode()).hexdigest()[:16]
+
+    def eos_ids(self) -> list[int]:
+        tok = self.tokenizer
+        ids = [
+            getattr(tok, name)
+            for name in ("eos_id", "eos")
+            if isinstance(getattr(tok, name, None), int)
+        ]
+        return ids
+
+    def encode(self, text: bytes) -> list[int]:
+        return list(text)  # byte-level: one token per byte, the router's key blocks exactly
+
+    def detokenize(self, ids: list[int]) -> bytes:
+        return bytes(t for t in ids if 0 <= t < 256)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.settings.profile_mode != "skip":
+            from engine_stub.profiler import Profiler
+
+            t0 = time.perf_counter()
+            result = Profiler(
+                self.model, mode=self.settings.profile_mode, device=self.settings.device
+            ).run()
+            self.profile, self.profile_extra = result.profile, result.extra
+            log.info("profiled in %.1fs", time.perf_counter() - t0)
+        self.scheduler.start()
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.kv.clear_volatile()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def sweep(self) -> None:
+        self.kv.sweep()
+        self.swa.sweep()
+
+    # -- views ----------------------------------------------------------------------
+
+    def _count_event(self, event: CacheEvent) -> None:
+        self.metrics.cache_events.labels(event.kind).inc()
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        for tier, n, b in zip(
+            Tier, self.kv.resident_tokens(), self.kv.resident_bytes(), strict=True
+        ):
+            m.kv_resident_tokens.labels(tier.label).set(n)
+            m.kv_resident_bytes.labels(tier.label).set(b)
+        for op, n in self.kv.stats.bytes_moved.items():
+            m.kv_moved_bytes.labels(op).set(n)
+        for op, sec in self.kv.stats.seconds_moved.items():
+            m.kv_moved_seconds.labels(op).set(sec)
+        m.swa_entries.set(len(self.swa))
+        m.swa_bytes.set(self.swa.bytes_used)
+
+    def load(self) -> dict[str, Any]:
+        waiting, running = self.scheduler.counts()
+        spec = self.speculator
+        return {
+            "engine_id": self.settings.engine_id,
+            "epoch": self.epoch,
+            "waiting": waiting,
+            "running": running,
+            "max_batch": self.settings.max_batch,
+            "max_queue": self.settings.max_queue,
+            "spec_acceptance": spec.acceptance if spec else 0.0,
+            "spec_tokens_per_step": spec.tokens_per_step if spec else 1.0,
+            "kv_resident_tokens": dict(
+                zip(("hbm", "host", "ssd"), self.kv.resident_tokens(), strict=True)
+            ),
+            "swa_entries": len(self.swa),
+            "swa_bytes": self.swa.bytes_used,
+        }
+
+    def cache_snapshot(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.settings.engine_id,
+            "epoch": self.epoch,
+            "blocks": [
+                {"key": int(k), "tier": t.label, "expires_at": e} for k, t, e in self.kv.snapshot()
+            ],
+            "swa": [
+                {"key": int(k), "n_tokens": n, "expires_at": e} for k, n, e in self.swa.snapshot()
+            ],
+        }

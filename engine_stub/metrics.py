@@ -1,0 +1,92 @@
+"""The reference engine's Prometheus metrics: prefix `engine_`, units in names, created
+against a registry passed in (several engines can live in one test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry, engine_id: str) -> None:
+        r = registry
+        self.requests = Counter(
+            "engine_requests_total", "Requests by outcome", ["outcome"], registry=r
+        )
+        self.rejected = Counter(
+            "engine_rejected_total", "Requests refused before scheduling", ["reason"], registry=r
+        )
+        self.waiting = Gauge("engine_queue_waiting_requests", "Requests waiting", registry=r)
+        self.running = Gauge("engine_running_requests", "Requests holding a slot", registry=r)
+        self.prompt_tokens = Counter(
+            "engine_prompt_tokens_total",
+            "Prompt tokens by source (hbm, host, ssd, swa, replayed, prefilled)",
+            ["source"],
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "engine_generated_tokens_total", "Completion tokens", registry=r
+        )
+        self.ttft = Histogram(
+            "engine_ttft_seconds", "Arrival to first token", buckets=_LAT, registry=r
+        )
+        self.queue_time = Histogram(
+            "engine_queue_seconds", "Arrival to admission", buckets=_LAT, registry=r
+        )
+        self.prefill_time = Histogram(
+            "engine_prefill_seconds", "Prefill compute per request", buckets=_LAT, registry=r
+        )
+        self.restore_time = Histogram(
+            "engine_restore_seconds",
+            "Cache restore (incl. replay) per request",
+            buckets=_LAT,
+            registry=r,
+        )
+        self.decode_step = Histogram(
+            "engine_decode_step_seconds", "One batched decode step", buckets=_LAT, registry=r
+        )
+        self.decode_batch = Gauge(
+            "engine_decode_batch_size", "Sequences in the last decode step", registry=r
+        )
+        self.spec_proposed = Counter(
+            "engine_spec_proposed_tokens_total", "DSpark draft positions verified", registry=r
+        )
+        self.spec_accepted = Counter(
+            "engine_spec_accepted_tokens_total", "DSpark draft positions accepted", registry=r
+        )
+        self.spec_acceptance = Gauge(
+            "engine_spec_acceptance_ratio", "Accepted / verified draft positions (EMA)", registry=r
+        )
+        self.tokens_per_step = Gauge(
+            "engine_spec_tokens_per_step",
+            "Effective tokens per sequence per step (EMA)",
+            registry=r,
+        )
+        self.kv_resident_tokens = Gauge(
+            "engine_kv_resident_tokens", "Global-KV tokens resident by tier", ["tier"], registry=r
+        )
+        self.kv_resident_bytes = Gauge(
+            "engine_kv_resident_bytes", "Global-KV bytes resident by tier", ["tier"], registry=r
+        )
+        self.kv_moved_bytes = Gauge(
+            "engine_kv_io_bytes", "Bytes read/written per tier since start", ["op"], registry=r
+        )
+        self.kv_moved_seconds = Gauge(
+            "engine_kv_io_seconds", "Seconds spent reading/writing per tier", ["op"], registry=r
+        )
+        self.cache_events = Counter(
+            "engine_cache_events_total", "Cache events by kind", ["kind"], registry=r
+        )
+        self.swa_entries = Gauge("engine_swa_pool_entries", "Pooled SWA states", registry=r)
+        self.swa_bytes = Gauge("engine_swa_pool_bytes", "Bytes of pooled SWA state", registry=r)
+        self.engram_bytes = Counter(
+            "engine_engram_prefetch_bytes_total",
+            "Engram rows fetched ahead from host memory",
+            registry=r,
+        )
+        self.engram_seconds = Counter(
+            "engine_engram_prefetch_seconds_total", "Time spent fetching Engram rows", registry=r
+        )
+        self.info = Gauge("engine_info", "Engine identity", ["engine_id", "epoch"], registry=r)
+        self.engine_id = engine_id

@@ -1,0 +1,107 @@
+"""Resuming a prompt from the caches, and storing what its prefill produced.
+
+Restore (before prefill), for a prompt of L tokens with block keys k_0..k_{n-1} and
+message-boundary keys (b_j, key_j), block size T (= the router's 256-byte blocks):
+
+1. G = the resident global-KV blocks: the longest prefix k_0..k_{G-1} in any tier,
+   capped so that at least one prompt token is left to prefill (the first output needs
+   the last position's logits): G <= (L - 1) // T.
+2. S = the longest message boundary b < L whose SWA state is pooled and whose blocks
+   below it (b // T of them) are resident.
+3. Choose:
+   - SWA resume at S: fetch blocks 0..S//T-1, rebuild the state from them
+     (`state_from_global`), import the pooled tail (`import_tail`): exact, no replay.
+   - Bounded replay at G*T: fetch G blocks, rebuild, replay the last window of tokens
+     before G*T (`replay`): approximate window, costs a replay of `window` tokens.
+   The SWA resume wins unless the replay path skips more than a window's worth of
+   prefill (G*T - S > window); the replay floor is about a window of prefill.
+   - Neither: a fresh state, full prefill.
+
+Store (after the whole prompt is prefilled): export every full block the store lacks
+(`export_global`) and pool the SWA tail at the prompt's end boundary key.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from engine_stub.kvstore import GlobalKVStore
+from engine_stub.request import PromptWork
+from engine_stub.swa_pool import SWAPool
+from ramjet.prefix import PrefixKeys
+
+
+class CacheableModel(Protocol):
+    """The part of `engine_stub.model.MiniV4` the caches use."""
+
+    def new_state(self) -> Any: ...
+    def export_global(self, state: Any, start: int, end: int) -> bytes: ...
+    def state_from_global(self, blobs: list[bytes], n_tokens: int) -> Any: ...
+    def export_tail(self, state: Any) -> bytes: ...
+    def import_tail(self, state: Any, tail: bytes) -> None: ...
+    def replay(self, state: Any, ids: list[int]) -> Any: ...
+
+
+class PromptCache:
+    def __init__(
+        self, model: CacheableModel, kv: GlobalKVStore, swa: SWAPool, *, window: int
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.swa = swa
+        self.window = window
+        self.block = kv.block_tokens
+
+    def restore(self, ids: list[int], keys: PrefixKeys, work: PromptWork) -> tuple[Any, int]:
+        """A model state holding the longest reusable prefix of `ids`, and its length.
+        Fills `work`'s tier, SWA, replay and restore-time fields."""
+        t0 = time.perf_counter()
+        length = len(ids)
+        tiers = self.kv.lookup(keys.blocks[: max(0, (length - 1) // self.block)])
+        g = len(tiers)
+        swa_at, swa_entry = 0, None
+        for off, bkey in reversed(keys.boundaries):
+            if off >= length or off // self.block > g or off <= 0:
+                continue
+            entry = self.swa.get(bkey)
+            if entry is not None and entry.n_tokens == off:
+                swa_at, swa_entry = off, entry
+                break
+        state: Any
+        if swa_entry is not None and g * self.block - swa_at <= self.window:
+            nb = swa_at // self.block
+            state = self._from_blocks(keys, nb, work)
+            self.model.import_tail(state, swa_entry.tail)
+            work.swa_tokens = swa_at - nb * self.block
+            start = swa_at
+        elif g > 0:
+            start = g * self.block
+            state = self._from_blocks(keys, g, work)
+            lo = max(0, start - self.window)
+            self.model.replay(state, ids[lo:start])
+            work.replayed_tokens = start - lo
+        else:
+            state, start = self.model.new_state(), 0
+        work.restore_ms = (time.perf_counter() - t0) * 1e3
+        return state, start
+
+    def _from_blocks(self, keys: PrefixKeys, n_blocks: int, work: PromptWork) -> Any:
+        if n_blocks == 0:
+            return self.model.new_state()
+        got = self.kv.fetch(keys.blocks[:n_blocks])
+        work.hbm_tokens, work.host_tokens, work.ssd_tokens = got.tokens_by_tier
+        return self.model.state_from_global(got.blobs, n_blocks * self.block)
+
+    def store(self, state: Any, ids: list[int], keys: PrefixKeys) -> None:
+        """Export the prompt's new full blocks and pool its end-of-prompt SWA state."""
+        items = []
+        for i, key in enumerate(keys.blocks):
+            if self.kv.tier_of(key) is None:
+                blob = self.model.export_global(state, i * self.block, (i + 1) * self.block)
+                items.append((key, blob))
+        self.kv.put_many(items)
+        if keys.boundaries:
+            off, bkey = keys.boundaries[-1]
+            if off == len(ids):
+                self.swa.put(bkey, off, self.model.export_tail(state))

@@ -1,0 +1,143 @@
+"""One generation request inside the engine: its prompt (tokens and router keys), its
+sampling parameters, what restoring its prompt cost (`PromptWork`), and the channel its
+tokens flow back through.
+
+Threads. The server creates a `Request` on the event loop and hands it to the scheduler;
+the scheduler's worker thread fills `work`, appends tokens and finally marks it done,
+delivering each change to the loop with `loop.call_soon_threadsafe`. The loop side sets
+`cancelled` when the client goes away; the worker checks it between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ramjet.prefix import PrefixKeys
+
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class PromptWork:
+    """Where the prompt's tokens came from and what it cost (usage.prompt_work)."""
+
+    hbm_tokens: int = 0
+    host_tokens: int = 0
+    ssd_tokens: int = 0
+    swa_tokens: int = 0
+    """Tokens past the last full block resumed from pooled SWA state (no block key)."""
+    replayed_tokens: int = 0
+    prefilled_tokens: int = 0
+    queue_ms: float = 0.0
+    restore_ms: float = 0.0
+    prefill_ms: float = 0.0
+    epoch: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.hbm_tokens + self.host_tokens + self.ssd_tokens + self.swa_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "hbm_tokens": self.hbm_tokens,
+            "host_tokens": self.host_tokens,
+            "ssd_tokens": self.ssd_tokens,
+            "swa_tokens": self.swa_tokens,
+            "replayed_tokens": self.replayed_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "queue_ms": round(self.queue_ms, 3),
+            "restore_ms": round(self.restore_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3),
+            "epoch": self.epoch,
+        }
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def generator(self) -> torch.Generator | None:
+        if self.temperature <= 0:
+            return None
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else int(time.time_ns() % (1 << 62)))
+        return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from `logits` [V]: greedy at temperature 0, else softmax sampling."""
+    if params.temperature <= 0 or gen is None:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    keys: PrefixKeys
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    id: int = field(default_factory=lambda: next(_ids))
+    arrived: float = field(default_factory=time.perf_counter)
+    work: PromptWork = field(default_factory=PromptWork)
+    out: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    """Items: ("token", (token_id, text_piece)), ("first", None) when prefill ends,
+    ("done", finish_reason), ("error", message)."""
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    _decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+
+    # -- worker side ---------------------------------------------------------------
+
+    def push(self, kind: str, value: Any = None) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
+
+    def emit_token(self, token: int, piece_bytes: bytes) -> bool:
+        """Record one generated token; returns False once the request is finished."""
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.tokens.append(token)
+        piece = self._decoder.decode(piece_bytes)
+        new_text = self.text + piece
+        for s in self.params.stop:
+            cut = new_text.find(s, max(0, len(self.text) - len(s)))
+            if cut >= 0:
+                piece = new_text[len(self.text) : cut]
+                self.text = new_text[:cut]
+                if piece:
+                    self.push("token", (token, piece))
+                self.finish("stop")
+                return False
+        self.text = new_text
+        if piece:
+            self.push("token", (token, piece))
+        if len(self.tokens) >= self.params.max_new_tokens:
+            self.finish("length")
+            return False
+        return True
+
+    def finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.push("done", reason)
+
+    def fail(self, message: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = "error"
+            self.push("error", message)
