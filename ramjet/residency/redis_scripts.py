@@ -1,39 +1,45 @@
-"""Key layout and the Lua script that applies one change batch to one engine's tables.
+"""Key layout and the Lua scripts behind `RedisStore`: one engine's residency in Redis.
 
 Key layout (`P` is the configured key prefix, `E` the engine id; `{P:E}` is the Redis
-Cluster hash tag, so every key of one engine lives in one slot and one script touches
-them all atomically):
+Cluster hash tag, so every key of one engine lives in one slot and one script changes
+them atomically). A "kind" is a table and a source: `gx` global exact, `ga` global
+approximate, `sx` SWA exact, `sa` SWA approximate.
 
 | key | type | holds | TTL |
 |---|---|---|---|
-| `{P:E}:st` | hash | `epoch`, `seq` (last report applied), `gen` (change counter) | retention |
-| `{P:E}:g:<key16>` | string | `"<tier>,<confirmed_ms>"` of one global-KV entry | its expiry (PXAT) |
-| `{P:E}:gi` | zset | global index: key16 → expiry ms (resync, caps, purge) | retention |
-| `{P:E}:s:<key16>` | string | `"<confirmed_ms>"` of one SWA entry | its expiry (PXAT) |
-| `{P:E}:si` | zset | SWA index: key16 → expiry ms | retention |
-| `{P:E}:log` | stream | one entry per applied batch, for the other replicas | retention |
+| `{P:E}:st` | hash | `epoch`, `seq` (last report applied), `gen` (batch counter) | retention |
+| `{P:E}:<kind>:<key16>` | string | `"<tier>,<confirmed_ms>"`: one entry | its expiry (PXAT) |
+| `{P:E}:i:<kind>` | zset | index: key16 → expiry ms (resync, caps, purge) | retention |
+| `{P:E}:log` | stream | one entry per applied batch, tailed by every replica | retention |
+| `{P:E}:vc` | hash | the report verifier's shared cursor (`ramjet.reports.redis_cursors`) | retention |
 
-`key16` is the 64-bit prefix key as 16 lower-case hex digits. Retention is the longest
-entry TTL plus a slack (a day by default), refreshed on every write, so no key lives
-forever and an engine that goes silent leaves nothing behind.
+`key16` is the 64-bit prefix key as 16 hex digits; times are Unix milliseconds on the
+Redis server's clock for expiry (PXAT) and on the writer's wall clock for confirmation.
+Retention is the longest entry TTL plus a slack (a day by default), refreshed on every
+write, so no key lives forever and a silent engine leaves nothing behind.
 
-`apply` (below) is atomic and idempotent by (engine, epoch, sequence):
-- mode `delta` / `snapshot`: refused as `stale` when `epoch` < the stored epoch, and as
-  `dup` when `epoch` equals it and `seq` <= the stored seq, changing nothing. A newer
-  epoch purges the engine's entries first (the engine lost its volatile state); a
-  snapshot replaces them. Two replicas applying the same report in any order therefore
-  leave one result. A replica re-seeding Redis from its local copy sends a snapshot at its
-  own (epoch, seq), so it only wins where Redis is behind.
-- mode `route`: approximate entries from the router's own routing; unsequenced, always
-  applied (puts are idempotent), never touch (epoch, seq).
-Then the indexes drop expired members, and caps evict the members that expire soonest
-(ZPOPMIN), deleting their keys. The batch, plus any cap evictions and the purge flag, is
-appended to the engine's log (XADD MAXLEN ~) with the new `gen`, which replicas tail.
+`APPLY` runs one batch of store operations for one engine, atomically:
+- mode `seq` (a verified report's changes): refused as `stale` when `epoch` < the stored
+  epoch and as `dup` when equal with `seq` <= the stored seq, changing nothing; else
+  applied and (epoch, seq) stored. Two replicas applying one report, in either order,
+  leave one result.
+- mode `free` (the router's own routing, or store calls outside a report): applied.
+- both refuse with `missing` while `st` does not exist: Redis holds no copy of this engine
+  (first use, restart, or everything expired). The replica then sends mode `seed`: its
+  whole local copy of the engine, applied only while `st` is still missing (the first
+  replica to seed wins; the others get `dup` and pull), then retries its batch.
+Ops (ARGV[5], JSON list), mirroring `ResidencyStore`:
+`["p", kind, tier, confirmed_ms, expires_ms, [key16...]]` put (exact puts drop the
+approximate twin; approximate puts skip keys with a live exact entry),
+`["r", table, [key16...]]` remove both sources, `["R", table, confirmed_ms,
+[[key16, tier, expires_ms]...]]` replace the exact content, `["P"]` purge the engine.
+Then expired index members go, and caps evict the members that expire soonest
+(ZPOPMIN), deleting their keys; the batch and those evictions are appended to the log
+(XADD MAXLEN ~) with the new `gen`. Entry keys are reached by name from KEYS[1]'s prefix:
+legal on Cluster because the hash tag puts them in KEYS[1]'s slot.
 
-Payload (ARGV[6], JSON): `{"g": [[key16, tier, confirmed_ms, expiry_ms], ...],
-"gx": [key16, ...], "s": [[key16, confirmed_ms, expiry_ms], ...], "sx": [key16, ...]}`.
-Entries whose expiry is already past are not written. Scripts reach the per-entry keys by
-name (built from KEYS[1]'s prefix): legal on Cluster because they share KEYS[1]'s slot.
+`TAIL` returns (gen, epoch, seq) and the log entries after a stream id in one atomic read,
+so a replica can tell "nothing new" from "log trimmed or Redis restarted: pull in full".
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from ramjet.redis_link import LuaScript
 from ramjet.types import EngineId
 
 _ENGINE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+KINDS = ("gx", "ga", "sx", "sa")
 
 
 def engine_tag(prefix: str, engine: EngineId) -> str:
@@ -56,22 +63,19 @@ def engine_tag(prefix: str, engine: EngineId) -> str:
 class EngineKeys:
     """Names of one engine's keys."""
 
-    __slots__ = ("base", "gi", "log", "si", "st", "vc")
+    __slots__ = ("base", "log", "st", "vc")
 
     def __init__(self, prefix: str, engine: EngineId) -> None:
         self.base = engine_tag(prefix, engine)
         self.st = f"{self.base}:st"
-        self.gi = f"{self.base}:gi"
-        self.si = f"{self.base}:si"
         self.log = f"{self.base}:log"
         self.vc = f"{self.base}:vc"
-        """The report verifier's shared cursor (see ramjet.reports.redis_cursors)."""
 
-    def g(self, key16: str) -> str:
-        return f"{self.base}:g:{key16}"
+    def index(self, kind: str) -> str:
+        return f"{self.base}:i:{kind}"
 
-    def s(self, key16: str) -> str:
-        return f"{self.base}:s:{key16}"
+    def entry(self, kind: str, key16: str) -> str:
+        return f"{self.base}:{kind}:{key16}"
 
 
 def key16(key: int) -> str:
@@ -81,98 +85,128 @@ def key16(key: int) -> str:
 APPLY = LuaScript(
     "ramjet_residency_apply",
     r"""
--- KEYS: st, gi, si, log.  ARGV: mode, epoch, seq, retention_ms, caps "gcap,scap,logmax",
--- payload json.  Returns {status, gen, epoch, seq}.
-local st, gi, si, log = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+-- KEYS: st, log.  ARGV: mode, epoch, seq, retention_ms, ops json, caps "gcap,scap,logmax",
+-- origin.  Returns {status, gen, epoch, seq}.
+local st, log = KEYS[1], KEYS[2]
 local base = string.sub(st, 1, -4)
-local mode = ARGV[1]
-local epoch = tonumber(ARGV[2])
-local seq = tonumber(ARGV[3])
+local mode, epoch, seq = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local retention = tonumber(ARGV[4])
-local gcap, scap, logmax = string.match(ARGV[5], "^(%d+),(%d+),(%d+)$")
-gcap, scap, logmax = tonumber(gcap), tonumber(scap), tonumber(logmax)
-local p = cjson.decode(ARGV[6])
+local ops = cjson.decode(ARGV[5])
+local gcap, scap, logmax = string.match(ARGV[6], "^(%d+),(%d+),(%d+)$")
+local caps = {gx = tonumber(gcap), ga = tonumber(gcap), sx = tonumber(scap), sa = tonumber(scap)}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local cur = redis.call('HMGET', st, 'epoch', 'seq', 'gen')
-local cepoch, cseq, gen = tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3]) or 0
-
-local function purge(idx, kind)
-  local members = redis.call('ZRANGE', idx, 0, -1)
-  for i = 1, #members, 500 do
-    local batch = {}
-    for j = i, math.min(i + 499, #members) do
-      batch[#batch + 1] = base .. ':' .. kind .. ':' .. members[j]
-    end
-    redis.call('DEL', unpack(batch))
-  end
-  redis.call('DEL', idx)
+local cepoch, cseq, gen = tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3])
+if gen == nil then
+  if mode ~= 'seed' then return {'missing', 0, -1, -1} end
+  gen = 0
+elseif mode == 'seed' then
+  return {'dup', gen, cepoch or -1, cseq or -1}
 end
-
-local purged = 0
-if mode ~= 'route' then
-  if cepoch ~= nil then
-    if epoch < cepoch then return {'stale', gen, cepoch, cseq} end
-    if epoch == cepoch and seq <= cseq then return {'dup', gen, cepoch, cseq} end
-  end
-  if mode == 'snapshot' or (cepoch ~= nil and epoch > cepoch) then
-    purge(gi, 'g'); purge(si, 's'); purged = 1
-  end
+if mode == 'seq' and cepoch ~= nil then
+  if epoch < cepoch then return {'stale', gen, cepoch, cseq} end
+  if epoch == cepoch and seq <= cseq then return {'dup', gen, cepoch, cseq} end
+end
+if mode == 'seq' or (mode == 'seed' and epoch >= 0) then
   redis.call('HSET', st, 'epoch', epoch, 'seq', seq)
 end
 
-local gx_extra, sx_extra = {}, {}
-for _, e in ipairs(p.g or {}) do
-  local k, exp = e[1], tonumber(e[4])
+local function ekey(kind, k) return base .. ':' .. kind .. ':' .. k end
+local function idx(kind) return base .. ':i:' .. kind end
+local function drop(kind, k) redis.call('DEL', ekey(kind, k)); redis.call('ZREM', idx(kind), k) end
+local function clear(kind)
+  local members = redis.call('ZRANGE', idx(kind), 0, -1)
+  for i = 1, #members, 500 do
+    local batch = {}
+    for j = i, math.min(i + 499, #members) do batch[#batch + 1] = ekey(kind, members[j]) end
+    redis.call('DEL', unpack(batch))
+  end
+  redis.call('DEL', idx(kind))
+end
+local function set(kind, k, tier, confirmed, exp)
   if exp > now then
-    redis.call('SET', base .. ':g:' .. k, e[2] .. ',' .. e[3], 'PXAT', exp)
-    redis.call('ZADD', gi, exp, k)
+    redis.call('SET', ekey(kind, k), tier .. ',' .. confirmed, 'PXAT', exp)
+    redis.call('ZADD', idx(kind), exp, k)
   else
-    redis.call('DEL', base .. ':g:' .. k); redis.call('ZREM', gi, k)
+    drop(kind, k)
   end
 end
-for _, k in ipairs(p.gx or {}) do
-  redis.call('DEL', base .. ':g:' .. k); redis.call('ZREM', gi, k)
-end
-for _, e in ipairs(p.s or {}) do
-  local k, exp = e[1], tonumber(e[3])
-  if exp > now then
-    redis.call('SET', base .. ':s:' .. k, e[2], 'PXAT', exp)
-    redis.call('ZADD', si, exp, k)
-  else
-    redis.call('DEL', base .. ':s:' .. k); redis.call('ZREM', si, k)
+
+for _, op in ipairs(ops) do
+  local o = op[1]
+  if o == 'p' then
+    local kind, tier, confirmed, exp = op[2], op[3], op[4], tonumber(op[5])
+    local tbl, src = string.sub(kind, 1, 1), string.sub(kind, 2, 2)
+    for _, k in ipairs(op[6]) do
+      if src == 'x' then
+        drop(tbl .. 'a', k)
+        set(kind, k, tier, confirmed, exp)
+      elseif redis.call('EXISTS', ekey(tbl .. 'x', k)) == 0 then
+        set(kind, k, tier, confirmed, exp)
+      end
+    end
+  elseif o == 'r' then
+    for _, k in ipairs(op[3]) do drop(op[2] .. 'x', k); drop(op[2] .. 'a', k) end
+  elseif o == 'R' then
+    local tbl, confirmed = op[2], op[3]
+    clear(tbl .. 'x')
+    for _, e in ipairs(op[4]) do
+      drop(tbl .. 'a', e[1])
+      set(tbl .. 'x', e[1], e[2], confirmed, tonumber(e[3]))
+    end
+  elseif o == 'P' then
+    for _, kind in ipairs({'gx', 'ga', 'sx', 'sa'}) do clear(kind) end
   end
-end
-for _, k in ipairs(p.sx or {}) do
-  redis.call('DEL', base .. ':s:' .. k); redis.call('ZREM', si, k)
 end
 
 -- expired members (their keys are gone already), then caps: soonest expiry goes first
-redis.call('ZREMRANGEBYSCORE', gi, '-inf', now)
-redis.call('ZREMRANGEBYSCORE', si, '-inf', now)
-local function cap(idx, kind, limit, out)
-  local over = redis.call('ZCARD', idx) - limit
+local evicted = {}
+for _, kind in ipairs({'gx', 'ga', 'sx', 'sa'}) do
+  redis.call('ZREMRANGEBYSCORE', idx(kind), '-inf', now)
+  local over = redis.call('ZCARD', idx(kind)) - caps[kind]
   if over > 0 then
-    local popped = redis.call('ZPOPMIN', idx, over)
+    local popped = redis.call('ZPOPMIN', idx(kind), over)
+    local out = {}
     for i = 1, #popped, 2 do
-      redis.call('DEL', base .. ':' .. kind .. ':' .. popped[i])
-      out[#out + 1] = popped[i]
+      redis.call('DEL', ekey(kind, popped[i])); out[#out + 1] = popped[i]
     end
+    evicted[#evicted + 1] = {kind, out}
   end
 end
-cap(gi, 'g', gcap, gx_extra)
-cap(si, 's', scap, sx_extra)
 
 gen = gen + 1
 redis.call('HSET', st, 'gen', gen)
-local extra = cjson.encode({gx = gx_extra, sx = sx_extra})
-redis.call('XADD', log, 'MAXLEN', '~', logmax, '*',
-  'gen', gen, 'm', mode, 'e', epoch, 'q', seq, 'purge', purged, 'p', ARGV[6], 'x', extra)
-for _, k in ipairs({st, gi, si, log}) do
-  if redis.call('EXISTS', k) == 1 then redis.call('PEXPIRE', k, retention) end
+local x = '[]'
+if #evicted > 0 then x = cjson.encode(evicted) end
+redis.call('XADD', log, 'MAXLEN', '~', tonumber(logmax), '*',
+  'gen', gen, 'm', mode, 'ops', ARGV[5], 'x', x, 'o', ARGV[7])
+redis.call('PEXPIRE', st, retention)
+redis.call('PEXPIRE', log, retention)
+for _, kind in ipairs({'gx', 'ga', 'sx', 'sa'}) do
+  if redis.call('EXISTS', idx(kind)) == 1 then redis.call('PEXPIRE', idx(kind), retention) end
 end
 local ep = redis.call('HMGET', st, 'epoch', 'seq')
 return {'ok', gen, tonumber(ep[1]) or -1, tonumber(ep[2]) or -1}
+""",
+)
+
+TAIL = LuaScript(
+    "ramjet_residency_tail",
+    r"""
+-- KEYS: st, log.  ARGV: after (stream id, or "" for none), count.
+-- Returns {gen, epoch, seq, entries, last id}; gen = -1 when st is missing. With
+-- after = "" no entries are read and `last id` is the log's newest id (a pull's start).
+local cur = redis.call('HMGET', KEYS[1], 'gen', 'epoch', 'seq')
+if cur[1] == false then return {-1, -1, -1, {}, ''} end
+local entries, last = {}, ''
+if ARGV[1] ~= '' then
+  entries = redis.call('XRANGE', KEYS[2], '(' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))
+else
+  local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+  if #newest > 0 then last = newest[1][1] end
+end
+return {tonumber(cur[1]), tonumber(cur[2]) or -1, tonumber(cur[3]) or -1, entries, last}
 """,
 )

@@ -1,0 +1,270 @@
+"""One connection to Redis (standalone or Cluster) behind a short timeout and a breaker.
+
+Contract: every Redis call the router makes goes through `RedisLink.call` (or
+`RedisLink.script`), which
+- bounds it by `timeout_ms` (asyncio deadline; redis-py drops a connection whose reply
+  never came, so a late reply cannot desynchronise the protocol),
+- counts failures, and after `breaker_failures` consecutive ones opens the breaker: calls
+  then fail fast with `RedisUnavailable` for `breaker_open_ms`, doubling per failed probe
+  up to `breaker_max_open_ms`; after that one call is let through as a probe (half-open)
+  and its success closes the breaker,
+- never raises anything but `RedisUnavailable` for transport trouble, so callers have one
+  thing to catch: they fail open to their local state.
+
+Server-side scripts run by EVALSHA; a NOSCRIPT reply (script cache flushed, failover to a
+replica that never saw SCRIPT LOAD, a restarted server) loads the script again and retries
+once. On Cluster, SCRIPT LOAD goes to every primary.
+
+The request path never awaits Redis: the residency store and the report cursors call the
+link from background tasks and serve lookups from their local copies. Degradation is the
+gauge `ramjet_redis_degraded` (1 while the breaker is not closed), for an alert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+T = TypeVar("T")
+Client = aioredis.Redis | RedisCluster
+Annotated_ms = Annotated[int, Field(ge=1, le=600_000)]
+"""A duration in milliseconds."""
+
+
+class RedisSettings(BaseModel):
+    """The `store:` section of a policy file when `kind: redis` (see docs/redis.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    """Use the Redis Cluster protocol (the url names any one node)."""
+    key_prefix: str = Field(default="ramjet", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    """Namespace for every key, so several deployments can share one Redis."""
+    timeout_ms: Annotated_ms = 100
+    connect_timeout_ms: Annotated_ms = 200
+    breaker_failures: int = Field(default=3, ge=1, le=1000)
+    breaker_open_ms: Annotated_ms = 500
+    breaker_max_open_ms: Annotated_ms = 10_000
+    sync_interval_ms: Annotated_ms = 50
+    """How often a replica pulls the other replicas' changes into its local copy."""
+    max_global_entries_per_engine: int = Field(default=500_000, ge=1)
+    max_swa_entries_per_engine: int = Field(default=100_000, ge=1)
+    log_max_entries: int = Field(default=10_000, ge=16)
+    """Change-log entries kept per engine; a replica further behind resyncs in full."""
+    max_pending_writes: int = Field(default=10_000, ge=1)
+    """Writes queued while Redis is unreachable; beyond it the oldest are dropped and
+    the replica re-seeds Redis from its local copy on recovery."""
+    retention_slack_s: float = Field(default=86_400.0, ge=0)
+    """Bookkeeping keys (cursors, indexes, logs) live this long past the longest entry TTL."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("store.url must start with redis://, rediss:// or unix://")
+        return v
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer in time, refused, or the breaker is open. Fail open."""
+
+
+@dataclass(frozen=True)
+class LuaScript:
+    name: str
+    source: str
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+class LinkMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.degraded = Gauge(
+            "ramjet_redis_degraded",
+            "1 while the Redis breaker is open or probing: routing runs from local state",
+            registry=registry,
+        )
+        self.errors = Counter(
+            "ramjet_redis_errors_total",
+            "Redis calls that failed, by kind (timeout, connection, breaker_open, other)",
+            ["kind"],
+            registry=registry,
+        )
+        self.breaker_opens = Counter(
+            "ramjet_redis_breaker_opens_total", "Times the Redis breaker opened", registry=registry
+        )
+        self.script_reloads = Counter(
+            "ramjet_redis_script_reloads_total",
+            "Scripts loaded again after NOSCRIPT (cache flush, failover, restart)",
+            registry=registry,
+        )
+        self.call_seconds = Histogram(
+            "ramjet_redis_call_seconds",
+            "Latency of successful Redis calls",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=registry,
+        )
+
+
+class Breaker:
+    """Consecutive-failure breaker with a growing open period and a single probe."""
+
+    def __init__(
+        self,
+        failures: int,
+        open_s: float,
+        max_open_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failures_to_open = failures
+        self.base_open_s = open_s
+        self.max_open_s = max_open_s
+        self.clock = clock
+        self.state: Literal["closed", "open", "half_open"] = "closed"
+        self.consecutive = 0
+        self.open_s = open_s
+        self.open_until = 0.0
+
+    def allow(self) -> bool:
+        """May a call go out now? In half-open, only the one probe may."""
+        if self.state == "closed":
+            return True
+        if self.state == "open" and self.clock() >= self.open_until:
+            self.state = "half_open"
+            return True
+        return False
+
+    def success(self) -> bool:
+        """Record a success; True when this closed an open breaker (a recovery)."""
+        recovered = self.state != "closed"
+        self.state = "closed"
+        self.consecutive = 0
+        self.open_s = self.base_open_s
+        return recovered
+
+    def failure(self) -> bool:
+        """Record a failure; True when this opened the breaker."""
+        self.consecutive += 1
+        if self.state == "half_open":
+            self.open_s = min(self.open_s * 2, self.max_open_s)
+            self.state = "open"
+            self.open_until = self.clock() + self.open_s
+            return False
+        if self.state == "closed" and self.consecutive >= self.failures_to_open:
+            self.state = "open"
+            self.open_until = self.clock() + self.open_s
+            return True
+        return False
+
+
+class RedisLink:
+    """A Redis client, its breaker and its metrics. Share one per router process."""
+
+    def __init__(self, settings: RedisSettings, registry: CollectorRegistry) -> None:
+        self.settings = settings
+        self.metrics = LinkMetrics(registry)
+        self.breaker = Breaker(
+            settings.breaker_failures,
+            settings.breaker_open_ms / 1000,
+            settings.breaker_max_open_ms / 1000,
+        )
+        self._recover_hooks: list[Callable[[], None]] = []
+        self.client: Client = self._connect()
+
+    def _connect(self) -> Client:
+        s = self.settings
+        common: dict[str, Any] = {
+            "socket_timeout": s.timeout_ms / 1000,
+            "socket_connect_timeout": s.connect_timeout_ms / 1000,
+            "decode_responses": False,
+        }
+        if s.cluster:
+            return RedisCluster.from_url(s.url, **common)
+        return aioredis.Redis.from_url(s.url, retry_on_timeout=False, **common)
+
+    @property
+    def degraded(self) -> bool:
+        return self.breaker.state != "closed"
+
+    def on_recover(self, hook: Callable[[], None]) -> None:
+        """Call `hook` (synchronously, from the event loop) each time the breaker closes."""
+        self._recover_hooks.append(hook)
+
+    async def call(self, fn: Callable[[Client], Awaitable[T]], timeout_s: float | None = None) -> T:
+        if not self.breaker.allow():
+            self.metrics.errors.labels("breaker_open").inc()
+            raise RedisUnavailable("redis breaker open")
+        self.metrics.degraded.set(1 if self.degraded else 0)
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(
+                fn(self.client), timeout_s or self.settings.timeout_ms / 1000
+            )
+        except NoScriptError:
+            raise  # the script helper handles it; the server answered, so it is healthy
+        except (TimeoutError, RedisTimeoutError) as exc:
+            self._failed("timeout")
+            raise RedisUnavailable("redis call timed out") from exc
+        except (RedisError, OSError) as exc:
+            if isinstance(exc, ResponseError) and not _is_transient(exc):
+                self._succeeded()  # the server answered: a bug in the call, not an outage
+                raise
+            self._failed("connection" if isinstance(exc, OSError | ConnectionError) else "other")
+            raise RedisUnavailable(f"redis call failed: {exc!r}") from exc
+        self.metrics.call_seconds.observe(time.perf_counter() - t0)
+        self._succeeded()
+        return result
+
+    def _failed(self, kind: str) -> None:
+        self.metrics.errors.labels(kind).inc()
+        if self.breaker.failure():
+            self.metrics.breaker_opens.inc()
+        self.metrics.degraded.set(1 if self.degraded else 0)
+
+    def _succeeded(self) -> None:
+        if self.breaker.success():
+            self.metrics.degraded.set(0)
+            for hook in self._recover_hooks:
+                hook()
+        self.metrics.degraded.set(1 if self.degraded else 0)
+
+    async def script(
+        self, script: LuaScript, keys: Sequence[str], args: Sequence[str | int | float | bytes]
+    ) -> Any:
+        """EVALSHA `script`; on NOSCRIPT load it (every primary on Cluster) and retry once."""
+
+        async def run(c: Client) -> Any:
+            return await c.evalsha(script.sha, len(keys), *keys, *args)
+
+        try:
+            return await self.call(run)
+        except NoScriptError:
+            self.metrics.script_reloads.inc()
+            await self.call(lambda c: c.script_load(script.source))
+            try:
+                return await self.call(run)
+            except NoScriptError as exc:  # flushed again between load and run
+                raise RedisUnavailable("script cache keeps being flushed") from exc
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _is_transient(exc: ResponseError) -> bool:
+    """Replies that mean 'not now' (loading, failover in progress, cluster moving)."""
+    text = str(exc).split(" ", 1)[0].upper()
+    return text in {"LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY"}
