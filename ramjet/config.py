@@ -1,0 +1,245 @@
+"""The policy file's typed, frozen tree (pydantic v2), and `load_policy`.
+
+Every model forbids unknown keys, so a typo is an error at load. Errors are collected
+into one `PolicyFileError` whose lines name each offending field by its full path in the
+file (`engines[1].url`, `timeouts.idle_s`), so an operator fixes the file without reading
+code. Durations are seconds (`_s`), sizes bytes (`_bytes`), shares 0..1.
+
+Policy names and their parameters are validated by `ramjet.policy.registry` (which owns
+each policy's parameter model); this module only holds `{name, params}`.
+
+The `residency:` section's model is `ramjet.residency.config.ResidencyConfig` (owned by
+the residency tables). Sections owned by other parts (`reports`, `keys`) are held as plain mappings here until
+their typed models land; they are the only places where unknown keys pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ramjet.residency.config import ResidencyConfig
+
+_ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_URL = re.compile(r"^https?://[^/\s?#]+(:\d+)?/?$")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Frozen):
+    id: str
+    """Operator-chosen name, unique in the file (e.g. "e0")."""
+    url: str
+    """Base URL of the engine's OpenAI-compatible server, scheme and authority only."""
+    models: tuple[str, ...] = ()
+    """Models served; empty means "ask the engine" (its /v1/models)."""
+    weight: float = Field(default=1.0, gt=0)
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, v: str) -> str:
+        if not _ENGINE_ID.match(v):
+            raise ValueError("must be 1-64 characters of letters, digits, '_', '.', '-'")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not _URL.match(v):
+            raise ValueError("must be http(s)://host[:port] with no path, query or fragment")
+        return v.rstrip("/")
+
+
+class ModeConfig(_Frozen):
+    kind: Literal["observe", "canary", "enforce"] = "observe"
+    share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """canary only: share of sessions the candidate decides (deterministic by session)."""
+    candidate_budget_s: float = Field(default=0.005, gt=0)
+    """observe: a candidate pick slower than this is discarded and counted as slow."""
+    slow_cooldown_s: float = Field(default=5.0, ge=0)
+    """observe: after 3 slow picks in a row the candidate is skipped for this long."""
+
+    @model_validator(mode="after")
+    def _check_share(self) -> ModeConfig:
+        if self.kind != "canary" and self.share != 0.0:
+            raise ValueError("share is only meaningful with kind: canary")
+        return self
+
+
+class PolicyRef(_Frozen):
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class TimeoutsConfig(_Frozen):
+    connect_s: float = Field(default=1.0, gt=0)
+    first_byte_s: float = Field(default=60.0, gt=0)
+    """From sending the request to the first response body byte (includes prefill)."""
+    idle_s: float = Field(default=30.0, gt=0)
+    """Longest gap between two response chunks; no total timeout on streams."""
+    send_s: float = Field(default=30.0, gt=0)
+    """Longest a write to a slow client may block before the stream is ended."""
+    header_deadline_s: float = Field(default=10.0, gt=0)
+    """A client must finish sending request headers within this (slowloris), else 408."""
+    body_s: float = Field(default=30.0, gt=0)
+    """A client must finish sending the request body within this, else 408."""
+    drain_s: float = Field(default=30.0, ge=0)
+    """On shutdown, in-flight requests get this long before their streams are ended."""
+    probe_s: float = Field(default=2.0, gt=0)
+    """Timeout of one active health probe."""
+
+
+class RetryConfig(_Frozen):
+    budget_ratio: float = Field(default=0.2, ge=0, le=1)
+    """Concurrent retries allowed as a share of active requests (Envoy's retry budget)."""
+    min_retries: int = Field(default=3, ge=0)
+    """Concurrent retries always allowed, whatever the active count."""
+    max_attempts: int = Field(default=2, ge=1, le=5)
+    """Attempts per request including the first; each retry goes to another engine."""
+    max_retry_after_s: float = Field(default=30.0, gt=0)
+    """Cap on an engine's Retry-After (backpressure hold-off)."""
+
+
+class LimitsConfig(_Frozen):
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_headers: int = Field(default=100, gt=0)
+    max_header_line_bytes: int = Field(default=8190, gt=0)
+    max_header_bytes: int = Field(default=32 * 1024, gt=0)
+    """Sum of all header lines; over it is 431."""
+    max_concurrent: int = Field(default=1024, gt=0)
+    """Requests being forwarded at once; more wait in the queue."""
+    queue: int = Field(default=256, ge=0)
+    """Requests that may wait for a slot; beyond it, immediate 503."""
+    queue_timeout_s: float = Field(default=1.0, ge=0)
+    stream_buffer_bytes: int = Field(default=256 * 1024, gt=0)
+    """Bytes buffered towards a slow client before the upstream read pauses."""
+    connections_per_engine: int = Field(default=1024, gt=0)
+
+
+class HealthConfig(_Frozen):
+    probe_path: str = "/health"
+    probe_interval_s: float = Field(default=2.0, gt=0)
+    consecutive_failures: int = Field(default=5, ge=1)
+    """5xx/connect failures in a row that eject an engine (Envoy's consecutive_5xx)."""
+    ejection_base_s: float = Field(default=5.0, gt=0)
+    ejection_max_s: float = Field(default=300.0, gt=0)
+    max_ejected_share: float = Field(default=0.5, ge=0, le=1)
+    panic_threshold: float = Field(default=0.5, ge=0, le=1)
+    """Below this share of healthy engines, route to all (Envoy's panic mode)."""
+
+    @field_validator("probe_path")
+    @classmethod
+    def _check_path(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("must start with '/'")
+        return v
+
+
+class LoggingConfig(_Frozen):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = False
+    decisions_path: str | None = None
+    """JSON-lines decision log; None disables it."""
+
+
+class AdminConfig(_Frozen):
+    token: str | None = None
+    """Bearer token for admin endpoints; None disables them."""
+
+
+class PolicyConfig(_Frozen):
+    engines: tuple[EngineConfig, ...] = Field(min_length=1)
+    mode: ModeConfig = ModeConfig()
+    incumbent: PolicyRef
+    candidate: PolicyRef | None = None
+    residency: ResidencyConfig = ResidencyConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    retry: RetryConfig = RetryConfig()
+    limits: LimitsConfig = LimitsConfig()
+    health: HealthConfig = HealthConfig()
+    logging: LoggingConfig = LoggingConfig()
+    admin: AdminConfig = AdminConfig()
+    # Owned by the reports part: replace with its typed model when it lands.
+    reports: dict[str, Any] | None = None
+    keys: dict[str, Any] | None = None
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode_shorthand(cls, v: Any) -> Any:
+        return {"kind": v} if isinstance(v, str) else v
+
+    @field_validator("engines")
+    @classmethod
+    def _unique_ids(cls, v: tuple[EngineConfig, ...]) -> tuple[EngineConfig, ...]:
+        ids = [e.id for e in v]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"engine ids must be unique; repeated: {', '.join(dup)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyConfig:
+        if self.mode.kind in ("canary", "enforce") and self.candidate is None:
+            raise ValueError(f"mode {self.mode.kind} needs a candidate policy")
+        return self
+
+
+class PolicyFileError(ValueError):
+    """A policy file that does not load. `problems` holds (field path, message) pairs."""
+
+    def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  {p or '<root>'}: {m}" for p, m in self.problems)
+        super().__init__(f"{source}: invalid policy file\n{lines}")
+
+
+def field_path(loc: Sequence[int | str]) -> str:
+    """pydantic's error location as a path in the file: ("engines", 1, "url") → engines[1].url."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def parse_policy(data: Any, source: str = "<policy>") -> PolicyConfig:
+    """Validate a decoded policy document; raises `PolicyFileError`."""
+    if not isinstance(data, Mapping):
+        raise PolicyFileError(source, [("", "the document must be a mapping")])
+    try:
+        return PolicyConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        problems = [(field_path(e["loc"]), e["msg"]) for e in exc.errors()]
+        raise PolicyFileError(source, problems) from None
+
+
+def load_policy(path: str | Path) -> PolicyConfig:
+    """Read and validate a YAML policy file; raises `PolicyFileError` (also for I/O and YAML)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyFileError(str(p), [("", f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PolicyFileError(str(p), [("", f"not valid YAML: {exc}")]) from None
+    return parse_policy(data, str(p))
+
+
+def effective_policy(config: PolicyConfig) -> dict[str, Any]:
+    """The fully defaulted tree as plain data (what `ramjet policy check` prints)."""
+    data: dict[str, Any] = config.model_dump(mode="json")
+    if data.get("admin", {}).get("token"):
+        data["admin"]["token"] = "***"
+    return data

@@ -1,0 +1,114 @@
+"""Router metrics (Prometheus, prefix `ramjet_`, units in names).
+
+All metric objects live on a `CollectorRegistry` passed in, never the global default,
+so several routers can live in one process (tests). Latencies are router-observed:
+TTFT is from the request's arrival to the first response byte forwarded to the client.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "ramjet_requests_total",
+            "Requests answered, by engine that answered ('none' if no engine), status and live policy",
+            ["engine", "status", "policy"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "ramjet_decisions_total",
+            "Routing decisions by role (incumbent/candidate/live), policy and picked engine",
+            ["role", "policy", "engine"],
+            registry=r,
+        )
+        self.agreement = Counter(
+            "ramjet_decision_agreement_total",
+            "Requests where incumbent and candidate were both computed, by whether they agreed",
+            ["agree"],
+            registry=r,
+        )
+        self.candidate_errors = Counter(
+            "ramjet_candidate_errors_total",
+            "Candidate picks that failed (raised, slow, invalid) and were contained",
+            ["kind"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ramjet_ttft_seconds",
+            "Router-observed time from request arrival to the first response byte sent",
+            ["engine"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "ramjet_request_duration_seconds",
+            "Router-observed time from request arrival to the end of the response",
+            ["engine"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "ramjet_inflight_requests", "Requests being forwarded", ["engine"], registry=r
+        )
+        self.inflight_prompt_tokens = Gauge(
+            "ramjet_inflight_prompt_tokens",
+            "Prompt tokens sent whose first response byte has not arrived",
+            ["engine"],
+            registry=r,
+        )
+        self.queued = Gauge(
+            "ramjet_queued_requests", "Requests waiting for a forwarding slot", registry=r
+        )
+        self.retries = Counter(
+            "ramjet_retries_total", "Retries on another engine, by reason", ["reason"], registry=r
+        )
+        self.retries_denied = Counter(
+            "ramjet_retries_denied_total",
+            "Retries not attempted because the retry budget was spent",
+            registry=r,
+        )
+        self.ejections = Counter(
+            "ramjet_ejections_total", "Engines ejected by outlier detection", ["engine"], registry=r
+        )
+        self.engine_healthy = Gauge(
+            "ramjet_engine_healthy",
+            "1 if the engine is routable (probe ok, not ejected)",
+            ["engine"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "ramjet_upstream_errors_total",
+            "Upstream failures by kind (connect, first_byte_timeout, idle_timeout, "
+            "disconnect, status_5xx, backpressure)",
+            ["engine", "kind"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "ramjet_rejected_requests_total",
+            "Requests refused before forwarding, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "ramjet_stream_errors_total",
+            "Responses ended early after bytes reached the client, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.arrival_rate = Gauge(
+            "ramjet_arrival_rate_per_second", "EWMA of the request arrival rate", registry=r
+        )
+
+    def render(self) -> bytes:
+        data: bytes = generate_latest(self.registry)
+        return data

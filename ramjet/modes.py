@@ -1,0 +1,186 @@
+"""Modes: which policy's pick a request uses, and how the other pick is observed.
+
+- **observe**: the incumbent decides. The candidate's pick is computed after the live
+  pick is fixed, under a time budget; whatever it does (raise, return an engine that is
+  not offered, run slow) is caught, counted and recorded, and cannot change the live
+  decision. After three slow picks in a row the candidate is skipped for a cool-down, so
+  a slow scorer cannot keep taxing the event loop.
+- **canary**: a share of sessions (deterministic: xxh3 of the session key, so a session
+  never flips between policies) uses the candidate; the rest the incumbent.
+- **enforce**: the candidate decides.
+
+Whichever policy is live, a failing live pick falls back to the other policy and then to
+the least-loaded healthy engine, so a policy bug never fails a request.
+
+`ArrivalRate` is the EWMA arrival rate given to policies as `FleetStats`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from ramjet.config import ModeConfig
+from ramjet.metrics import RouterMetrics
+from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, RoutingPolicy
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class ModeOutcome:
+    live: Decision
+    live_role: str
+    """"incumbent", "candidate" or "fallback"."""
+    incumbent: Decision | None
+    candidate: Decision | None
+    candidate_error: str | None = None
+    """Why the candidate has no pick: "raised: ...", "invalid", "slow", "skipped"."""
+    candidate_s: float = 0.0
+    """Wall time the candidate's pick took."""
+
+
+def fallback_pick(engines: Sequence[EngineView]) -> Decision:
+    """Least in-flight work among healthy engines (all if none is healthy)."""
+    pool = [e for e in engines if e.healthy] or list(engines)
+    best = min(pool, key=lambda e: (e.load.inflight_prompt_tokens, e.load.inflight_requests))
+    return Decision(engine=best.id, policy="fallback")
+
+
+def canary_share_of(session_key: str) -> float:
+    """Deterministic position of a session in [0, 1)."""
+    return xxhash.xxh3_64_intdigest(session_key.encode("utf-8")) / 2.0**64
+
+
+class ModeRunner:
+    def __init__(
+        self,
+        mode: ModeConfig,
+        incumbent: RoutingPolicy,
+        candidate: RoutingPolicy | None,
+        metrics: RouterMetrics,
+        clock: Clock = time.monotonic,
+        timer: Clock = time.perf_counter,
+    ) -> None:
+        self.mode = mode
+        self.incumbent = incumbent
+        self.candidate = candidate
+        self._metrics = metrics
+        self._clock = clock
+        self._timer = timer
+        self._slow_streak = 0
+        self._skip_until = 0.0
+
+    def _try(
+        self,
+        policy: RoutingPolicy,
+        request: RequestView,
+        engines: Sequence[EngineView],
+        fleet: FleetStats,
+    ) -> tuple[Decision | None, str | None]:
+        try:
+            d = policy.pick(request, engines, fleet)
+        except Exception as exc:  # contained: a policy bug never fails a request
+            return None, f"raised: {type(exc).__name__}: {exc}"[:200]
+        offered = {e.id for e in engines if e.healthy} or {e.id for e in engines}
+        if not isinstance(d, Decision) or d.engine not in offered:
+            return None, "invalid"
+        return d, None
+
+    def decide(
+        self,
+        request: RequestView,
+        engines: Sequence[EngineView],
+        fleet: FleetStats,
+        session_key: str,
+    ) -> ModeOutcome:
+        kind = self.mode.kind
+        cand_live = self.candidate is not None and (
+            kind == "enforce"
+            or (kind == "canary" and canary_share_of(session_key) < self.mode.share)
+        )
+        if cand_live:
+            assert self.candidate is not None
+            t0 = self._timer()
+            cand, err = self._try(self.candidate, request, engines, fleet)
+            took = self._timer() - t0
+            if err is not None:
+                self._metrics.candidate_errors.labels(kind=err.split(":")[0]).inc()
+            if cand is not None:
+                return ModeOutcome(cand, "candidate", None, cand, None, took)
+            inc, _ = self._try(self.incumbent, request, engines, fleet)
+            live = inc or fallback_pick(engines)
+            return ModeOutcome(live, "incumbent" if inc else "fallback", inc, None, err, took)
+
+        inc, inc_err = self._try(self.incumbent, request, engines, fleet)
+        live_role = "incumbent"
+        if inc is None:
+            self._metrics.candidate_errors.labels(
+                kind="incumbent_" + (inc_err or "?").split(":")[0]
+            ).inc()
+            live_role = "fallback"
+        live = inc or fallback_pick(engines)
+        if self.candidate is None:
+            return ModeOutcome(live, live_role, inc, None)
+        return self._observe(live, live_role, inc, request, engines, fleet)
+
+    def _observe(
+        self,
+        live: Decision,
+        live_role: str,
+        inc: Decision | None,
+        request: RequestView,
+        engines: Sequence[EngineView],
+        fleet: FleetStats,
+    ) -> ModeOutcome:
+        assert self.candidate is not None
+        if self._clock() < self._skip_until:
+            self._metrics.candidate_errors.labels(kind="skipped").inc()
+            return ModeOutcome(live, live_role, inc, None, "skipped")
+        t0 = self._timer()
+        cand, err = self._try(self.candidate, request, engines, fleet)
+        took = self._timer() - t0
+        if err is None and took > self.mode.candidate_budget_s:
+            cand, err = None, "slow"
+        if err == "slow":
+            self._slow_streak += 1
+            if self._slow_streak >= 3:
+                self._skip_until = self._clock() + self.mode.slow_cooldown_s
+                self._slow_streak = 0
+        else:
+            self._slow_streak = 0
+        if err is not None:
+            self._metrics.candidate_errors.labels(kind=err.split(":")[0]).inc()
+        elif cand is not None:
+            self._metrics.agreement.labels(agree=str(cand.engine == live.engine).lower()).inc()
+        return ModeOutcome(live, live_role, inc, cand, err, took)
+
+
+class ArrivalRate:
+    """Exponentially weighted arrival rate (requests/s) with time constant `tau_s`.
+
+    Each arrival adds 1/tau to a value that decays as exp(-dt/tau): for a steady
+    Poisson stream of rate r the expectation is r, and it forgets a burst in ~3 tau.
+    """
+
+    def __init__(self, tau_s: float = 10.0) -> None:
+        self.tau_s = tau_s
+        self._value = 0.0
+        self._last = 0.0
+
+    def _decay(self, now: float) -> None:
+        if now > self._last:
+            self._value *= math.exp(-(now - self._last) / self.tau_s)
+            self._last = now
+
+    def arrive(self, now: float) -> None:
+        self._decay(now)
+        self._value += 1.0 / self.tau_s
+
+    def rate(self, now: float) -> float:
+        self._decay(now)
+        return self._value
