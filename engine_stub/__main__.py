@@ -91,7 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--mode", choices=["fast", "full"], default="fast")
     p.set_defaults(handler=_profile)
+    mem = sub.add_parser("memory", help="print the model's memory figures for a config")
+    mem.add_argument("--config", choices=["full", "tiny"], default="tiny")
+    mem.add_argument("--window", type=_positive(int), default=128, help="window of --config tiny")
+    mem.add_argument("--json", action="store_true")
+    mem.set_defaults(handler=_memory)
     return parser
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from engine_stub.model.memory import print_memory
+
+    return print_memory(args.config, args.window, args.json)
 
 
 def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]

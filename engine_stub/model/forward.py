@@ -1,0 +1,322 @@
+"""The backbone forward pass over a batch of segments (one sequence's new tokens each).
+
+Prefill is one segment of a few hundred tokens; a decode step is B segments of one token;
+verification is one segment of 1 + draft tokens. Rows of all segments are concatenated
+for every projection; only window assembly, the compressor and the indexer are per
+segment. Per layer (REFERENCE_MODEL.md):
+
+1. Engram (layers 1, 14): h += gate * value per residual copy, from rows gathered before
+   layer 0 ran (the prefetch).
+2. Attention on the collapsed residual: query `q = Wq_b RMSNorm(Wq_a x)`, RoPE; window KV
+   `RMSNorm(Wkv x)`, RoPE, FP8; full layers compress complete groups of m tokens (gated
+   softmax for m = 2) into FP4 global KV + FP4 index keys; full/reindex layers score the
+   indexer and pick top-k (layer 20 publishes candidate blocks first; 24-36 pick inside
+   them); reuse layers take their sources' KV and positions. Sparse attention with sink,
+   inverse RoPE on the output tail, grouped output projection.
+3. SwiGLU FFN. Both sublayers read and write the C residual copies (hyper-connections).
+
+The miniature's FFN is dense (the real model's MoE changes nothing that is cached).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .config import ModelConfig
+from .state import SeqState
+from .weights import AttnWeights, BlockWeights, Weights, apply_rope, rmsnorm, rope_tables
+
+
+@dataclass
+class Segment:
+    st: SeqState
+    ids: torch.Tensor  # [T] int64 (device)
+    p0: int  # position of the first row
+    frozen_global: bool = False  # replay: read global state, never write it
+
+
+@dataclass
+class EngramStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    rows: int = 0
+
+
+@dataclass
+class ForwardOut:
+    logits: torch.Tensor  # [sum T, V] (all rows) or [B, V] (last row per segment)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # per segment [2, dim]
+
+
+class Backbone:
+    def __init__(self, cfg: ModelConfig, w: Weights, device: torch.device) -> None:
+        self.cfg = cfg
+        self.w = w
+        self.device = device
+        self.compressed = torch.tensor(
+            _compressed_table(cfg.vocab), dtype=torch.int64, device=device
+        )
+        self.engram_stats = EngramStats()
+
+    # -- engram prefetch ----------------------------------------------------------
+
+    def engram_rows(self, layer: int, segs: list[Segment]) -> torch.Tensor:
+        """Rows [N, 24] for all segments' new tokens: a function of token ids only."""
+        from .tokenizer import PAD
+
+        ew = self.w.engram[layer]
+        out = []
+        for sg in segs:
+            known = sg.st.tokens
+            # The 3 tokens before p0 (pad before the sequence start).
+            ctx: list[int] = []
+            for p in range(sg.p0 - 3, sg.p0):
+                if p < 0:
+                    ctx.append(PAD)
+                else:
+                    off = p - (sg.st.n_tokens - len(known))
+                    ctx.append(known[off] if 0 <= off < len(known) else PAD)
+            ids = torch.cat((torch.tensor(ctx, dtype=torch.int64, device=self.device), sg.ids))
+            out.append(ops.engram_rows(self.compressed[ids], ew.mult, ew.primes, ew.offsets))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def prefetch_engram(self, segs: list[Segment]) -> dict[int, torch.Tensor]:
+        t0 = time.perf_counter()
+        got: dict[int, torch.Tensor] = {}
+        nbytes = 0
+        for layer, ew in self.w.engram.items():
+            rows = self.engram_rows(layer, segs)
+            got[layer] = ops.engram_gather(ew.table, ew.exp, rows)
+            nbytes += rows.numel() * (ew.table.shape[1] + ew.exp.shape[1])
+            self.engram_stats.rows += rows.numel()
+        self.engram_stats.bytes += nbytes
+        self.engram_stats.seconds += time.perf_counter() - t0
+        return got
+
+    # -- the pass -----------------------------------------------------------------
+
+    def run(self, segs: list[Segment], all_logits: bool = False) -> ForwardOut:
+        c, w = self.cfg, self.w
+        dev = self.device
+        lens = [int(s.ids.shape[0]) for s in segs]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        ids = torch.cat([s.ids for s in segs]) if len(segs) > 1 else segs[0].ids
+        pos = torch.cat(
+            [torch.arange(s.p0, s.p0 + n, device=dev) for s, n in zip(segs, lens, strict=True)]
+        )
+        cos, sin = rope_tables(pos, c.rope_dim, c.rope_theta)
+        engram = self.prefetch_engram(segs)
+        win_idx, prev_len = self._window_index(segs, lens)
+
+        h = w.embed[ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        ctx = _LayerCtx(pos=pos, cos=cos, sin=sin, win_idx=win_idx, starts=starts)
+        hidden_rows: list[torch.Tensor] = []
+        last_rows = torch.tensor([s - 1 for s in starts[1:]], device=dev)
+        for layer in range(c.n_layers):
+            bw = w.blocks[layer]
+            if layer in engram:
+                ew = w.engram[layer]
+                emb = engram[layer]
+                h = ops.engram_gate(h, emb @ ew.wk, emb @ ew.wv)
+            x = rmsnorm(torch.einsum("c,ncd->nd", bw.hc_pre[0], h))
+            a = self._attention(layer, bw.attn, x, segs, lens, prev_len, ctx)
+            h = torch.einsum("ij,njd->nid", bw.hc_res[0], h) + bw.hc_post[0].view(
+                1, -1, 1
+            ) * a.unsqueeze(1)
+            x = rmsnorm(torch.einsum("c,ncd->nd", bw.hc_pre[1], h))
+            f = (torch.nn.functional.silu(x @ bw.w1) * (x @ bw.w3)) @ bw.w2
+            h = torch.einsum("ij,njd->nid", bw.hc_res[1], h) + bw.hc_post[1].view(
+                1, -1, 1
+            ) * f.unsqueeze(1)
+            if layer >= c.n_layers - 2:
+                hidden_rows.append(torch.einsum("c,ncd->nd", w.final_pre, h[last_rows]))
+        hfin = rmsnorm(torch.einsum("c,ncd->nd", w.final_pre, h if all_logits else h[last_rows]))
+        logits = hfin @ w.head
+        hidden = torch.stack(hidden_rows, dim=1)  # [B, 2, dim]
+        return ForwardOut(logits=logits, hidden=[hidden[i] for i in range(len(segs))])
+
+    def _window_index(self, segs: list[Segment], lens: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """win_idx [N, W] into the per-layer concatenation of (previous window, new rows)
+        of every segment; -1 outside the window or before what the state holds."""
+        W = self.cfg.window
+        out = []
+        base = 0
+        prev_len = []
+        for sg, n in zip(segs, lens, strict=True):
+            p = int(sg.st.win[0].shape[0])
+            prev_len.append(p)
+            local = torch.arange(n, device=self.device).unsqueeze(1) + p  # row index in local array
+            j = local - (W - 1) + torch.arange(W, device=self.device).unsqueeze(0)
+            idx = torch.where(j >= 0, j + base, torch.full_like(j, -1))
+            out.append(idx)
+            base += p + n
+        return (torch.cat(out) if len(out) > 1 else out[0]).to(torch.int32), prev_len
+
+    def _attention(
+        self,
+        layer: int,
+        aw: AttnWeights,
+        x: torch.Tensor,
+        segs: list[Segment],
+        lens: list[int],
+        prev_len: list[int],
+        ctx: _LayerCtx,
+    ) -> torch.Tensor:
+        c = self.cfg
+        n = x.shape[0]
+        qr = rmsnorm(x @ aw.wq_a)
+        q = apply_rope((qr @ aw.wq_b).view(n, c.n_heads, c.head_dim), ctx.cos, ctx.sin)
+        kv = apply_rope(rmsnorm(x @ aw.wkv), ctx.cos, ctx.sin)
+        bits, exp = ops.fp8_quantize(kv, c.fp8_block)
+        kv = ops.fp8_dequantize(bits, exp, c.fp8_block)
+        parts = []
+        for i, sg in enumerate(segs):
+            st = sg.st
+            s0, s1 = ctx.starts[i], ctx.starts[i + 1]
+            new_v, new_e = kv[s0:s1], exp[s0:s1]
+            full_v = torch.cat((st.win[layer], new_v)) if prev_len[i] else new_v
+            full_e = torch.cat((st.win_exp[layer], new_e)) if prev_len[i] else new_e
+            parts.append(full_v)
+            st.win[layer] = full_v[-c.window :]
+            st.win_exp[layer] = full_e[-c.window :]
+        win_kv = torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        m = c.ratio(layer)
+        role = c.role(layer)
+        if m == 0:
+            gp = torch.zeros(0, c.head_dim // 2, dtype=torch.uint8, device=self.device)
+            gs = torch.zeros(0, c.head_dim // 16, dtype=torch.uint8, device=self.device)
+            gi = torch.zeros(n, 0, dtype=torch.int32, device=self.device)
+        else:
+            src = c.kv_source(layer)
+            assert src is not None
+            if role == "full":
+                for i, sg in enumerate(segs):
+                    if not sg.frozen_global:
+                        self._compress(layer, aw, x[ctx.starts[i] : ctx.starts[i + 1]], sg)
+            if role in ("full", "reindex"):
+                ctx.topk[layer] = self._index(layer, aw, x, qr, segs, src, m, ctx)
+            tsrc = c.topk_source(layer)
+            assert tsrc is not None
+            gi = ctx.topk[tsrc]
+            gp, gs = ctx.glob_cat(src, segs)
+        o = ops.sparse_attention(q, win_kv, ctx.win_idx, gp, gs, gi, aw.sink, c.head_dim**-0.5)
+        o = apply_rope(o, ctx.cos, ctx.sin, inverse=True)
+        o = torch.einsum("ngk,gkr->ngr", o.reshape(n, c.o_groups, -1), aw.wo_a)
+        return o.reshape(n, -1) @ aw.wo_b
+
+    def _compress(self, layer: int, aw: AttnWeights, x: torch.Tensor, sg: Segment) -> None:
+        """Complete groups of m tokens -> FP4 global KV + FP4 index keys; the rest waits."""
+        c, st = self.cfg, sg.st
+        m = c.ratio(layer)
+        assert aw.wc_kv is not None and aw.wc_gate is not None and aw.wc_ik is not None
+        kv = x @ aw.wc_kv
+        pend_kv, pend_sc = st.pending_kv[layer], st.pending_score[layer]
+        if m > 1:
+            sc = x @ aw.wc_gate
+            kv = torch.cat((pend_kv, kv))
+            sc = torch.cat((pend_sc, sc))
+        g = kv.shape[0] // m
+        j0 = (sg.p0 - pend_kv.shape[0]) // m
+        if m > 1:
+            st.pending_kv[layer] = kv[g * m :]
+            st.pending_score[layer] = sc[g * m :]
+        if g == 0:
+            return
+        if m > 1:
+            kvg = kv[: g * m].view(g, m, -1)
+            wgt = torch.softmax(sc[: g * m].view(g, m, -1), dim=1)
+            latent = rmsnorm((wgt * kvg).sum(1))
+        else:
+            latent = rmsnorm(kv)
+        gpos = torch.arange(j0, j0 + g, device=self.device) * m
+        cos, sin = rope_tables(gpos, c.rope_dim, c.rope_theta)
+        ik = apply_rope(rmsnorm(latent @ aw.wc_ik), cos, sin)
+        ik_packed, ik_exp = ops.fp4_pow2_quantize(ik, c.index_block)
+        ik_deq = ops.fp4_pow2_dequantize(ik_packed, ik_exp, c.index_block)
+        kv_packed, kv_scale = ops.fp4_quantize(apply_rope(latent, cos, sin))
+        store = st.glob[layer]
+        if store.n != j0:
+            raise RuntimeError(f"layer {layer}: global store has {store.n} entries, expected {j0}")
+        store.append(kv_packed, kv_scale, ik_packed, ik_exp, ik_deq)
+
+    def _index(
+        self,
+        layer: int,
+        aw: AttnWeights,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        segs: list[Segment],
+        src: int,
+        m: int,
+        ctx: _LayerCtx,
+    ) -> torch.Tensor:
+        """Top-k global positions per row [N, topk] int32, offset into ctx.glob_cat(src)."""
+        c = self.cfg
+        assert aw.wi_q is not None and aw.wi_w is not None
+        n = x.shape[0]
+        qi = apply_rope((qr @ aw.wi_q).view(n, c.index_heads, c.index_dim), ctx.cos, ctx.sin)
+        qp, qe = ops.fp4_pow2_quantize(qi, c.index_block)
+        qi = ops.fp4_pow2_dequantize(qp, qe, c.index_block)
+        wts = (x @ aw.wi_w) * (c.index_dim**-0.5 * c.index_heads**-0.5)
+        out = []
+        base = 0
+        for i, sg in enumerate(segs):
+            s0, s1 = ctx.starts[i], ctx.starts[i + 1]
+            store = sg.st.glob[src]
+            pos = ctx.pos[s0:s1]
+            scores = ops.indexer_scores(qi[s0:s1], wts[s0:s1], store.ik[: store.n], pos, m)
+            cand = None
+            if layer == c.candidate_source:
+                ctx.cand[i] = ops.candidate_blocks(scores, c.cand_block, c.cand_keep, pos, m)
+            elif layer > c.candidate_source:
+                cand = ctx.cand.get(i)
+            idx = ops.indexer_topk(scores, c.topk, pos, m, cand, c.cand_block)
+            if base:
+                idx = torch.where(idx >= 0, idx + base, idx)
+            out.append(idx)
+            base += store.n
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+
+@dataclass
+class _LayerCtx:
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    win_idx: torch.Tensor
+    starts: list[int]
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    cand: dict[int, torch.Tensor] = field(default_factory=dict)
+    _glob: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def glob_cat(self, src: int, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global KV of full layer `src` for all segments, concatenated (cached per pass:
+        a full layer finishes appending before any layer reads it)."""
+        got = self._glob.get(src)
+        if got is None:
+            stores = [s.st.glob[src] for s in segs]
+            if len(stores) == 1:
+                got = (stores[0].kv_packed[: stores[0].n], stores[0].kv_scale[: stores[0].n])
+            else:
+                got = (
+                    torch.cat([g.kv_packed[: g.n] for g in stores]),
+                    torch.cat([g.kv_scale[: g.n] for g in stores]),
+                )
+            self._glob[src] = got
+        return got
+
+
+def _compressed_table(vocab: int) -> list[int]:
+    from .tokenizer import ByteTokenizer
+
+    return ByteTokenizer(vocab).compressed_ids()
+
+
+__all__ = ["Backbone", "BlockWeights", "EngramStats", "ForwardOut", "Segment"]
