@@ -6,11 +6,12 @@ CPU); the torch reference (``kernels.reference``) otherwise. ``use_backend("trit
 "torch" | "auto")`` overrides the choice inside a ``with`` block (tests compare both
 paths this way).
 
-Triton decides at *import* of a kernel module whether ``@triton.jit`` compiles or
-interprets, so the kernel modules are imported lazily, on the first Triton call, and a
-CPU call through a module imported in compiled mode raises a clear error instead of
-crashing inside Triton. ``load_kernels(interpret=True)`` imports them in interpreter mode
-without leaving ``TRITON_INTERPRET`` set (the kernel tests use it).
+Triton decides when it is first imported whether ``@triton.jit`` compiles or interprets
+(its own ``tl`` library is decorated then), and reads ``TRITON_INTERPRET`` again at each
+launch. So this module imports triton lazily, on the first Triton call, and a CPU call
+after triton was imported in compiled mode raises a clear error instead of crashing
+inside Triton. ``tests/kernels/conftest.py`` shows the one safe way to interpret in a
+process that also runs torch-path tests.
 
 Signatures and formats: see ``kernels.reference`` (identical arguments and results).
 """
@@ -49,12 +50,14 @@ __all__ = [
     "indexer_scores",
     "indexer_topk",
     "load_kernels",
+    "triton_interpreted",
     "sparse_attention",
     "use_backend",
 ]
 
 BACKENDS = ("auto", "triton", "torch")
-KERNEL_MODULES = (
+KERNEL_MODULES = (  # dependencies first: a reload must rebind the helpers
+    "kernels.numerics",
     "kernels.fp4",
     "kernels.fp8",
     "kernels.indexer",
@@ -94,39 +97,30 @@ def active_backend(*tensors: torch.Tensor | None) -> str:
     return "triton" if on_cuda or _interpret_env() else "torch"
 
 
-def load_kernels(interpret: bool = False) -> dict[str, ModuleType]:
-    """Import (or re-import) the Triton kernel modules; ``interpret=True`` makes their
-    ``@triton.jit`` functions interpreted regardless of the current environment."""
-    modules = {}
-    saved = os.environ.get("TRITON_INTERPRET")
-    try:
-        if interpret:
-            os.environ["TRITON_INTERPRET"] = "1"
-        for name in KERNEL_MODULES:
-            mod = sys.modules.get(name)
-            if mod is None:
-                mod = importlib.import_module(name)
-            elif interpret and not getattr(mod, "INTERPRETED", False):
-                mod = importlib.reload(mod)
-            modules[name] = mod
-    finally:
-        if interpret:
-            if saved is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = saved
-    return modules
+def triton_interpreted() -> bool:
+    """Whether the imported Triton runs in interpreter mode (fixed when triton is first
+    imported: its own ``tl`` library functions are decorated then)."""
+    triton = sys.modules.get("triton")
+    if triton is None:
+        return _interpret_env()
+    from triton.language import standard
+
+    return type(standard.cdiv).__name__ == "InterpretedFunction"
+
+
+def load_kernels(names: tuple[str, ...] = KERNEL_MODULES) -> dict[str, ModuleType]:
+    """Import the Triton kernel modules (compiled or interpreted, as Triton was imported)."""
+    return {name: importlib.import_module(name) for name in names}
 
 
 def _kernel(module: str, name: str, tensors: tuple[torch.Tensor | None, ...]) -> Callable[..., Any]:
-    mod = sys.modules.get(module) or load_kernels(interpret=_interpret_env())[module]
     on_cuda = any(t is not None and t.is_cuda for t in tensors)
-    if not on_cuda and not getattr(mod, "INTERPRETED", False):
+    if not on_cuda and not triton_interpreted():
         raise RuntimeError(
-            f"{module} was imported in compiled mode; CPU tensors need the Triton "
-            "interpreter: set TRITON_INTERPRET=1 before the first Triton call, or call "
-            "kernels.dispatch.load_kernels(interpret=True)"
+            "Triton kernels on CPU tensors need the Triton interpreter, and triton was "
+            "imported in compiled mode: set TRITON_INTERPRET=1 before anything imports triton"
         )
+    mod = load_kernels((module,))[module]
     fn: Callable[..., Any] = getattr(mod, name)
     return fn
 
