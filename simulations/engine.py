@@ -1,0 +1,228 @@
+"""One simulated engine: a prefill queue served in chunks, batched decode, and its caches.
+
+Prefill. One job prefills at a time, in chunks of `chunk_tokens` (a forward pass each).
+When a job starts, the engine resolves its resume point from its caches *at that moment*
+with the same rule the cost model predicts with (`ramjet.policy.cost.prompt_work`: live
+SWA at q, or the global prefix g with restore + bounded replay, or cold). The first
+chunk carries the restore and replay time; chunk i costs the prefill curve's integral
+over its token range (plus the profile's fixed overhead once per job). While any request
+is decoding, each chunk also carries one decode step (chunked prefill interleaves the
+running batch's decode with prefill: the interference the cost model charges).
+Restores are serial with prefill here (a real engine may overlap them: pessimistic).
+
+Scheduling. FCFS: the queue in arrival order, a job runs to its first token. Priority:
+a heap on `hint + aging · arrival` where the hint is the router's predicted prompt work
+(seconds); since every waiting job ages at the same rate, that static key orders jobs as
+"least predicted work first, forgiving `aging` seconds of work per second waited". The
+running job is re-queued at each chunk boundary with its remaining work (preemption at
+chunk granularity, as engines that accept priorities do).
+
+Decode. A request decodes `ceil(output / spec_tokens_per_step)` steps of `decode_step_s`
+after its first token (batch size does not stretch a step: an approximation), then
+finishes: its SWA state is stored at its last full block and it leaves the in-flight set.
+Global KV blocks of the prompt become resident (HBM, promoted if restored) at the first
+token; cache capacity is not reserved for running requests (an approximation; at 890
+bytes per token the running set is a rounding error of HBM).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+
+from ramjet.policy.base import GlobalMatch
+from ramjet.policy.cost import prompt_work
+from ramjet.types import EngineId
+from simulations.cache import SwaPool, TieredCache
+from simulations.preset import EngineSpec
+from simulations.workload import Request
+
+
+class Job:
+    __slots__ = (
+        "arrival",
+        "ctx",
+        "end",
+        "engine",
+        "first_token_s",
+        "hint_s",
+        "hit",
+        "key",
+        "pending_s",
+        "predicted_new",
+        "replay",
+        "req",
+        "restore_s",
+        "resume",
+        "start_s",
+        "started",
+    )
+
+    def __init__(self, req: Request, engine: int, predicted_new: int, hint_s: float) -> None:
+        self.req = req
+        self.arrival = req.arrival_s
+        self.engine = engine
+        self.predicted_new = predicted_new
+        self.hint_s = hint_s
+        self.key = 0.0
+        self.started = False
+        self.start_s = 0.0
+        self.ctx = 0
+        self.end = req.prompt_tokens
+        self.pending_s = 0.0
+        self.resume = "cold"
+        self.hit = (0, 0, 0)
+        self.replay = False
+        self.restore_s = 0.0
+        self.first_token_s = 0.0
+
+
+class Engine:
+    """See the module docstring. `schedule(t, fn)` is the simulator's event hook."""
+
+    def __init__(
+        self,
+        index: int,
+        spec: EngineSpec,
+        cache: TieredCache,
+        swa: SwaPool,
+        schedule: Callable[[float, Callable[[float], None]], None],
+        on_start: Callable[[Job, float], None],
+        on_first_token: Callable[[Job, float], None],
+    ) -> None:
+        self.index = index
+        self.id = EngineId(f"e{index}")
+        self.spec = spec
+        self.profile = spec.profile
+        self.cache = cache
+        self.swa = swa
+        self._schedule = schedule
+        self._on_start = on_start
+        self._on_first_token = on_first_token
+        self.priority = spec.scheduler == "priority"
+        self.fifo: deque[Job] = deque()
+        self.heap: list[tuple[float, int, Job]] = []
+        self._seq = 0
+        self.current: Job | None = None
+        self.queued_tokens = 0
+        self.inflight = 0
+        self.decoding = 0
+        self.decode_tokens = 0
+        self.busy_s = 0.0
+        self.prefilled_tokens = 0
+        self.overhead = self.profile.prefill_overhead_s
+        self.step_s = self.profile.decode_step_s
+        self.tokens_per_step = self.profile.spec_tokens_per_step
+
+    # -- queue -----------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return len(self.heap) if self.priority else len(self.fifo)
+
+    def submit(self, job: Job, now: float) -> None:
+        self.inflight += 1
+        self.queued_tokens += job.predicted_new
+        if self.priority:
+            job.key = job.hint_s + self.spec.aging * job.arrival
+            self._seq += 1
+            heapq.heappush(self.heap, (job.key, self._seq, job))
+        else:
+            self.fifo.append(job)
+        if self.current is None:
+            self._next(now)
+
+    def _next(self, now: float) -> None:
+        if self.priority:
+            if not self.heap:
+                self.current = None
+                return
+            job = heapq.heappop(self.heap)[2]
+        else:
+            if not self.fifo:
+                self.current = None
+                return
+            job = self.fifo.popleft()
+        self.current = job
+        if not job.started:
+            self._begin(job, now)
+        self._chunk(now)
+
+    # -- prefill ---------------------------------------------------------------------
+
+    def _begin(self, job: Job, now: float) -> None:
+        req = job.req
+        hbm, host, ssd = self.cache.match(req.block_keys, req.block_tokens)
+        q = self.swa.match(req.boundaries, now) if req.boundaries else 0
+        work = prompt_work(self.profile, req.prompt_tokens, GlobalMatch(hbm, host, ssd), q)
+        job.started = True
+        job.start_s = now
+        job.resume = work.resume
+        job.ctx = work.resume_tokens
+        job.restore_s = work.restore_s
+        job.replay = work.replay_s > 0
+        if work.resume == "cold":
+            job.hit = (0, 0, 0)
+        elif work.resume == "swa":
+            share = q / (hbm + host + ssd)
+            job.hit = (round(hbm * share), round(host * share), round(ssd * share))
+        else:
+            job.hit = (min(hbm, req.prompt_tokens), host, ssd)
+        job.pending_s = work.restore_s + work.replay_s + self.overhead
+        new = max(job.end - job.ctx, 0)
+        self.queued_tokens += new - job.predicted_new
+        job.predicted_new = new
+        self._on_start(job, now)
+
+    def _chunk(self, now: float) -> None:
+        job = self.current
+        assert job is not None
+        k = min(self.spec.chunk_tokens, job.end - job.ctx)
+        dur = job.pending_s
+        job.pending_s = 0.0
+        if k > 0:
+            dur += self.profile.prefill_seconds(k, job.ctx) - self.overhead
+        if self.decoding > 0:
+            dur += self.step_s
+        self.busy_s += dur
+        self._schedule(now + dur, lambda t: self._chunk_done(job, k, t))
+
+    def _chunk_done(self, job: Job, k: int, now: float) -> None:
+        job.ctx += k
+        job.predicted_new -= k
+        self.queued_tokens -= k
+        self.prefilled_tokens += k
+        if job.ctx >= job.end:
+            self._first_token(job, now)
+            self._next(now)
+        elif self.priority:
+            # re-queue with the remaining work; the best job runs next chunk
+            remaining = self.profile.prefill_seconds(job.end - job.ctx, job.ctx)
+            job.key = remaining + self.spec.aging * job.arrival
+            self._seq += 1
+            heapq.heappush(self.heap, (job.key, self._seq, job))
+            self._next(now)
+        else:
+            self._chunk(now)
+
+    # -- first token and decode ------------------------------------------------------
+
+    def _first_token(self, job: Job, now: float) -> None:
+        job.first_token_s = now
+        req = job.req
+        self.cache.touch(req.block_keys)
+        self.decoding += 1
+        ctx = req.prompt_tokens + req.output_tokens
+        self.decode_tokens += ctx
+        self._on_first_token(job, now)
+        steps = math.ceil(req.output_tokens / self.tokens_per_step)
+        self._schedule(now + steps * self.step_s, lambda t: self._finish(job, ctx, t))
+
+    def _finish(self, job: Job, ctx: int, now: float) -> None:
+        self.decoding -= 1
+        self.decode_tokens -= ctx
+        self.inflight -= 1
+        if job.req.swa_key is not None:
+            self.swa.store(job.req.swa_key, now)

@@ -1,0 +1,269 @@
+"""The discrete-event loop: arrivals are routed by a policy object, engines serve them.
+
+Events are `(time, seq, callback)` in a heapq; arrivals are merged in from the sorted
+request list instead of being pushed (half the heap traffic). `seq` breaks ties in
+insertion order, so a run is a pure function of (requests, spec, policy, seed).
+
+At each arrival the simulator builds the same views the router builds: a `RequestView`
+(built once per request and cached on it), one `EngineView` per engine (its load from
+engine state: queued prompt tokens still to prefill, requests in flight and decoding,
+HBM utilization; residency from the `Knowledge` in use; the engine's profile; trust
+EXACT), and `FleetStats` (arrival rate: an exponentially decayed count with a 60 s time
+constant; mean wait before prefill start: an EWMA with weight 0.05 per started request).
+Then it calls `policy.pick` and enqueues the request on the engine it names.
+
+Knowledge (what residency the policy sees): "exact" (the caches), "hbm_only",
+"routed" (a `RoutedIndex` per engine fed by this run's decisions), or "none". The
+oracle shares one cache and one SWA pool between all engines (`shared_cache`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ramjet.policy.base import EngineView, FleetStats, GlobalMatch, RequestView, RoutingPolicy
+from ramjet.policy.cost import prompt_work
+from ramjet.types import EngineId, TrustGrade
+from simulations.cache import SwaPool, TieredCache
+from simulations.engine import Engine, Job
+from simulations.preset import EngineSpec
+from simulations.views import Clock, ExactResidency, HbmOnlyResidency, RoutedIndex, SimEngineLoad
+from simulations.workload import Request
+
+RATE_TAU_S = 60.0
+WAIT_ALPHA = 0.05
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    kind: str = "exact"
+    """"exact", "hbm_only", "routed" or "none"."""
+    capacity_tokens: int | None = None
+    ttl_s: float | None = None
+    max_match_tokens: int | None = None
+
+
+@dataclass
+class Outcome:
+    """Per-request results of one run (index = request index)."""
+
+    engine: list[int] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
+    hit: list[tuple[int, int, int]] = field(default_factory=list)
+    resume: list[str] = field(default_factory=list)
+    replay: list[bool] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    busy_s: list[float] = field(default_factory=list)
+    span_s: float = 0.0
+    demotions: int = 0
+    evictions: int = 0
+    peak_tier_blocks: list[list[int]] = field(default_factory=list)
+    tier_capacity_blocks: list[list[int]] = field(default_factory=list)
+    decisions: int = 0
+
+
+def request_view(req: Request) -> RequestView:
+    cached = req.view
+    if cached is None:
+        cached = req.view = RequestView(
+            request_id=str(req.index),
+            model="sim",
+            prompt_tokens=req.prompt_tokens,
+            block_keys=req.block_keys,
+            block_tokens=req.block_tokens,
+            boundary_keys=req.boundaries,
+            session=req.session,
+            max_output_tokens=req.output_tokens,
+        )
+    assert isinstance(cached, RequestView)
+    return cached
+
+
+class Simulation:
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        spec: EngineSpec,
+        policy: RoutingPolicy,
+        *,
+        block_tokens: int,
+        engines: int = 2,
+        knowledge: Knowledge = Knowledge(),
+        shared_cache: bool = False,
+        check_capacity: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.requests = requests
+        self.spec = spec
+        self.policy = policy
+        self.clock = Clock()
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = 0
+        self.check_capacity = check_capacity
+        self.progress = progress
+        n = len(requests)
+        self.out = Outcome(
+            engine=[-1] * n,
+            ttft=[math.nan] * n,
+            wait=[math.nan] * n,
+            hit=[(0, 0, 0)] * n,
+            resume=[""] * n,
+            replay=[False] * n,
+            new_tokens=[0] * n,
+        )
+
+        def make_cache() -> tuple[TieredCache, SwaPool]:
+            k = engines if shared_cache else 1
+            cache = TieredCache(
+                spec.hbm_tokens * k, spec.host_tokens * k, spec.ssd_tokens * k, block_tokens
+            )
+            return cache, SwaPool(spec.swa_sequences * k, spec.swa_ttl_s)
+
+        shared = make_cache() if shared_cache else None
+        self.engines: list[Engine] = []
+        for i in range(engines):
+            cache, swa = shared or make_cache()
+            self.engines.append(
+                Engine(i, spec, cache, swa, self._schedule, self._on_start, self._on_first_token)
+            )
+        self.index_of = {e.id: e.index for e in self.engines}
+        self.knowledge = knowledge
+        self.routed: list[RoutedIndex] = []
+        self.residency: list[Any] = []
+        for e in self.engines:
+            if knowledge.kind == "exact":
+                self.residency.append(ExactResidency(e.cache, e.swa, self.clock))
+            elif knowledge.kind == "hbm_only":
+                self.residency.append(HbmOnlyResidency(e.cache))
+            elif knowledge.kind in ("routed", "none"):
+                idx = RoutedIndex(
+                    self.clock,
+                    block_tokens,
+                    capacity_tokens=knowledge.capacity_tokens,
+                    ttl_s=knowledge.ttl_s,
+                    max_match_tokens=knowledge.max_match_tokens,
+                )
+                self.routed.append(idx)
+                self.residency.append(idx)
+            else:
+                raise ValueError(f"unknown knowledge {knowledge.kind!r}")
+        if knowledge.kind == "none":
+            self.routed = []
+        self.rate = 0.0
+        self.rate_t = 0.0
+        self.mean_wait = 0.0
+        self.peak = [[0, 0, 0] for _ in self.engines]
+
+    # -- events ----------------------------------------------------------------------
+
+    def _schedule(self, t: float, fn: Callable[[float], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, fn))
+
+    def _on_start(self, job: Job, now: float) -> None:
+        wait = now - job.arrival
+        self.out.wait[job.req.index] = wait
+        self.mean_wait += WAIT_ALPHA * (wait - self.mean_wait)
+
+    def _on_first_token(self, job: Job, now: float) -> None:
+        i = job.req.index
+        out = self.out
+        out.ttft[i] = now - job.arrival
+        out.hit[i] = job.hit
+        out.resume[i] = job.resume
+        out.replay[i] = job.replay
+        out.new_tokens[i] = job.req.prompt_tokens - (job.hit[0] + job.hit[1] + job.hit[2])
+        if self.check_capacity:
+            cache = self.engines[job.engine].cache
+            for t in range(3):
+                used = cache.used_blocks(t)
+                if used > cache.capacity[t]:
+                    raise AssertionError(f"tier {t} over capacity: {used} > {cache.capacity[t]}")
+                peak = self.peak[job.engine]
+                peak[t] = max(peak[t], used)
+
+    # -- routing ---------------------------------------------------------------------
+
+    def _views(self, now: float) -> list[EngineView]:
+        views = []
+        for e, res in zip(self.engines, self.residency, strict=True):
+            q = e.queued_tokens
+            load = SimEngineLoad(
+                inflight_requests=e.inflight,
+                inflight_prompt_tokens=q,
+                queued_prompt_tokens=q,
+                running_requests=e.decoding,
+                kv_utilization=e.cache.utilization(),
+                waiting_requests=e.waiting,
+                decode_tokens=e.decode_tokens,
+            )
+            views.append(EngineView(e.id, True, load, res, e.profile, TrustGrade.EXACT))
+        return views
+
+    def _arrive(self, req: Request, now: float) -> None:
+        dt = now - self.rate_t
+        self.rate = self.rate * math.exp(-dt / RATE_TAU_S) + 1.0 / RATE_TAU_S
+        self.rate_t = now
+        fleet = FleetStats(now_s=now, arrival_rate_per_s=self.rate, mean_wait_s=self.mean_wait)
+        decision = self.policy.pick(request_view(req), self._views(now), fleet)
+        idx = self.index_of[decision.engine]
+        engine = self.engines[idx]
+        if self.routed:
+            self.routed[idx].routed(req.block_keys)
+        # the router's prediction on the chosen engine: its in-flight tokens and the hint
+        hbm, host, ssd = engine.cache.match(req.block_keys, req.block_tokens)
+        q = engine.swa.match(req.boundaries, now) if req.boundaries else 0
+        work = prompt_work(engine.profile, req.prompt_tokens, GlobalMatch(hbm, host, ssd), q)
+        self.out.engine[req.index] = idx
+        self.out.decisions += 1
+        job = Job(req, idx, max(req.prompt_tokens - work.resume_tokens, 0), work.work_s)
+        engine.submit(job, now)
+
+    def run(self) -> Outcome:
+        reqs = self.requests
+        events = self._events
+        clock = self.clock
+        i, n = 0, len(reqs)
+        pop = heapq.heappop
+        while i < n or events:
+            if i < n and (not events or reqs[i].arrival_s <= events[0][0]):
+                req = reqs[i]
+                i += 1
+                clock.now = req.arrival_s
+                self._arrive(req, req.arrival_s)
+                if self.progress is not None and i % 256 == 0:
+                    self.progress(256)
+            else:
+                t, _, fn = pop(events)
+                clock.now = t
+                fn(t)
+        if self.progress is not None:
+            self.progress(n % 256)
+        out = self.out
+        out.busy_s = [e.busy_s for e in self.engines]
+        out.span_s = (reqs[-1].arrival_s - reqs[0].arrival_s) if n else 0.0
+        caches = {id(e.cache): e.cache for e in self.engines}.values()
+        out.demotions = sum(c.demotions for c in caches)
+        out.evictions = sum(c.evictions for c in caches)
+        out.peak_tier_blocks = self.peak
+        out.tier_capacity_blocks = [list(e.cache.capacity) for e in self.engines]
+        return out
+
+
+def simulate(
+    requests: Sequence[Request],
+    spec: EngineSpec,
+    policy: RoutingPolicy,
+    *,
+    block_tokens: int,
+    **kwargs: Any,
+) -> Outcome:
+    return Simulation(requests, spec, policy, block_tokens=block_tokens, **kwargs).run()
+
+
+__all__ = ["EngineId", "Knowledge", "Outcome", "Simulation", "simulate"]

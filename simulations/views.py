@@ -1,0 +1,134 @@
+"""Residency views over simulated state: what a router knows about each engine.
+
+All implement `ramjet.policy.base.ResidencyView`, so the router's own policy objects run
+on them unchanged.
+
+- `ExactResidency`: the engine's caches as they are (what authenticated reports give).
+- `HbmOnlyResidency`: only blocks in HBM, stopping at the first block that is not: an
+  event feed that forgets a prefix once its GPU copy is evicted or demoted.
+- `RoutedIndex`: the router's own routing, per engine: every block of a routed request
+  is assumed resident there from the moment of routing, forgotten by LRU past
+  `capacity_tokens` and/or `ttl_s` after it was last routed. It never learns of the
+  engine's own evictions (the staleness that approximate modes live with).
+
+`SimEngineLoad` extends the router's `EngineLoad` with figures some peers read.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ramjet.policy.base import EngineLoad, GlobalMatch
+from ramjet.types import PrefixKey
+from simulations.cache import HBM, SwaPool, TieredCache
+
+
+class Clock:
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimEngineLoad(EngineLoad):
+    waiting_requests: int = 0
+    """Requests queued for prefill (llm-d's queue scorer)."""
+    decode_tokens: int = 0
+    """Context tokens of requests decoding (Dynamo's active decode blocks)."""
+
+
+_NONE = GlobalMatch()
+
+
+class ExactResidency:
+    __slots__ = ("cache", "clock", "swa")
+
+    def __init__(self, cache: TieredCache, swa: SwaPool, clock: Clock) -> None:
+        self.cache, self.swa, self.clock = cache, swa, clock
+
+    def global_match(
+        self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
+    ) -> GlobalMatch:
+        h, o, s = self.cache.match(block_keys, block_tokens)
+        if h == o == s == 0:
+            return _NONE
+        return GlobalMatch(h, o, s)
+
+    def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
+        return self.swa.match(boundary_keys, self.clock.now)
+
+
+class HbmOnlyResidency:
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: TieredCache) -> None:
+        self.cache = cache
+
+    def global_match(
+        self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
+    ) -> GlobalMatch:
+        where = self.cache.where
+        n = 0
+        for i, k in enumerate(block_keys):
+            if where.get(k) != HBM:
+                break
+            n += block_tokens[i]
+        return GlobalMatch(n) if n else _NONE
+
+    def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
+        return 0
+
+
+class RoutedIndex:
+    """Approximate residency from the router's own routing (see module docstring)."""
+
+    __slots__ = ("block", "capacity", "clock", "entries", "max_match_tokens", "ttl_s")
+
+    def __init__(
+        self,
+        clock: Clock,
+        block_tokens: int,
+        *,
+        capacity_tokens: int | None = None,
+        ttl_s: float | None = None,
+        max_match_tokens: int | None = None,
+    ) -> None:
+        self.clock = clock
+        self.block = block_tokens
+        self.capacity = None if capacity_tokens is None else max(1, capacity_tokens // block_tokens)
+        self.ttl_s = ttl_s
+        self.max_match_tokens = max_match_tokens
+        self.entries: OrderedDict[PrefixKey, float] = OrderedDict()
+
+    def routed(self, block_keys: Sequence[PrefixKey]) -> None:
+        entries, now = self.entries, self.clock.now
+        for k in reversed(block_keys):
+            entries[k] = now
+            entries.move_to_end(k, last=False)
+        cap = self.capacity
+        if cap is not None:
+            while len(entries) > cap:
+                entries.popitem(last=True)
+
+    def global_match(
+        self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
+    ) -> GlobalMatch:
+        entries = self.entries
+        oldest = -1.0 if self.ttl_s is None else self.clock.now - self.ttl_s
+        limit = self.max_match_tokens
+        n = 0
+        for i, k in enumerate(block_keys):
+            t = entries.get(k)
+            if t is None or t < oldest:
+                break
+            n += block_tokens[i]
+            if limit is not None and n >= limit:
+                n = limit
+                break
+        return GlobalMatch(n) if n else _NONE
+
+    def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
+        return 0
