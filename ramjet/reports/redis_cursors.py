@@ -1,0 +1,247 @@
+"""Report verification state shared by router replicas through Redis.
+
+Problem: with several replicas each pulling (or being pushed) the same engine's reports,
+each replica's own cursor would let it apply a report another replica already applied,
+and accept a report replayed to it that another replica had seen. So the cursor (epoch,
+sequence, issue time of the last accepted report) lives in Redis, one hash per engine
+(`{P:E}:vc`, same hash tag as the engine's residency keys), and acceptance is claimed
+there atomically.
+
+`SharedReports.submit(frame)` is the async door replacing `ReportProcessor.submit` when
+the store is Redis:
+1. the processor's verifier runs every local check (size, signature, key, rate, clock,
+   and the cursor, which the replica keeps at least as new as the shared one);
+2. `CLAIM` (Lua, atomic) compares (epoch, seq[, issue time for snapshots]) with the shared
+   cursor exactly as the verifier does, and on success stores the new cursor, the gap
+   flag, the accept time and, for load and profile reports, the body. Exactly one
+   replica wins a given report; every other replica, and any replay, gets `replayed` or
+   `epoch_old` and changes nothing (counted like any rejection);
+3. the winner commits through the processor inside `store.report(engine, epoch, seq)`,
+   so its residency changes reach Redis as one batch that is idempotent by (engine,
+   epoch, seq) even if the claim was skipped (fail open, below).
+
+The replicas that did not apply a report learn it from Redis: residency through the
+store's change log, and the engine's report state (cursor, gap, last report time, load,
+profile) through `sync_once`, which reads each engine's shared record and moves the
+processor's state forward (never backward) and its view to REPORTED. Trust grades,
+staleness and load therefore match across replicas.
+
+Fail open: if Redis does not answer within the link's timeout (or the breaker is open)
+the claim is skipped: the local verifier's cursor still refuses anything this replica
+has seen, the report is applied locally, and the store dedups its residency batch when
+Redis returns. The skip is counted (`ramjet_reports_unclaimed_total`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from ramjet.redis_link import LuaScript, RedisLink, RedisUnavailable
+from ramjet.reports.bodies import BodyError, LoadBody, ProfileBody, parse_body
+from ramjet.reports.processor import ReportProcessor
+from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected
+from ramjet.residency.redis_scripts import EngineKeys
+from ramjet.residency.redis_store import RedisStore
+from ramjet.residency.tables import ViewMode
+from ramjet.types import EngineId
+
+log = logging.getLogger(__name__)
+
+CLAIM = LuaScript(
+    "ramjet_reports_claim",
+    r"""
+-- KEYS: vc.  ARGV: epoch, seq, kind, issued_at_ms, now_ms, retention_ms, body.
+-- Returns {status, epoch, seq, issued, gap}: the shared cursor before this claim.
+local vc = KEYS[1]
+local epoch, seq, kind = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local issued, now, retention = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local cur = redis.call('HMGET', vc, 'epoch', 'seq', 'issued', 'gap')
+local cepoch, cseq, cissued = tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3])
+local gap = tonumber(cur[4]) or 0
+if cepoch ~= nil then
+  if epoch < cepoch then return {'epoch_old', cepoch, cseq, cissued, gap} end
+  if epoch == cepoch then
+    local stale
+    if kind == 'snapshot' then stale = seq < cseq or issued <= cissued else stale = seq <= cseq end
+    if stale then return {'replayed', cepoch, cseq, cissued, gap} end
+  end
+end
+local before = {'ok', cepoch or -1, cseq or -1, cissued or 0, gap}
+if cepoch == nil or epoch > cepoch then cseq, cissued, gap = 0, 0, 0 end
+if kind == 'snapshot' then gap = 0 elseif seq > cseq + 1 then gap = 1 end
+if issued < cissued then issued = cissued end
+redis.call('HSET', vc, 'epoch', epoch, 'seq', seq, 'issued', issued, 'gap', gap, 'at', now)
+if kind == 'load' then redis.call('HSET', vc, 'load', ARGV[7], 'load_at', now) end
+if kind == 'profile' then redis.call('HSET', vc, 'profile', ARGV[7]) end
+redis.call('PEXPIRE', vc, retention)
+return before
+""",
+)
+
+
+class SharedReports:
+    """A `ReportProcessor` whose acceptance is shared with the other replicas."""
+
+    def __init__(
+        self,
+        processor: ReportProcessor,
+        store: RedisStore,
+        engines: Iterable[EngineId] = (),
+        registry: CollectorRegistry | None = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.processor = processor
+        self.store = store
+        self.link: RedisLink = store.link
+        self.wall = wall
+        self.clock = processor.tables.clock
+        self._keys: dict[EngineId, EngineKeys] = {}
+        self._profiles: dict[EngineId, str] = {}
+        reg = registry if registry is not None else CollectorRegistry()
+        self.unclaimed = Counter(
+            "ramjet_reports_unclaimed_total",
+            "Reports applied without a shared claim because Redis was unreachable",
+            ["engine"],
+            registry=reg,
+        )
+        self.absorbed = Counter(
+            "ramjet_reports_shared_absorbed_total",
+            "Times this replica moved an engine's report state forward from Redis",
+            ["engine"],
+            registry=reg,
+        )
+        for engine in (*engines, *processor.engines()):
+            self._track(engine)
+
+    def _track(self, engine: EngineId) -> EngineKeys:
+        keys = self._keys.get(engine)
+        if keys is None:
+            keys = self._keys[engine] = EngineKeys(self.store.settings.key_prefix, engine)
+        return keys
+
+    async def submit(
+        self, frame: bytes, expected_engine: EngineId | None = None
+    ) -> Accepted | Rejected:
+        """Verify locally, claim in Redis, then commit (see the module docstring)."""
+        p = self.processor
+        outcome = p.verifier.check(frame, expected_engine)
+        if isinstance(outcome, Rejected):
+            self._count_rejected(outcome)
+            return outcome
+        env = outcome.envelope
+        engine = env.engine_id
+        keys = self._track(engine)
+        body = env.body.decode("utf-8") if env.kind in ("load", "profile") else ""
+        try:
+            res = await self.link.script(
+                CLAIM,
+                [keys.vc],
+                [
+                    env.epoch,
+                    env.seq,
+                    env.kind,
+                    env.issued_at_ms,
+                    int(self.wall() * 1000),
+                    self.store.retention_ms,
+                    body,
+                ],
+            )
+        except RedisUnavailable:
+            self.unclaimed.labels(engine).inc()
+        else:
+            status = _text(res[0])
+            if status != "ok":
+                rejected = Rejected(
+                    Reason.EPOCH_OLD if status == "epoch_old" else Reason.REPLAYED,
+                    f"shared cursor at epoch {int(res[1])} seq {int(res[2])}",
+                    engine,
+                )
+                self._count_rejected(rejected)
+                with contextlib.suppress(RedisUnavailable):
+                    await self._absorb_one(engine)
+                return rejected
+            # another replica may have accepted reports this one has not absorbed yet:
+            # start from the shared cursor so the processor judges gaps as Redis did
+            shared = (int(res[1]), int(res[2]))
+            st = p.state(engine)
+            if shared[0] >= 0 and (st.cursor is None or shared > (st.cursor.epoch, st.cursor.seq)):
+                st.cursor = Cursor(shared[0], shared[1], int(res[3]))
+                st.gap = int(res[4]) == 1
+        with self.store.report(engine, env.epoch, env.seq):
+            p._commit(outcome)  # the processor's commit step, after our shared claim
+        return outcome
+
+    def _count_rejected(self, outcome: Rejected) -> None:
+        p = self.processor
+        label = outcome.engine if outcome.engine in p.engines() else "unknown"
+        p.metrics.rejected.labels(label, outcome.reason.value).inc()
+
+    # -- learning what the other replicas accepted ------------------------------------
+
+    async def sync_once(self) -> None:
+        """Move each engine's local report state forward to the shared record."""
+        for engine in list(self._keys):
+            await self._absorb_one(engine)
+
+    async def run(self, interval_s: float | None = None) -> None:
+        every = interval_s or self.store.settings.sync_interval_ms / 1000
+        while True:
+            try:
+                await self.sync_once()
+            except RedisUnavailable:
+                pass
+            except Exception:
+                log.exception("shared report state sync failed")
+            await asyncio.sleep(every)
+
+    async def _absorb_one(self, engine: EngineId) -> None:
+        vc = self._keys[engine].vc
+        raw: dict[bytes | str, bytes | str] = await self.link.call(lambda c: c.hgetall(vc))
+        if raw:
+            self._absorb(engine, {_text(k): _text(v) for k, v in raw.items()})
+
+    def _absorb(self, engine: EngineId, rec: dict[str, str]) -> None:
+        p = self.processor
+        st = p.state(engine)
+        epoch, seq, issued = int(rec["epoch"]), int(rec["seq"]), int(rec["issued"])
+        now, wall = self.clock(), self.wall()
+        moved = False
+        if st.cursor is None or (epoch, seq) > (st.cursor.epoch, st.cursor.seq):
+            # residency (purges included) arrives through the store's log, not here
+            st.cursor = Cursor(epoch, seq, issued)
+            st.gap = rec.get("gap") == "1"
+            st.snapshot_needed = st.gap
+            moved = True
+        at = now - max(0.0, wall - int(rec["at"]) / 1000)
+        if st.last_report_at is None or at > st.last_report_at + 1e-3:
+            st.last_report_at = at
+            moved = True
+        if "load" in rec:
+            load_at = now - max(0.0, wall - int(rec["load_at"]) / 1000)
+            if st.load_at is None or load_at > st.load_at + 1e-3:
+                with contextlib.suppress(BodyError):
+                    body = parse_body("load", rec["load"].encode())
+                    if isinstance(body, LoadBody):
+                        st.load, st.load_at = body, load_at
+        prof = rec.get("profile")
+        if prof is not None and self._profiles.get(engine) != prof:
+            with contextlib.suppress(BodyError):
+                pbody = parse_body("profile", prof.encode())
+                if isinstance(pbody, ProfileBody):
+                    st.profile = pbody
+                    self._profiles[engine] = prof
+        if st.last_report_at is not None and p.tables.mode(engine) is ViewMode.APPROXIMATE:
+            p.tables.set_mode(engine, ViewMode.REPORTED)
+        if moved:
+            self.absorbed.labels(engine).inc()
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
