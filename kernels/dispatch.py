@@ -50,8 +50,8 @@ __all__ = [
     "indexer_scores",
     "indexer_topk",
     "load_kernels",
-    "triton_interpreted",
     "sparse_attention",
+    "triton_interpreted",
     "use_backend",
 ]
 

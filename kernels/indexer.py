@@ -11,6 +11,8 @@
   reproduces ``kernels.reference`` exactly (ties: lower index) for any row length.
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -56,7 +58,7 @@ def _scores_kernel(
             other=0.0,
         )  # [BLOCK_T, BLOCK_D]
         wh = tl.load(w_ptr + t.to(tl.int64) * H + h, mask=tmask, other=0.0).to(tl.float32)
-        if IEEE:
+        if IEEE:  # noqa: SIM108  (constexpr branch)
             dot = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             dot = tl.dot(q, tl.trans(k))
@@ -99,21 +101,22 @@ def _order_key(x):
 
 @triton.jit
 def _eligible(
-    pos,
-    t,
-    limit,
-    newest,
+    pos,  # [1, BLOCK_N]
+    t,  # [BLOCK_T, 1] int64
+    tmask,  # [BLOCK_T, 1]
+    limit,  # [BLOCK_T, 1]
+    newest,  # [BLOCK_T, 1]
     cand_ptr,
     NBC,
     BLOCK: tl.constexpr,
     MODE_BLOCKS: tl.constexpr,
     HAS_CAND: tl.constexpr,
 ):
-    ok = pos < limit
+    ok = tmask & (pos < limit)  # [BLOCK_T, BLOCK_N]
     if MODE_BLOCKS:
         ok = ok & (pos != newest)
     if HAS_CAND:
-        c = tl.load(cand_ptr + t.to(tl.int64) * NBC + pos // BLOCK, mask=ok, other=0)
+        c = tl.load(cand_ptr + t * NBC + pos // BLOCK, mask=ok, other=0)
         ok = ok & (c != 0)
     return ok
 
@@ -124,6 +127,7 @@ def _select_kernel(
     qpos_ptr,  # [T] int64
     cand_ptr,  # [T, NBC] uint8 candidate mask (HAS_CAND)
     out_ptr,  # [T, K] int32 positions (top-k) or [T, N] uint8 mask (candidate blocks)
+    T,
     N,
     S,
     M,
@@ -132,69 +136,81 @@ def _select_kernel(
     BLOCK: tl.constexpr,
     MODE_BLOCKS: tl.constexpr,
     HAS_CAND: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    row = key_ptr + t.to(tl.int64) * N
-    vis = tl.minimum((tl.load(qpos_ptr + t) + 1) // M, S)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    tmask = (rows < T)[:, None]  # [BLOCK_T, 1]
+    t = rows.to(tl.int64)[:, None]
+    qpos = tl.load(qpos_ptr + t, mask=tmask, other=-1)
+    vis = tl.minimum((qpos + 1) // M, S)  # [BLOCK_T, 1] int64
     if MODE_BLOCKS:
         limit = (vis + BLOCK - 1) // BLOCK
         newest = tl.where(vis > 0, (vis - 1) // BLOCK, -1)
     else:
         limit = vis
         newest = vis * 0 - 1
-    offs = tl.arange(0, BLOCK_N)
+    offs = tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
+    row = key_ptr + t * N
     # how many to pick
-    n_elig = tl.sum(tl.zeros((BLOCK_N,), dtype=tl.int32), axis=0)
+    n_elig = tl.zeros((BLOCK_T,), dtype=tl.int32)
     for start in range(0, N, BLOCK_N):
         pos = start + offs
-        ok = _eligible(pos, t, limit, newest, cand_ptr, NBC, BLOCK, MODE_BLOCKS, HAS_CAND)
-        n_elig += tl.sum(ok.to(tl.int32), axis=0)
+        ok = _eligible(pos, t, tmask, limit, newest, cand_ptr, NBC, BLOCK, MODE_BLOCKS, HAS_CAND)
+        n_elig += tl.sum(ok.to(tl.int32), axis=1)
     k = tl.minimum(n_elig, K)
-    # bisection: the largest threshold v with count(key >= v) >= k
-    lo = tl.sum(tl.zeros((BLOCK_N,), dtype=tl.int64), axis=0) - 2147483648
-    hi = lo * 0 + 2147483647
+    # bisection: the largest threshold v with count(key >= v) >= k, per row
+    lo = tl.zeros((BLOCK_T,), dtype=tl.int64) - 2147483648
+    hi = tl.zeros((BLOCK_T,), dtype=tl.int64) + 2147483647
     for _ in range(32):
         mid = (lo + hi + 1) // 2
-        cnt = n_elig * 0
+        cnt = tl.zeros((BLOCK_T,), dtype=tl.int32)
         for start in range(0, N, BLOCK_N):
             pos = start + offs
-            ok = _eligible(pos, t, limit, newest, cand_ptr, NBC, BLOCK, MODE_BLOCKS, HAS_CAND)
+            ok = _eligible(
+                pos, t, tmask, limit, newest, cand_ptr, NBC, BLOCK, MODE_BLOCKS, HAS_CAND
+            )
             key = _order_key(tl.load(row + pos, mask=ok, other=0.0))
-            cnt += tl.sum((ok & (key >= mid)).to(tl.int32), axis=0)
+            cnt += tl.sum((ok & (key >= mid[:, None])).to(tl.int32), axis=1)
         lo = tl.where(cnt >= k, mid, lo)
         hi = tl.where(cnt >= k, hi, mid - 1)
-    thr = lo
-    n_gt = n_elig * 0
+    thr = lo[:, None]
+    n_gt = tl.zeros((BLOCK_T,), dtype=tl.int32)
     for start in range(0, N, BLOCK_N):
         pos = start + offs
-        ok = _eligible(pos, t, limit, newest, cand_ptr, NBC, BLOCK, MODE_BLOCKS, HAS_CAND)
+        ok = _eligible(pos, t, tmask, limit, newest, cand_ptr, NBC, BLOCK, MODE_BLOCKS, HAS_CAND)
         key = _order_key(tl.load(row + pos, mask=ok, other=0.0))
-        n_gt += tl.sum((ok & (key > thr)).to(tl.int32), axis=0)
-    need = k - n_gt  # ties at the threshold to take, lowest positions first
-    ties_before = n_elig * 0
-    taken_before = n_elig * 0
+        n_gt += tl.sum((ok & (key > thr)).to(tl.int32), axis=1)
+    need = (k - n_gt)[:, None]  # ties at the threshold to take, lowest positions first
+    ties_before = tl.zeros((BLOCK_T, 1), dtype=tl.int32)
+    taken_before = tl.zeros((BLOCK_T, 1), dtype=tl.int32)
     for start in range(0, N, BLOCK_N):
         pos = start + offs
-        ok = _eligible(pos, t, limit, newest, cand_ptr, NBC, BLOCK, MODE_BLOCKS, HAS_CAND)
+        ok = _eligible(pos, t, tmask, limit, newest, cand_ptr, NBC, BLOCK, MODE_BLOCKS, HAS_CAND)
         key = _order_key(tl.load(row + pos, mask=ok, other=0.0))
         tie = (ok & (key == thr)).to(tl.int32)
-        tie_rank = ties_before + tl.cumsum(tie, axis=0) - tie
+        tie_rank = ties_before + tl.cumsum(tie, axis=1) - tie
         sel = ok & ((key > thr) | ((tie != 0) & (tie_rank < need)))
-        ties_before += tl.sum(tie, axis=0)
+        ties_before += tl.sum(tie, axis=1)[:, None]
         if MODE_BLOCKS:
             keep = sel | (pos == newest)
-            tl.store(out_ptr + t.to(tl.int64) * N + pos, keep.to(tl.uint8), mask=pos < N)
+            tl.store(out_ptr + t * N + pos, keep.to(tl.uint8), mask=tmask & (pos < N))
         else:
             sel_i = sel.to(tl.int32)
-            slot = taken_before + tl.cumsum(sel_i, axis=0) - sel_i
-            tl.store(out_ptr + t.to(tl.int64) * K + slot, pos.to(tl.int32), mask=sel)
-            taken_before += tl.sum(sel_i, axis=0)
+            slot = taken_before + tl.cumsum(sel_i, axis=1) - sel_i
+            tl.store(out_ptr + t * K + slot, pos.to(tl.int32), mask=sel)
+            taken_before += tl.sum(sel_i, axis=1)[:, None]
     if not MODE_BLOCKS:
         for start in range(0, K, BLOCK_N):
             slot = start + offs
-            pad = (slot >= k) & (slot < K)
-            tl.store(out_ptr + t.to(tl.int64) * K + slot, slot * 0 - 1, mask=pad)
+            pad = tmask & (slot >= k[:, None]) & (slot < K)
+            tl.store(out_ptr + t * K + slot, slot * 0 - 1, mask=pad)
+
+
+def _select_rows() -> int:
+    """Rows per selection program: many under the interpreter (its cost is per op, not
+    per element), one on a GPU (rows are long; one row per program fills the machine)."""
+    return 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 1
 
 
 def _check_m(m: int) -> None:
@@ -269,7 +285,10 @@ def candidate_blocks(
     block_nb = max(1, min(256, triton.next_power_of_2(nb)))
     _block_max_kernel[(t, triton.cdiv(nb, block_nb))](sc, qp, bmax, s, nb, m, block, block_nb)
     chunk = min(SELECT_BLOCK, triton.next_power_of_2(nb))
-    _select_kernel[(t,)](bmax, qp, mask, mask, nb, s, m, keep - 1, 1, block, True, False, chunk)
+    bt = _select_rows()
+    _select_kernel[(triton.cdiv(t, bt),)](
+        bmax, qp, mask, mask, t, nb, s, m, keep - 1, 1, block, True, False, bt, chunk
+    )
     return mask.bool()
 
 
@@ -294,11 +313,13 @@ def indexer_topk(
     cand = cand_mask.to(torch.uint8).contiguous() if cand_mask is not None else out
     nbc = cand_mask.shape[1] if cand_mask is not None else 1
     chunk = min(SELECT_BLOCK, triton.next_power_of_2(max(s, topk, 1)))
-    _select_kernel[(t,)](
+    bt = _select_rows()
+    _select_kernel[(triton.cdiv(t, bt),)](
         scores.float().contiguous(),
         q_pos.long().contiguous(),
         cand,
         out,
+        t,
         s,
         s,
         m,
@@ -307,6 +328,7 @@ def indexer_topk(
         max(block, 1),
         False,
         cand_mask is not None,
+        bt,
         chunk,
     )
     return out
