@@ -1,0 +1,272 @@
+"""Report bodies: what a signed envelope carries, by kind (spec: `docs/protocol.md`).
+
+Bodies are JSON (pydantic, `extra="forbid"`). Key lists are packed: a JSON string of
+standard base64 over 8-byte big-endian unsigned keys, so a key costs 10.67 bytes on the
+wire whatever its value. That makes the envelope's size cap a hard bound on the number
+of keys a report can carry (4 MiB -> at most ~390k keys; a million keys need 10.7 MB
+and are refused by the size check before anything is parsed). The explicit caps below
+are checked while parsing: a key string is refused by its length before it is decoded.
+
+Keys are the router's prefix keys (`ramjet.prefix`): global KV one key per 256-token
+block, SWA state keyed by message-boundary keys.
+
+- `delta`:   what changed since the previous report (stored, moved, evicted; SWA
+             states created with their TTL, expired).
+- `snapshot`: the engine's whole residency by tier and its live SWA states, consistent
+             with exactly the reports up to and including the envelope's `seq`.
+- `load`:    queue and batch figures.
+- `profile`: `ramjet.profile.EngineProfile`, as is.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+
+from ramjet.profile import EngineProfile
+from ramjet.types import PrefixKey, Tier
+
+MAX_KEYS_PER_LIST = 1 << 19
+"""Hard cap on keys in any one list (524,288), checked before decoding the string."""
+MAX_KEYS_PER_BODY = 1 << 19
+"""Hard cap on keys across a whole body."""
+_MAX_B64 = (MAX_KEYS_PER_LIST * 8 + 2) // 3 * 4
+
+TierName = Literal["hbm", "host", "ssd"]
+
+
+def pack_keys(keys: Iterable[int]) -> str:
+    """Keys -> base64 of 8-byte big-endian words."""
+    seq = list(keys)
+    return base64.b64encode(struct.pack(f">{len(seq)}Q", *seq)).decode("ascii")
+
+
+def _unpack_keys(value: Any) -> tuple[PrefixKey, ...]:
+    if isinstance(value, str):
+        if len(value) > _MAX_B64:
+            raise ValueError(f"more than {MAX_KEYS_PER_LIST} keys in one list")
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("keys must be standard base64") from None
+        if len(raw) % 8:
+            raise ValueError("packed keys must be a multiple of 8 bytes")
+        return tuple(PrefixKey(k) for k in struct.unpack(f">{len(raw) // 8}Q", raw))
+    if isinstance(value, list | tuple):  # Python-side construction
+        if len(value) > MAX_KEYS_PER_LIST:
+            raise ValueError(f"more than {MAX_KEYS_PER_LIST} keys in one list")
+        for k in value:
+            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < 2**64:
+                raise ValueError("keys must be integers in [0, 2**64)")
+        return tuple(PrefixKey(k) for k in value)
+    raise ValueError("keys must be a base64 string of packed 64-bit keys")
+
+
+Keys = Annotated[
+    tuple[PrefixKey, ...],
+    BeforeValidator(_unpack_keys),
+    PlainSerializer(pack_keys, return_type=str, when_used="json"),
+]
+TtlMs = Annotated[int, Field(gt=0, le=365 * 24 * 3600 * 1000)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TierKeys(_Body):
+    """Blocks now in `tier`; `ttl_ms`: how long the engine keeps them there, if bounded."""
+
+    tier: TierName
+    keys: Keys
+    ttl_ms: TtlMs | None = None
+
+    @property
+    def tier_enum(self) -> Tier:
+        return Tier.parse(self.tier)
+
+
+class SwaStates(_Body):
+    """SWA states at these boundary keys, live for `ttl_ms` from the report's issue."""
+
+    keys: Keys
+    ttl_ms: TtlMs
+
+
+class DeltaBody(_Body):
+    stored: Annotated[list[TierKeys], Field(max_length=4096)] = []
+    moved: Annotated[list[TierKeys], Field(max_length=4096)] = []
+    evicted: Keys = ()
+    swa_created: Annotated[list[SwaStates], Field(max_length=4096)] = []
+    swa_expired: Keys = ()
+
+    def key_count(self) -> int:
+        return (
+            sum(len(t.keys) for t in self.stored)
+            + sum(len(t.keys) for t in self.moved)
+            + len(self.evicted)
+            + sum(len(s.keys) for s in self.swa_created)
+            + len(self.swa_expired)
+        )
+
+    def is_empty(self) -> bool:
+        return self.key_count() == 0
+
+
+class SnapshotBody(_Body):
+    seq: Annotated[int, Field(ge=0, lt=2**64)]
+    """The last sequence number this state includes; equals the envelope's seq."""
+    residency: Annotated[list[TierKeys], Field(max_length=4096)] = []
+    swa: Annotated[list[SwaStates], Field(max_length=4096)] = []
+
+    def key_count(self) -> int:
+        return sum(len(t.keys) for t in self.residency) + sum(len(s.keys) for s in self.swa)
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class LoadBody(_Body):
+    queued_prompt_tokens: NonNegInt
+    """Prompt tokens waiting or being prefilled."""
+    running_requests: NonNegInt
+    waiting_requests: NonNegInt
+    kv_utilization: Annotated[float, Field(ge=0, le=1)]
+    """Share of HBM global-KV capacity in use."""
+    decode_tokens_per_s: Annotated[float, Field(ge=0)] | None = None
+    """Recent decode throughput of the whole batch."""
+    spec_acceptance: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Recent speculative-decoding acceptance rate, if the engine speculates."""
+
+    def key_count(self) -> int:
+        return 0
+
+
+class ProfileBody(EngineProfile):
+    """A `profile` report carries `ramjet.profile.EngineProfile` unchanged."""
+
+    def key_count(self) -> int:
+        return 0
+
+
+Body = DeltaBody | SnapshotBody | LoadBody | ProfileBody
+BODY_TYPES: dict[str, type[DeltaBody] | type[SnapshotBody] | type[LoadBody] | type[ProfileBody]] = {
+    "delta": DeltaBody,
+    "snapshot": SnapshotBody,
+    "load": LoadBody,
+    "profile": ProfileBody,
+}
+
+
+class BodyError(ValueError):
+    """A body that does not parse, breaks a bound, or contradicts its envelope."""
+
+
+def parse_body(kind: str, raw: bytes, max_keys: int = MAX_KEYS_PER_BODY) -> Body:
+    """Parse and bound a body of `kind`. Raises `BodyError`."""
+    model = BODY_TYPES.get(kind)
+    if model is None:
+        raise BodyError(f"unknown kind {kind!r}")
+    try:
+        body: Body = model.model_validate_json(raw)
+    except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        raise BodyError(f"{kind} body: {_first_error(exc)}") from None
+    if body.key_count() > max_keys:
+        raise BodyError(f"{kind} body carries more than {max_keys} keys")
+    return body
+
+
+def encode_body(body: Body) -> bytes:
+    return body.model_dump_json(exclude_defaults=False).encode("utf-8")
+
+
+def profile_body(profile: EngineProfile) -> ProfileBody:
+    return ProfileBody.model_validate(profile.model_dump())
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        errs = errors()
+        if errs:
+            e = errs[0]
+            loc = ".".join(str(p) for p in e.get("loc", ()))
+            return f"{loc}: {e.get('msg', '')}"[:200]
+    return str(exc)[:200]
+
+
+def _whole_s(ttl_ms: int | None) -> int | None:
+    return None if ttl_ms is None else -(-ttl_ms // 1000) * 1000
+
+
+class DeltaBuilder:
+    """Accumulates cache changes into one `DeltaBody` (the engine's reporter uses it).
+
+    Later changes to a key supersede earlier ones within the same delta, so a key
+    stored then evicted before the delta is sent is reported evicted only. TTLs are
+    rounded up to whole seconds so keys group into few lists."""
+
+    def __init__(self) -> None:
+        self._global: dict[PrefixKey, tuple[str, Tier | None, int | None]] = {}
+        self._swa: dict[PrefixKey, int | None] = {}
+
+    def stored(self, key: PrefixKey, tier: Tier, ttl_ms: int | None = None) -> None:
+        self._global[key] = ("stored", tier, _whole_s(ttl_ms))
+
+    def moved(self, key: PrefixKey, tier: Tier, ttl_ms: int | None = None) -> None:
+        prev = self._global.get(key)
+        kind = "stored" if prev is not None and prev[0] == "stored" else "moved"
+        self._global[key] = (kind, tier, _whole_s(ttl_ms))
+
+    def evicted(self, key: PrefixKey) -> None:
+        self._global[key] = ("evicted", None, None)
+
+    def swa_created(self, key: PrefixKey, ttl_ms: int) -> None:
+        self._swa[key] = _whole_s(max(1, ttl_ms))
+
+    def swa_expired(self, key: PrefixKey) -> None:
+        self._swa[key] = None
+
+    def __len__(self) -> int:
+        return len(self._global) + len(self._swa)
+
+    def build(self) -> DeltaBody:
+        """The accumulated delta; the builder is emptied."""
+        groups: dict[tuple[str, Tier, int | None], list[PrefixKey]] = {}
+        evicted: list[PrefixKey] = []
+        for key, (kind, tier, ttl) in self._global.items():
+            if tier is None:
+                evicted.append(key)
+            else:
+                groups.setdefault((kind, tier, ttl), []).append(key)
+        swa_groups: dict[int, list[PrefixKey]] = {}
+        swa_gone: list[PrefixKey] = []
+        for key, swa_ttl in self._swa.items():
+            if swa_ttl is None:
+                swa_gone.append(key)
+            else:
+                swa_groups.setdefault(swa_ttl, []).append(key)
+        self._global.clear()
+        self._swa.clear()
+
+        def tier_lists(kind: str) -> list[TierKeys]:
+            return [
+                TierKeys(tier=t.label, keys=tuple(ks), ttl_ms=ttl)
+                for (k, t, ttl), ks in sorted(groups.items(), key=lambda g: (g[0][1], g[0][2] or 0))
+                if k == kind
+            ]
+
+        return DeltaBody(
+            stored=tier_lists("stored"),
+            moved=tier_lists("moved"),
+            evicted=tuple(evicted),
+            swa_created=[
+                SwaStates(keys=tuple(ks), ttl_ms=t) for t, ks in sorted(swa_groups.items())
+            ],
+            swa_expired=tuple(swa_gone),
+        )

@@ -1,0 +1,186 @@
+"""The router side of the transport: pull each engine's reports, accept pushes.
+
+Pull, per engine (`engines`: id -> base URL): a long-poll loop on
+`GET /ramjet/reports?epoch=E&after=SEQ&wait=S`, the cursor (E, SEQ) being the
+processor's last accepted (epoch, seq) for that engine. When the engine answers
+"snapshot needed" (unknown epoch, cursor older than its ring) or the processor saw a
+gap, or refused a pulled frame (too old, rate limited...), the loop fetches
+`GET /ramjet/snapshot` first. Every frame goes through
+`ReportProcessor.submit(frame, expected_engine=engine)`: a pulled frame that claims
+another engine is rejected. Errors back off exponentially with jitter
+(`poll.backoff_min_s` .. `poll.backoff_max_s`); a response bigger than a batch may be
+is cut off unread.
+
+Push: `POST /ramjet/reports` (mount with `add_routes(app)` on the router's app), one
+frame per request, read up to the size cap and no further; the same `submit`.
+
+`start()` launches the pull loops and a 1 s tick (staleness, expiry); `stop()` cancels
+them and closes the HTTP session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+
+from ramjet.reports import transport as tp
+from ramjet.reports.processor import ReportProcessor
+from ramjet.reports.verify import Reason, Rejected
+from ramjet.types import EngineId
+
+log = logging.getLogger(__name__)
+
+_STATUS = {Reason.OVERSIZE: 413, Reason.RATE_LIMITED: 429}
+
+
+class ResponseTooLarge(Exception):
+    pass
+
+
+async def _read_limited(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    buf = bytearray()
+    async for chunk in stream.iter_chunked(1 << 16):
+        buf += chunk
+        if len(buf) > limit:
+            raise ResponseTooLarge(f"more than {limit} bytes")
+    return bytes(buf)
+
+
+class ReportIngest:
+    def __init__(
+        self,
+        processor: ReportProcessor,
+        engines: Mapping[EngineId, str] | None = None,
+        *,
+        tick_interval_s: float = 1.0,
+        seed: int | None = None,
+    ) -> None:
+        self.processor = processor
+        cfg = processor.config
+        self.engines: dict[EngineId, str] = (
+            dict(engines)
+            if engines is not None
+            else {EngineId(e): url for e, url in cfg.engines.items()}
+        )
+        self._poll = cfg.poll
+        self._batch_limit = (16 << 20) + cfg.max_report_bytes
+        self._tick_interval = tick_interval_s
+        self._rng = random.Random(seed)
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.polls: dict[EngineId, int] = {}
+
+    # -- push -----------------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post(tp.REPORTS_PATH, self._handle_push)
+
+    async def _handle_push(self, request: web.Request) -> web.Response:
+        cap = self.processor.config.max_report_bytes
+        if request.content_length is not None and request.content_length > cap:
+            self.processor.count_rejected(Reason.OVERSIZE)
+            return web.json_response({"rejected": Reason.OVERSIZE.value}, status=413)
+        try:
+            frame = await _read_limited(request.content, cap)
+        except ResponseTooLarge:
+            self.processor.count_rejected(Reason.OVERSIZE)
+            return web.json_response({"rejected": Reason.OVERSIZE.value}, status=413)
+        outcome = self.processor.submit(frame)
+        if isinstance(outcome, Rejected):
+            status = _STATUS.get(outcome.reason, 400)
+            return web.json_response({"rejected": outcome.reason.value}, status=status)
+        return web.json_response({"accepted": outcome.envelope.seq}, status=202)
+
+    # -- pull -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self._poll.timeout_s)
+            )
+        for engine, url in self.engines.items():
+            self._tasks.append(asyncio.create_task(self._pull_loop(engine, url.rstrip("/"))))
+        self._tasks.append(asyncio.create_task(self._tick_loop()))
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _tick_loop(self) -> None:
+        while True:
+            self.processor.tick()
+            await asyncio.sleep(self._tick_interval)
+
+    async def _pull_loop(self, engine: EngineId, base: str) -> None:
+        backoff = self._poll.backoff_min_s
+        while True:
+            try:
+                await self.poll_once(engine, base)
+                backoff = self._poll.backoff_min_s
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure of one poll: back off, never die
+                log.info("reports pull from %s failed: %r", engine, exc)
+                await asyncio.sleep(backoff * (0.5 + self._rng.random() / 2))
+                backoff = min(backoff * 2, self._poll.backoff_max_s)
+
+    async def fetch_snapshot(self, engine: EngineId, base: str) -> bool:
+        """Fetch and submit one snapshot; True when it was accepted."""
+        assert self._session is not None, "start() first"
+        cap = self.processor.config.max_report_bytes
+        async with self._session.get(base + tp.SNAPSHOT_PATH) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"snapshot: HTTP {resp.status}")
+            frame = await _read_limited(resp.content, cap + 1)
+        self.processor.metrics.snapshots_fetched.labels(engine).inc()
+        outcome = self.processor.submit(frame, expected_engine=engine)
+        if isinstance(outcome, Rejected):
+            raise RuntimeError(f"snapshot rejected: {outcome.reason.value} ({outcome.detail})")
+        return True
+
+    async def poll_once(self, engine: EngineId, base: str, wait_s: float | None = None) -> int:
+        """One long-poll (after a snapshot when one is needed); returns the number of
+        frames accepted."""
+        assert self._session is not None, "start() first"
+        if self.processor.snapshot_needed(engine):
+            await self.fetch_snapshot(engine, base)
+        cursor = self.processor.cursor(engine)
+        params = {
+            "after": str(cursor.seq if cursor else 0),
+            "wait": str(self._poll.wait_s if wait_s is None else wait_s),
+            "max": str(self._poll.max_batch),
+        }
+        if cursor is not None:
+            params["epoch"] = str(cursor.epoch)
+        async with self._session.get(base + tp.REPORTS_PATH, params=params) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"reports: HTTP {resp.status}")
+            snapshot_needed = resp.headers.get(tp.H_SNAPSHOT) == "1"
+            data = await _read_limited(resp.content, self._batch_limit)
+        self.polls[engine] = self.polls.get(engine, 0) + 1
+        if snapshot_needed:
+            await self.fetch_snapshot(engine, base)
+            return 0
+        accepted = 0
+        for frame in tp.iter_frames(data):
+            outcome = self.processor.submit(frame, expected_engine=engine)
+            if not isinstance(outcome, Rejected):
+                accepted += 1
+            elif outcome.reason is not Reason.REPLAYED:
+                # a report the engine published is lost to us: heal by snapshot (and never
+                # spin on refusing the same frames from an unmoving cursor)
+                self.processor.request_snapshot(engine)
+        return accepted

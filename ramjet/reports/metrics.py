@@ -1,0 +1,91 @@
+"""Report metrics, on a registry passed in (several routers can share a process).
+
+- ramjet_reports_rejected_total{engine,reason}: every rejection; `engine` is the claimed
+  engine only when it is a configured one, else "unknown" (no attacker-chosen labels).
+- ramjet_reports_accepted_total{engine,kind}
+- ramjet_reports_gaps_total{engine}: sequence gaps seen (each asks for a snapshot)
+- ramjet_reports_snapshots_fetched_total{engine}: snapshots pulled by the router
+- ramjet_reports_epoch_changes_total{engine}
+- read at scrape time from the processor: ramjet_reports_epoch{engine},
+  ramjet_reports_trust_grade{engine} (0 exact, 1 degraded, 2 approximate),
+  ramjet_reports_staleness_seconds{engine} (since the last accepted report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFigures:
+    engine: str
+    epoch: int | None
+    trust: int
+    staleness_s: float | None
+
+
+class ReportMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.rejected = Counter(
+            "ramjet_reports_rejected_total",
+            "Reports rejected, by reason",
+            ["engine", "reason"],
+            registry=registry,
+        )
+        self.accepted = Counter(
+            "ramjet_reports_accepted_total",
+            "Reports accepted, by kind",
+            ["engine", "kind"],
+            registry=registry,
+        )
+        self.gaps = Counter(
+            "ramjet_reports_gaps_total", "Sequence gaps seen", ["engine"], registry=registry
+        )
+        self.snapshots_fetched = Counter(
+            "ramjet_reports_snapshots_fetched_total",
+            "Snapshots the router fetched",
+            ["engine"],
+            registry=registry,
+        )
+        self.epoch_changes = Counter(
+            "ramjet_reports_epoch_changes_total",
+            "New engine epochs seen",
+            ["engine"],
+            registry=registry,
+        )
+        self._registry = registry
+
+    def watch(self, figures: Callable[[], Iterable[EngineFigures]]) -> None:
+        self._registry.register(_EngineCollector(figures))
+
+
+class _EngineCollector(Collector):
+    def __init__(self, figures: Callable[[], Iterable[EngineFigures]]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        epoch = GaugeMetricFamily("ramjet_reports_epoch", "Current epoch", labels=["engine"])
+        trust = GaugeMetricFamily(
+            "ramjet_reports_trust_grade",
+            "Trust in the engine's residency: 0 exact, 1 degraded, 2 approximate",
+            labels=["engine"],
+        )
+        stale = GaugeMetricFamily(
+            "ramjet_reports_staleness_seconds",
+            "Seconds since the engine's last accepted report",
+            labels=["engine"],
+        )
+        for f in self._figures():
+            trust.add_metric([f.engine], float(f.trust))
+            if f.epoch is not None:
+                epoch.add_metric([f.engine], float(f.epoch))
+            if f.staleness_s is not None:
+                stale.add_metric([f.engine], f.staleness_s)
+        yield epoch
+        yield trust
+        yield stale

@@ -1,0 +1,305 @@
+"""The engine side of the reports: sign, sequence, keep, serve and push.
+
+The reference engine creates one `ReportPublisher` with its engine id, Ed25519 private
+key and key id, and feeds it:
+
+    pub = ReportPublisher(EngineId("e0"), load_private_key("keys/e0-a.key"), "e0-a",
+                          snapshot=cache_state, load=load_figures)
+    pub.add_routes(app)            # GET /ramjet/reports (long-poll), GET /ramjet/snapshot
+    await pub.start()              # periodic load reports, optional push
+    pub.publish_delta(builder.build())       # whenever the caches changed
+    pub.publish_profile(profile)             # after profiling
+    await pub.stop()
+
+Rules the publisher keeps (the router relies on them):
+- epoch: by default the wall-clock start time in ms, so a restart gets a higher one;
+- seq: 1, 2, 3... within the epoch for delta, load and profile reports, each kept in a
+  bounded ring (`ring_size` reports, `ring_bytes` bytes); a snapshot takes no number of
+  its own: it carries the seq of the last report it includes;
+- issued_at_ms strictly increases within the epoch (the router uses it to refuse a
+  replayed snapshot).
+
+Snapshot consistency: `snapshot()` (the engine's callback) returns its residency and
+live SWA states. Deltas set a key's state (they never add or subtract), so a snapshot
+that already contains changes not yet published in a delta is safe: the next delta
+repeats them. Publishing methods are thread-safe (the engine's cache events arrive on
+its worker thread); the HTTP handlers run on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import aiohttp
+from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ramjet.profile import EngineProfile
+from ramjet.reports import transport as tp
+from ramjet.reports.bodies import (
+    Body,
+    DeltaBody,
+    LoadBody,
+    SnapshotBody,
+    SwaStates,
+    TierKeys,
+    encode_body,
+    profile_body,
+)
+from ramjet.reports.envelope import Envelope, ReportKind, sign
+from ramjet.types import EngineId
+
+log = logging.getLogger(__name__)
+
+SnapshotSource = Callable[[], tuple[Sequence[TierKeys], Sequence[SwaStates]]]
+LoadSource = Callable[[], LoadBody]
+
+
+class ReportPublisher:
+    def __init__(
+        self,
+        engine_id: EngineId,
+        private_key: Ed25519PrivateKey,
+        key_id: str,
+        *,
+        epoch: int | None = None,
+        snapshot: SnapshotSource | None = None,
+        load: LoadSource | None = None,
+        load_interval_s: float = 1.0,
+        ring_size: int = 4096,
+        ring_bytes: int = 64 << 20,
+        push_url: str | None = None,
+        push_snapshot_interval_s: float = 30.0,
+        push_queue: int = 1024,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine_id = engine_id
+        self.key_id = key_id
+        self._key = private_key
+        self._wall = wall_clock
+        self.epoch = int(wall_clock() * 1000) if epoch is None else epoch
+        self._snapshot = snapshot
+        self._load = load
+        self._load_interval = load_interval_s
+        self._ring: deque[tuple[int, bytes]] = deque()
+        self._ring_size, self._ring_bytes_cap, self._ring_bytes = ring_size, ring_bytes, 0
+        self._dropped_through = 0
+        """Highest seq that left the ring: a cursor below it needs a snapshot."""
+        self._seq = 0
+        self._issued_ms = 0
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self._push_url = push_url
+        self._push_snapshot_interval = push_snapshot_interval_s
+        self._push_q: deque[bytes] = deque(maxlen=push_queue)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.pushed = 0
+        self.push_failures = 0
+
+    # -- signing ---------------------------------------------------------------------------
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    def _sign(self, kind: ReportKind, body: Body, seq: int) -> bytes:
+        # caller holds the lock
+        self._issued_ms = max(int(self._wall() * 1000), self._issued_ms + 1)
+        env = Envelope(
+            self.engine_id, self.key_id, self.epoch, seq, self._issued_ms, kind, encode_body(body)
+        )
+        return sign(env, self._key)
+
+    def _publish(self, kind: ReportKind, body: Body) -> int:
+        with self._lock:
+            self._seq += 1
+            frame = self._sign(kind, body, self._seq)
+            self._ring.append((self._seq, frame))
+            self._ring_bytes += len(frame)
+            while len(self._ring) > self._ring_size or self._ring_bytes > self._ring_bytes_cap:
+                old_seq, old = self._ring.popleft()
+                self._ring_bytes -= len(old)
+                self._dropped_through = old_seq
+            seq = self._seq
+            if self._push_url is not None:
+                self._push_q.append(frame)
+        self._wake()
+        return seq
+
+    def publish_delta(self, body: DeltaBody) -> int:
+        """Sign and keep a delta; returns its seq."""
+        return self._publish("delta", body)
+
+    def publish_load(self, body: LoadBody) -> int:
+        return self._publish("load", body)
+
+    def publish_profile(self, profile: EngineProfile) -> int:
+        return self._publish("profile", profile_body(profile))
+
+    def snapshot_frame(self) -> bytes:
+        """A signed snapshot of the engine's state now, at the current seq."""
+        if self._snapshot is None:
+            raise RuntimeError("this publisher has no snapshot source")
+        with self._lock:
+            residency, swa = self._snapshot()
+            body = SnapshotBody(seq=self._seq, residency=list(residency), swa=list(swa))
+            return self._sign("snapshot", body, self._seq)
+
+    def frames_after(self, after: int, limit: int = 512, max_bytes: int = 16 << 20) -> list[bytes]:
+        with self._lock:
+            if not self._ring:
+                return []
+            first = self._ring[0][0]
+            start = max(0, after + 1 - first)
+            out: list[bytes] = []
+            size = 0
+            for i in range(start, min(len(self._ring), start + limit)):
+                frame = self._ring[i][1]
+                if out and size + len(frame) > max_bytes:
+                    break
+                out.append(frame)
+                size += len(frame)
+            return out
+
+    # -- waking long-polls --------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._fire()
+        else:
+            with contextlib.suppress(RuntimeError):  # loop closing
+                loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        ev, self._event = self._event, asyncio.Event()
+        if ev is not None:
+            ev.set()
+
+    def _bind_loop(self) -> asyncio.Event:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(tp.REPORTS_PATH, self._handle_reports)
+        app.router.add_get(tp.SNAPSHOT_PATH, self._handle_snapshot)
+
+    async def _handle_reports(self, request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            epoch = int(q["epoch"]) if "epoch" in q else None
+            after = int(q.get("after", "0"))
+            wait = min(max(float(q.get("wait", "0")), 0.0), tp.MAX_WAIT_S)
+            limit = min(max(int(q.get("max", "512")), 1), 10_000)
+        except ValueError:
+            return web.json_response(
+                {"error": "epoch, after, max: integers; wait: seconds"}, status=400
+            )
+        deadline = time.monotonic() + wait
+        while True:
+            event = self._bind_loop()
+            with self._lock:
+                head, dropped = self._seq, self._dropped_through
+            if epoch != self.epoch or after < dropped or after > head or after < 0:
+                return self._batch([], head, snapshot_needed=True)
+            frames = self.frames_after(after, limit)
+            remaining = deadline - time.monotonic()
+            if frames or remaining <= 0:
+                return self._batch(frames, head, snapshot_needed=False)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining)
+
+    def _batch(self, frames: list[bytes], head: int, snapshot_needed: bool) -> web.Response:
+        headers = {
+            tp.H_EPOCH: str(self.epoch),
+            tp.H_HEAD: str(head),
+            tp.H_SNAPSHOT: "1" if snapshot_needed else "0",
+        }
+        return web.Response(
+            body=tp.pack_frames(frames), content_type=tp.BATCH_TYPE, headers=headers
+        )
+
+    async def _handle_snapshot(self, request: web.Request) -> web.Response:
+        if self._snapshot is None:
+            return web.json_response({"error": "no snapshot source"}, status=404)
+        return web.Response(body=self.snapshot_frame(), content_type=tp.FRAME_TYPE)
+
+    # -- background: load reports, push --------------------------------------------------------
+
+    async def start(self) -> None:
+        self._bind_loop()
+        if self._load is not None:
+            self._tasks.append(asyncio.create_task(self._load_loop()))
+        if self._push_url is not None:
+            self._tasks.append(asyncio.create_task(self._push_loop(self._push_url)))
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def _load_loop(self) -> None:
+        assert self._load is not None
+        while True:
+            try:
+                self.publish_load(self._load())
+            except Exception:  # a broken load figure must not stop the reports
+                log.exception("load report failed")
+            await asyncio.sleep(self._load_interval)
+
+    async def _push_loop(self, url: str) -> None:
+        """POST every new report, in order; a periodic snapshot heals what a router
+        missed (pushes lost while it was down, a full push queue)."""
+        backoff = 0.2
+        next_snapshot = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                if self._snapshot is not None and time.monotonic() >= next_snapshot:
+                    self._push_q.append(self.snapshot_frame())
+                    next_snapshot = time.monotonic() + self._push_snapshot_interval
+                if not self._push_q:
+                    event = self._bind_loop()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(event.wait(), 0.5)
+                    continue
+                frame = self._push_q[0]
+                try:
+                    async with session.post(
+                        url, data=frame, headers={"Content-Type": tp.FRAME_TYPE}
+                    ) as resp:
+                        await resp.read()
+                        if resp.status >= 500:
+                            raise aiohttp.ClientResponseError(
+                                resp.request_info, (), status=resp.status
+                            )
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    self.push_failures += 1
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff = 0.2
+                if self._push_q and self._push_q[0] is frame:
+                    self._push_q.popleft()
+                self.pushed += 1

@@ -1,0 +1,165 @@
+"""The checks a report frame passes before it may change anything.
+
+Order (cheapest first; each failure is one `Reason`, counted by the processor):
+
+1. size over `max_report_bytes`            -> oversize          (before any parsing)
+2. frame layout                            -> malformed, missing_signature
+3. engine id differs from the transport's  -> engine_mismatch   (pulled from engine X)
+4. key id: retired / unknown / another's   -> retired_key, unknown_key, wrong_engine_key
+5. Ed25519 over the canonical bytes        -> bad_signature
+6. per-engine token bucket                 -> rate_limited      (after authentication, so
+                                              forged frames cannot drain an engine's budget)
+7. issue time older than `max_age_s` or
+   later than `max_future_skew_s`          -> too_old, future   (wall clock, injected)
+8. a delta/load/profile with seq 0         -> malformed         (numbers start at 1)
+   epoch below the engine's current        -> epoch_old
+9. sequence: a non-snapshot must have seq > the last accepted seq of the epoch;
+   a snapshot seq >= it and an issue time later than the last accepted report's
+   (the publisher makes issue times strictly increasing within an epoch)
+                                           -> replayed          (old, replayed, reordered)
+10. body parse and bounds; a snapshot's
+    body seq must equal the envelope's     -> malformed_body
+
+`ReportVerifier.check` reads the engine's `Cursor` and changes nothing but the rate
+bucket; committing an accepted report is the processor's job.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ramjet.reports.bodies import Body, BodyError, SnapshotBody, parse_body
+from ramjet.reports.config import ReportsConfig
+from ramjet.reports.envelope import Envelope, EnvelopeError, decode, verify_signature
+from ramjet.reports.keys import KeyRing
+from ramjet.types import EngineId
+
+
+class Reason(enum.StrEnum):
+    OVERSIZE = "oversize"
+    MALFORMED = "malformed"
+    MISSING_SIGNATURE = "missing_signature"
+    BAD_SIGNATURE = "bad_signature"
+    UNKNOWN_KEY = "unknown_key"
+    RETIRED_KEY = "retired_key"
+    WRONG_ENGINE_KEY = "wrong_engine_key"
+    ENGINE_MISMATCH = "engine_mismatch"
+    RATE_LIMITED = "rate_limited"
+    TOO_OLD = "too_old"
+    FUTURE = "future"
+    EPOCH_OLD = "epoch_old"
+    REPLAYED = "replayed"
+    MALFORMED_BODY = "malformed_body"
+
+
+@dataclass(frozen=True, slots=True)
+class Cursor:
+    """What the router has accepted from one engine so far."""
+
+    epoch: int
+    seq: int
+    """Last accepted sequence number in `epoch` (a snapshot's seq counts)."""
+    issued_at_ms: int
+    """Issue time of the last accepted report."""
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    envelope: Envelope
+    body: Body
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    reason: Reason
+    detail: str
+    engine: EngineId | None = None
+    """The engine the frame claimed to come from, once it was decoded."""
+
+
+class TokenBucket:
+    """`rate` tokens per second up to `burst`; clock in seconds (monotonic)."""
+
+    __slots__ = ("burst", "last", "rate", "tokens")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate, self.burst = rate, float(burst)
+        self.tokens, self.last = float(burst), now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class ReportVerifier:
+    def __init__(
+        self,
+        keyring: KeyRing,
+        config: ReportsConfig,
+        cursor_of: Callable[[EngineId], Cursor | None],
+        wall_clock: Callable[[], float],
+        clock: Callable[[], float],
+    ) -> None:
+        self.keyring = keyring
+        self.config = config
+        self._cursor_of = cursor_of
+        self._wall = wall_clock
+        self._clock = clock
+        self._buckets: dict[EngineId, TokenBucket] = {}
+
+    def check(self, frame: bytes, expected_engine: EngineId | None = None) -> Accepted | Rejected:
+        cfg = self.config
+        if len(frame) > cfg.max_report_bytes:
+            return Rejected(Reason.OVERSIZE, f"{len(frame)} bytes > {cfg.max_report_bytes}")
+        try:
+            signed = decode(frame, cfg.max_report_bytes)
+        except EnvelopeError as exc:
+            return Rejected(Reason(exc.reason), exc.detail)
+        env = signed.envelope
+        engine = env.engine_id
+        if expected_engine is not None and engine != expected_engine:
+            return Rejected(Reason.ENGINE_MISMATCH, f"expected {expected_engine}", engine)
+        key = self.keyring.lookup(env.key_id, engine)
+        if isinstance(key, str):
+            return Rejected(Reason(key), f"key id {env.key_id!r}", engine)
+        if not verify_signature(signed, key):
+            return Rejected(Reason.BAD_SIGNATURE, f"key id {env.key_id!r}", engine)
+        now = self._clock()
+        bucket = self._buckets.get(engine)
+        if bucket is None:
+            bucket = self._buckets[engine] = TokenBucket(cfg.rate_per_s, cfg.burst, now)
+        if not bucket.take(now):
+            return Rejected(Reason.RATE_LIMITED, f"over {cfg.rate_per_s}/s", engine)
+        now_ms = self._wall() * 1000.0
+        age_ms = now_ms - env.issued_at_ms
+        if age_ms > cfg.max_age_s * 1000.0:
+            return Rejected(Reason.TOO_OLD, f"issued {age_ms / 1000:.1f} s ago", engine)
+        if -age_ms > cfg.max_future_skew_s * 1000.0:
+            return Rejected(Reason.FUTURE, f"issued {-age_ms / 1000:.1f} s ahead", engine)
+        if env.kind != "snapshot" and env.seq == 0:
+            return Rejected(Reason.MALFORMED, "sequence numbers start at 1", engine)
+        cursor = self._cursor_of(engine)
+        if cursor is not None:
+            if env.epoch < cursor.epoch:
+                return Rejected(Reason.EPOCH_OLD, f"epoch {env.epoch} < {cursor.epoch}", engine)
+            if env.epoch == cursor.epoch:
+                stale = (
+                    env.seq < cursor.seq or env.issued_at_ms <= cursor.issued_at_ms
+                    if env.kind == "snapshot"
+                    else env.seq <= cursor.seq
+                )
+                if stale:
+                    return Rejected(Reason.REPLAYED, f"seq {env.seq} after {cursor.seq}", engine)
+        try:
+            body = parse_body(env.kind, env.body, cfg.max_keys)
+        except BodyError as exc:
+            return Rejected(Reason.MALFORMED_BODY, str(exc), engine)
+        if isinstance(body, SnapshotBody) and body.seq != env.seq:
+            return Rejected(Reason.MALFORMED_BODY, "snapshot seq differs from envelope", engine)
+        return Accepted(env, body)
