@@ -82,7 +82,21 @@ def key_seed(model: str, adapter: str | None = None) -> int:
 
 
 def _esc(text: str) -> str:
-    # str.replace returns its argument itself when there is nothing to replace: no copy.
+    """Replace every `<|` with `<||>`.
+
+    Searching a two-character needle runs at about 1 GB/s in CPython (3.4 ms per 4 MB,
+    14 ms for a string with one emoji), while a one-character find is a memchr (0.2 ms).
+    Most prompts hold few `|`: look at each, and fall back to `replace` as soon as a
+    `<|` shows up or the pipes are too many to visit one by one.
+    """
+    find = text.find
+    i = find("|", 1)
+    for _ in range(64):
+        if i < 0:
+            return text  # no `<|`: no copy
+        if text[i - 1] == "<":
+            break
+        i = find("|", i + 1)
     return text.replace("<|", "<||>")
 
 
