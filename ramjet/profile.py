@@ -16,6 +16,7 @@ marginal token dearer as context grows). A flat curve is a constant tokens/s eng
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from typing import Annotated
 
@@ -96,10 +97,16 @@ class EngineProfile(BaseModel):
         if new_tokens <= 0:
             return 0.0
         lo, hi = float(context_tokens), float(context_tokens + new_tokens)
-        knots = [lo] + [float(p.context_tokens) for p in self.prefill_curve if lo < p.context_tokens < hi] + [hi]
+        knots = (
+            [lo]
+            + [float(p.context_tokens) for p in self.prefill_curve if lo < p.context_tokens < hi]
+            + [hi]
+        )
         total = 0.0
-        for a, b in zip(knots, knots[1:], strict=False):
-            total += (self._rate(a) + self._rate(b)) / 2 * (b - a)  # exact: rate is linear on [a, b]
+        for a, b in itertools.pairwise(knots):
+            total += (
+                (self._rate(a) + self._rate(b)) / 2 * (b - a)
+            )  # exact: rate is linear on [a, b]
         return self.prefill_overhead_s + total
 
     def restore_seconds(self, tokens_by_tier: Sequence[int]) -> float:

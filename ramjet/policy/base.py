@@ -46,7 +46,9 @@ class GlobalMatch:
 class ResidencyView(Protocol):
     """What one engine holds, as far as the router knows. Read-only, synchronous."""
 
-    def global_match(self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]) -> GlobalMatch:
+    def global_match(
+        self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
+    ) -> GlobalMatch:
         """Longest prefix of `block_keys` resident on the engine, in tokens by tier.
 
         `block_tokens[i]` is the number of tokens block i covers. The match stops at the
@@ -131,6 +133,8 @@ class Decision:
 class RoutingPolicy(Protocol):
     name: str
 
-    def pick(self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats) -> Decision:
+    def pick(
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> Decision:
         """Pick one engine; see the module docstring for the contract."""
         ...
