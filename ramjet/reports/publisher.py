@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import threading
 import time
@@ -287,7 +288,7 @@ class ReportPublisher:
                 frame = self._push_q[0]
                 try:
                     async with session.post(
-                        url, data=frame, headers={"Content-Type": tp.FRAME_TYPE}
+                        url, data=io.BytesIO(frame), headers={"Content-Type": tp.FRAME_TYPE}
                     ) as resp:
                         await resp.read()
                         if resp.status >= 500:
