@@ -9,8 +9,8 @@ Policy names and their parameters are validated by `ramjet.policy.registry` (whi
 each policy's parameter model); this module only holds `{name, params}`.
 
 The `residency:` section's model is `ramjet.residency.config.ResidencyConfig` (owned by
-the residency tables). Sections owned by other parts (`reports`, `keys`) are held as plain mappings here until
-their typed models land; they are the only places where unknown keys pass.
+the residency tables); `reports:` and `keys:` are `ramjet.reports.config`'s
+`ReportsConfig` and `KeysConfig` (owned by the reports part).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ramjet.redis_link import StoreConfig
+from ramjet.reports.config import KeysConfig, ReportsConfig
 from ramjet.residency.config import ResidencyConfig
 
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -90,6 +92,9 @@ class TimeoutsConfig(_Frozen):
     """A client must finish sending request headers within this (slowloris), else 408."""
     body_s: float = Field(default=30.0, gt=0)
     """A client must finish sending the request body within this, else 408."""
+    linger_s: float = Field(default=1.0, ge=0)
+    """After refusing a request whose body was not read, drain it this long, then close
+    (closing at once could reset the connection before the client reads the refusal)."""
     drain_s: float = Field(default=30.0, ge=0)
     """On shutdown, in-flight requests get this long before their streams are ended."""
     probe_s: float = Field(default=2.0, gt=0)
@@ -166,9 +171,12 @@ class PolicyConfig(_Frozen):
     health: HealthConfig = HealthConfig()
     logging: LoggingConfig = LoggingConfig()
     admin: AdminConfig = AdminConfig()
-    # Owned by the reports part: replace with its typed model when it lands.
-    reports: dict[str, Any] | None = None
-    keys: dict[str, Any] | None = None
+    store: StoreConfig = StoreConfig()
+    """Where the residency tables live: memory (default) or redis (docs/redis.md)."""
+    reports: ReportsConfig = ReportsConfig()
+    """Signed engine reports: limits, skew, rate, staleness, pull (`ramjet.reports.config`)."""
+    keys: KeysConfig = KeysConfig()
+    """Engines' report public keys and retired key ids (`ramjet.reports.config`)."""
 
     @field_validator("mode", mode="before")
     @classmethod
