@@ -91,6 +91,7 @@ class PromptCache:
             return self.model.new_state()
         got = self.kv.fetch(keys.blocks[:n_blocks])
         work.hbm_tokens, work.host_tokens, work.ssd_tokens = got.tokens_by_tier
+        work.restore_io_ms = sum(got.seconds_by_tier) * 1e3
         return self.model.state_from_global(got.blobs, n_blocks * self.block)
 
     def store(self, state: Any, ids: list[int], keys: PrefixKeys) -> None:

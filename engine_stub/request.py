@@ -37,6 +37,8 @@ class PromptWork:
     prefilled_tokens: int = 0
     queue_ms: float = 0.0
     restore_ms: float = 0.0
+    restore_io_ms: float = 0.0
+    """Of restore_ms: copying blocks out of their tiers (host copy, SSD file reads)."""
     prefill_ms: float = 0.0
     epoch: int = 0
 
@@ -54,6 +56,7 @@ class PromptWork:
             "prefilled_tokens": self.prefilled_tokens,
             "queue_ms": round(self.queue_ms, 3),
             "restore_ms": round(self.restore_ms, 3),
+            "restore_io_ms": round(self.restore_io_ms, 4),
             "prefill_ms": round(self.prefill_ms, 3),
             "epoch": self.epoch,
         }

@@ -20,6 +20,10 @@ if that rate beats the plain rate B / plain_s(B), else decode plainly. So a larg
 Before drafting, a bound (E <= 1 + max_draft) skips the draft pass when even a perfect
 draft could not win.
 
+Calibration: the confidence head's survival is scaled by `calibration` = accepted /
+predicted-surviving positions so far (an untrained or drifting head over-promises), and
+one step in `explore_every` speculates regardless so the calibration can recover.
+
 Acceptance (accepted / verified positions) and effective tokens per sequence-step are
 EMAs read by metrics and the load report.
 """
@@ -51,6 +55,15 @@ class Speculator:
         self.proposed_total = 0
         self.accepted_total = 0
         self.spec_steps = 0
+        self.predicted_total = 0.0
+        self.explore_every = 32
+        self._since_explore = 0
+
+    @property
+    def calibration(self) -> float:
+        if self.predicted_total < 4:
+            return 1.0
+        return min(1.5, self.accepted_total / self.predicted_total)
 
     # -- cost model -----------------------------------------------------------------
 
@@ -61,6 +74,8 @@ class Speculator:
     def _plain_rate(self, batch: int) -> float | None:
         """Plain decode tokens per second per sequence at this batch size, if known."""
         known = self.plain_s.get(batch)
+        if known is None and not self.plain_s and self.verify_base_s is not None:
+            known = self.verify_base_s  # one backbone pass over a few rows
         if known is None and self.plain_s:
             b0 = min(self.plain_s, key=lambda b: abs(b - batch))
             known = self.plain_s[b0] * max(1.0, batch / b0) ** 0.5  # sublinear in batch
@@ -76,7 +91,7 @@ class Speculator:
         survival, s = [], 1.0
         for c in confidences[: self.max_draft]:
             s *= max(0.0, min(1.0, float(c)))
-            survival.append(s)
+            survival.append(min(1.0, s * self.calibration))
         plain = self._plain_rate(batch)
         best_k, best_rate = 0, -1.0
         expected = 1.0
@@ -99,7 +114,7 @@ class Speculator:
         cost = self._spec_cost(1)
         if plain is None or cost is None:
             return True
-        return (1 + self.max_draft) / cost > plain
+        return (1 + self.max_draft * self.calibration) / cost > plain
 
     # -- one step -------------------------------------------------------------------
 
@@ -113,11 +128,16 @@ class Speculator:
         t1 = time.perf_counter()
         self.draft_s = _ema(self.draft_s, t1 - t0)
         k = min(self.choose(confidences, batch), left - 1)
+        self._since_explore += 1
+        if k <= 0 and self._since_explore >= self.explore_every:
+            k = 1
         if k <= 0:
-            rollback = getattr(self.model, "discard_draft", None)
-            if rollback is not None:
-                rollback(state)
             return None
+        self._since_explore = 0
+        surv = 1.0
+        for c in confidences[:k]:
+            surv *= c
+            self.predicted_total += surv
         accepted, bonus = verify_block(self.model, state, pending, tokens[:k])
         dt = time.perf_counter() - t1
         if self.verify_base_s is None:
@@ -134,22 +154,17 @@ class Speculator:
 
 
 def draft_block(model: Any, state: Any, pending: int, n: int) -> tuple[list[int], list[float]]:
-    """Adapter over the model's draft API: returns (tokens, confidences)."""
-    out = model.draft(state, n)
-    if isinstance(out, tuple):
-        tokens, conf = out[0], out[1]
-    else:
-        tokens, conf = out.tokens, out.confidence
-    return [int(t) for t in tokens], [float(c) for c in conf]
+    """The model's draft of the n tokens after `pending` (= argmax of the state's last
+    logits: greedy decoding's certain next token), with their confidences."""
+    d = model.draft(state, n)
+    return [int(t) for t in d.tokens.tolist()], [float(c) for c in d.confidences.tolist()]
 
 
 def verify_block(model: Any, state: Any, pending: int, draft: list[int]) -> tuple[list[int], int]:
-    """Adapter over the model's verify API: returns (accepted drafts, next token)."""
-    accepted, stats = model.verify(state, draft)
-    acc = [int(t) for t in accepted]
-    bonus = (
-        stats.get("next_token") if isinstance(stats, dict) else getattr(stats, "next_token", None)
-    )
-    if bonus is None:
-        bonus = acc.pop() if acc else int(draft[0])
-    return acc, int(bonus)
+    """Verify `draft` after `pending`: the model processes pending + the accepted drafts
+    and returns them; the backbone's next token (argmax of the new last logits) is the
+    step's extra token, emitted but not yet processed (the scheduler's next `pending`)."""
+    emitted, _stats = model.verify(state, draft)
+    if int(emitted[0]) != pending:
+        raise RuntimeError("DSpark verify: the state's greedy token is not the pending token")
+    return [int(t) for t in emitted[1:]], int(state.last_logits.argmax())
