@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from ramjet.policy.base import GlobalMatch
 from ramjet.policy.cost import prompt_work
-from ramjet.types import EngineId
+from ramjet.types import EngineId, PrefixKey
 from simulations.cache import SwaPool, TieredCache
 from simulations.preset import EngineSpec
 from simulations.workload import Request
@@ -107,6 +107,9 @@ class Engine:
         self._seq = 0
         self.current: Job | None = None
         self.queued_tokens = 0
+        self.pending: dict[PrefixKey, int] = {}
+        """Blocks of requests queued here, not yet prefilled: resident by the time a
+        request routed now starts (the engine knows its queue; exact views include it)."""
         self.inflight = 0
         self.decoding = 0
         self.decode_tokens = 0
@@ -123,6 +126,9 @@ class Engine:
         return len(self.heap) if self.priority else len(self.fifo)
 
     def submit(self, job: Job, now: float) -> None:
+        pending = self.pending
+        for k in job.req.block_keys:
+            pending[k] = pending.get(k, 0) + 1
         self.inflight += 1
         self.queued_tokens += job.predicted_new
         if self.priority:
@@ -213,6 +219,13 @@ class Engine:
         job.first_token_s = now
         req = job.req
         self.cache.touch(req.block_keys)
+        pending = self.pending
+        for k in req.block_keys:
+            c = pending[k] - 1
+            if c:
+                pending[k] = c
+            else:
+                del pending[k]
         self.decoding += 1
         ctx = req.prompt_tokens + req.output_tokens
         self.decode_tokens += ctx

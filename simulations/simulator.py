@@ -137,7 +137,7 @@ class Simulation:
         self.residency: list[Any] = []
         for e in self.engines:
             if knowledge.kind == "exact":
-                self.residency.append(ExactResidency(e.cache, e.swa, self.clock))
+                self.residency.append(ExactResidency(e.cache, e.swa, self.clock, e.pending))
             elif knowledge.kind == "hbm_only":
                 self.residency.append(HbmOnlyResidency(e.cache))
             elif knowledge.kind in ("routed", "none"):

@@ -44,18 +44,31 @@ _NONE = GlobalMatch()
 
 
 class ExactResidency:
-    __slots__ = ("cache", "clock", "swa")
+    """The caches, plus the blocks of requests queued on the engine (`pending`): they
+    will be in HBM before a request routed now starts (FCFS), and the engine knows them."""
 
-    def __init__(self, cache: TieredCache, swa: SwaPool, clock: Clock) -> None:
-        self.cache, self.swa, self.clock = cache, swa, clock
+    __slots__ = ("cache", "clock", "pending", "swa")
+
+    def __init__(
+        self, cache: TieredCache, swa: SwaPool, clock: Clock, pending: dict[PrefixKey, int]
+    ) -> None:
+        self.cache, self.swa, self.clock, self.pending = cache, swa, clock, pending
 
     def global_match(
         self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
     ) -> GlobalMatch:
-        h, o, s = self.cache.match(block_keys, block_tokens)
-        if h == o == s == 0:
+        where, pending = self.cache.where, self.pending
+        counts = [0, 0, 0]
+        for i, k in enumerate(block_keys):
+            t = where.get(k)
+            if t is None:
+                if k not in pending:
+                    break
+                t = HBM
+            counts[t] += block_tokens[i]
+        if counts[0] == counts[1] == counts[2] == 0:
             return _NONE
-        return GlobalMatch(h, o, s)
+        return GlobalMatch(counts[0], counts[1], counts[2])
 
     def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
         return self.swa.match(boundary_keys, self.clock.now)

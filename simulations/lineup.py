@@ -1,0 +1,104 @@
+"""The named policies a run can compare, each with the residency knowledge it gets.
+
+`<peer>:exact` gives a peer exact residency (isolates its policy); `<peer>:real` gives it
+the knowledge that peer really has (ANCHORS.md; figures in docs/simulation.md). Ramjet's
+own policies are built by `ramjet.policy.registry.create_policy` and see exact residency
+(authenticated engine reports). `oracle` is `tier_aware` on engines that share one
+cache and one SWA pool: it knows where every block is and may use it on either engine
+at no transfer cost, which no online router can have; the gap to it is the cost of
+partitioning the cache between engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ramjet.policy.base import RoutingPolicy
+from ramjet.policy.registry import create_policy
+from simulations.peers.dynamo import DynamoKv
+from simulations.peers.llmd import LlmdScorers
+from simulations.peers.prodstack import ProdstackPrefix
+from simulations.peers.smg import SmgCacheAware, SmgLeastLoad
+from simulations.simulator import Knowledge
+
+EXACT = Knowledge("exact")
+NONE = Knowledge("none")
+SMG_TREE = Knowledge("routed", capacity_tokens=(1 << 26) // 4 // 2)
+DYNAMO_TTL = Knowledge("routed", ttl_s=120.0)
+LLMD_LRU = Knowledge("routed", capacity_tokens=31_250 * 64, max_match_tokens=256 * 64)
+HBM_ONLY = Knowledge("hbm_only")
+
+
+@dataclass(frozen=True)
+class Entrant:
+    name: str
+    make: Callable[[int], RoutingPolicy]
+    knowledge: Knowledge = field(default=EXACT)
+    shared_cache: bool = False
+    origin: str = "ramjet"
+
+
+def _ramjet(
+    name: str, params: dict[str, object] | None = None, label: str | None = None
+) -> Callable[[int], RoutingPolicy]:
+    def make(seed: int) -> RoutingPolicy:
+        policy = create_policy(name, params or {})
+        if label:
+            policy.name = label
+        return policy
+
+    return make
+
+
+ENTRANTS: dict[str, Entrant] = {
+    e.name: e
+    for e in [
+        Entrant("tier_aware", _ramjet("tier_aware")),
+        Entrant(
+            "tier_aware_selfish",
+            _ramjet("tier_aware", {"externality_scale": 0.0}, "tier_aware_selfish"),
+        ),
+        Entrant("prefix_affinity", _ramjet("prefix_affinity")),
+        Entrant("round_robin", _ramjet("round_robin"), NONE),
+        Entrant("least_loaded", _ramjet("least_loaded"), NONE),
+        Entrant("session_hash", _ramjet("session_hash"), NONE),
+        Entrant("smg_cache_aware:exact", lambda s: SmgCacheAware(), EXACT, origin="peer"),
+        Entrant("smg_cache_aware:real", lambda s: SmgCacheAware(), SMG_TREE, origin="peer"),
+        Entrant("smg_least_load", lambda s: SmgLeastLoad(), NONE, origin="peer"),
+        Entrant("dynamo_kv:exact", lambda s: DynamoKv(), EXACT, origin="peer"),
+        Entrant("dynamo_kv:real", lambda s: DynamoKv(), DYNAMO_TTL, origin="peer"),
+        Entrant("llmd_scorers:exact", lambda s: LlmdScorers(), EXACT, origin="peer"),
+        Entrant("llmd_scorers:real", lambda s: LlmdScorers(), LLMD_LRU, origin="peer"),
+        Entrant("prodstack_prefix:exact", lambda s: ProdstackPrefix(seed=s), EXACT, origin="peer"),
+        Entrant(
+            "prodstack_prefix:real", lambda s: ProdstackPrefix(seed=s), HBM_ONLY, origin="peer"
+        ),
+        Entrant(
+            "oracle",
+            _ramjet("tier_aware", None, "oracle"),
+            EXACT,
+            shared_cache=True,
+            origin="bound",
+        ),
+    ]
+}
+
+
+def resolve(spec: str) -> list[Entrant]:
+    """`all`, or a comma list of names; a bare peer name means both of its modes."""
+    if spec.strip() == "all":
+        return list(ENTRANTS.values())
+    out: list[Entrant] = []
+    for raw in spec.split(","):
+        name = raw.strip()
+        if not name:
+            continue
+        if name in ENTRANTS:
+            out.append(ENTRANTS[name])
+            continue
+        modes = [e for n, e in ENTRANTS.items() if n.split(":")[0] == name]
+        if not modes:
+            raise ValueError(f"unknown policy {name!r}; known: all, {', '.join(ENTRANTS)}")
+        out.extend(modes)
+    return out
