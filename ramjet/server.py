@@ -223,6 +223,7 @@ class RouterServer:
             max_field_size=lim.max_header_line_bytes,
             max_headers=lim.max_headers,
             shutdown_timeout=1.0,
+            lingering_time=config.timeouts.linger_s,
         )
         self._site: web.TCPSite | None = None
 

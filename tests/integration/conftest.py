@@ -28,6 +28,7 @@ FAST: dict[str, Any] = {
         "header_deadline_s": 0.3,
         "body_s": 1.0,
         "drain_s": 1.0,
+        "linger_s": 0.1,
         "probe_s": 0.3,
     },
     "health": {

@@ -33,14 +33,16 @@ async def test_non_streaming_body_and_headers_pass_byte_exact(
         "X-Client-Header": "kept",
         "Authorization": "Bearer sk-test",
     }
-    async with aiohttp.ClientSession() as s:
-        async with s.post(router.url + "/v1/chat/completions", data=body, headers=headers) as r:
-            got = await r.read()
-            assert r.status == 200
-            engine = r.headers["X-Ramjet-Engine"]
-            assert "Keep-Alive" not in r.headers
-            assert "X-Ramjet-Cached-Tokens" not in r.headers
-            assert r.headers["X-Upstream"] == engine
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(router.url + "/v1/chat/completions", data=body, headers=headers) as r,
+    ):
+        got = await r.read()
+        assert r.status == 200
+        engine = r.headers["X-Ramjet-Engine"]
+        assert "Keep-Alive" not in r.headers
+        assert "X-Ramjet-Cached-Tokens" not in r.headers
+        assert r.headers["X-Upstream"] == engine
     up = upstreams[int(engine[1])]
     assert got == completion_body(up.name, "m")
     [seen] = up.generation_requests()
@@ -82,10 +84,12 @@ async def test_sse_passthrough_chunk_by_chunk(
     for u in upstreams:
         u.behavior.chunks = 8
     router = await make_router()
-    async with aiohttp.ClientSession() as s:
-        async with s.post(router.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
-            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-            raw = await r.read()
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(router.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r,
+    ):
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        raw = await r.read()
     events = raw.split(b"\n\n")
     assert events[-2] == b"data: [DONE]" and len(events) == 8 + 3
 
