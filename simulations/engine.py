@@ -226,11 +226,16 @@ class Engine:
                 pending[k] = c
             else:
                 del pending[k]
-        self.decoding += 1
         ctx = req.prompt_tokens + req.output_tokens
-        self.decode_tokens += ctx
         self._on_first_token(job, now)
         steps = math.ceil(req.output_tokens / self.tokens_per_step)
+        if steps == 0:  # nothing to decode: the request ends with its first token
+            self.inflight -= 1
+            if req.swa_key is not None:
+                self.swa.store(req.swa_key, now)
+            return
+        self.decoding += 1
+        self.decode_tokens += ctx
         self._schedule(now + steps * self.step_s, lambda t: self._finish(job, ctx, t))
 
     def _finish(self, job: Job, ctx: int, now: float) -> None:
