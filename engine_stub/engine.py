@@ -1,7 +1,8 @@
 """The engine: one model, its caches, the scheduler, metrics and profile, assembled from
 `EngineSettings`. The HTTP layer (`engine_stub.server`) only talks to this object.
 
-Epoch. Every start draws a fresh random 63-bit epoch (`secrets.randbits(63)`). Volatile
+Epoch. Every start takes a fresh time-based epoch: wall-clock milliseconds at start (so
+a restart's epoch is higher, which the router's report processor requires). Volatile
 tiers (HBM, host, the SWA pool) start empty; the SSD tier under `cache_dir` is re-indexed
 (see `engine_stub.kvstore`), so blocks on disk survive a restart and are announced again
 under the new epoch. Without `--cache-dir` the SSD tier lives in a temporary directory
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import secrets
 import shutil
 import tempfile
 import time
@@ -70,7 +70,7 @@ class Engine:
 
         self.settings = s = settings
         torch.set_num_threads(max(1, s.threads))
-        self.epoch = secrets.randbits(63)
+        self.epoch = int(time.time() * 1000)
         self.started_at = time.time()
         self.registry = CollectorRegistry()
         self.metrics = EngineMetrics(self.registry, s.engine_id)
@@ -184,6 +184,10 @@ class Engine:
             m.kv_moved_bytes.labels(op).set(n)
         for op, sec in self.kv.stats.seconds_moved.items():
             m.kv_moved_seconds.labels(op).set(sec)
+        engram = getattr(self.model, "engram_stats", None)
+        if engram is not None:
+            m.engram_bytes.set(engram.bytes)
+            m.engram_seconds.set(engram.seconds)
         m.swa_entries.set(len(self.swa))
         m.swa_bytes.set(self.swa.bytes_used)
 

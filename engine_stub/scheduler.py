@@ -110,6 +110,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.load = LoadStats()
         self.steps = 0
+        self.decode_tokens_per_s = 0.0
+        """EMA of tokens produced per second by decode steps (whole batch)."""
 
     # -- loop side ------------------------------------------------------------------
 
@@ -138,6 +140,12 @@ class Scheduler:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens waiting or not yet prefilled."""
+        with self._cond:
+            seqs = [*self._waiting, *(s for s in self._running if s.pending < 0)]
+            return sum(len(s.req.prompt_ids) - s.pos for s in seqs)
 
     def counts(self) -> tuple[int, int]:
         with self._cond:
@@ -258,6 +266,7 @@ class Scheduler:
     # decode
     def _decode(self, seqs: list[_Seq]) -> None:
         t0 = time.perf_counter()
+        before = sum(len(s.req.tokens) for s in seqs)
         plain = seqs
         if self.spec is not None and self.cfg.speculate:
             plain = []
@@ -280,6 +289,9 @@ class Scheduler:
             if self.spec is not None:
                 self.spec.observe_plain(len(plain), time.perf_counter() - t0)
         dt = time.perf_counter() - t0
+        produced = sum(len(s.req.tokens) for s in seqs) - before
+        rate = produced / dt if dt > 0 else 0.0
+        self.decode_tokens_per_s = 0.8 * self.decode_tokens_per_s + 0.2 * rate
         self.metrics.decode_step.observe(dt)
         self.metrics.decode_batch.set(len(seqs))
         if self.spec is not None:
