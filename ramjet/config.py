@@ -151,7 +151,13 @@ class LoggingConfig(_Frozen):
     level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
     decisions_path: str | None = None
-    """JSON-lines decision log; None disables it."""
+    """JSON-lines decision log (`ramjet.decisions`); None disables it."""
+    decisions_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    """The log rotates before a line would take it past this size."""
+    decisions_backups: int = Field(default=5, ge=0)
+    """Rotated files kept (path.1 ... path.N); 0 truncates instead."""
+    decisions_queue: int = Field(default=10_000, gt=0)
+    """Records waiting for the writer thread; beyond it records are dropped and counted."""
 
 
 class AdminConfig(_Frozen):

@@ -7,7 +7,8 @@
   a slow scorer cannot keep taxing the event loop.
 - **canary**: a share of sessions (deterministic: xxh3 of the session key, so a session
   never flips between policies) uses the candidate; the rest the incumbent.
-- **enforce**: the candidate decides.
+- **enforce**: the candidate decides (the incumbent still picks, for the accounting
+  only: agreement and estimated gain; its pick cannot change the live one).
 
 Whichever policy is live, a failing live pick falls back to the other policy and then to
 the least-loaded healthy engine, so a policy bug never fails a request.
@@ -111,7 +112,10 @@ class ModeRunner:
             if err is not None:
                 self._metrics.candidate_errors.labels(kind=err.split(":")[0]).inc()
             if cand is not None:
-                return ModeOutcome(cand, "candidate", None, cand, None, took)
+                # The incumbent's pick too, for the accounting only (agreement, estimated
+                # gain); contained like any pick, it cannot change the live decision.
+                inc, _ = self._try(self.incumbent, request, engines, fleet)
+                return ModeOutcome(cand, "candidate", inc, cand, None, took)
             inc, _ = self._try(self.incumbent, request, engines, fleet)
             live = inc or fallback_pick(engines)
             return ModeOutcome(live, "incumbent" if inc else "fallback", inc, None, err, took)

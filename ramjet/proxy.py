@@ -31,6 +31,7 @@ Bodies are forwarded byte-exact (no decompression, no re-encoding).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -158,6 +159,30 @@ class RetryBudget:
         self.retrying -= 1
 
 
+class ResponseTail:
+    """The last `limit` bytes (at least) of a body, kept without copying the body: the
+    chunks themselves are held, and a chunk is dropped once the later ones alone cover
+    `limit` bytes. O(1) amortised per chunk; the bytes sent are never touched. The
+    accounting reads the engine's final `usage` from here (`ramjet.decisions`)."""
+
+    __slots__ = ("_chunks", "_size", "limit")
+
+    def __init__(self, limit: int = 16 * 1024) -> None:
+        self.limit = limit
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._size = 0
+
+    def add(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        while len(self._chunks) > 1 and self._size - len(self._chunks[0]) >= self.limit:
+            self._size -= len(self._chunks.popleft())
+
+    def bytes(self) -> bytes:
+        """The kept bytes (the last `limit`, or the whole body if shorter)."""
+        return b"".join(self._chunks)[-self.limit :]
+
+
 @dataclass(slots=True)
 class Attempt:
     engine: EngineId
@@ -177,6 +202,8 @@ class ForwardResult:
     """ok, upstream_<kind>, client_gone, slow_reader, shutdown, no_engine."""
     bytes_out: int = 0
     engine_headers: dict[str, str] = field(default_factory=dict)
+    tail: ResponseTail = field(default_factory=lambda: ResponseTail())
+    """The last bytes of the body sent to the client (the engine's usage is there)."""
 
 
 class Exchange:
@@ -413,6 +440,7 @@ class Proxy:
                 if res.ttft_s is None:
                     res.ttft_s = time.monotonic() - t0
                 res.bytes_out += len(chunk)
+                res.tail.add(chunk)
                 tail = (tail + chunk)[-2:]
                 try:
                     async with asyncio.timeout(t.idle_s):

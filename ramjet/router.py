@@ -14,7 +14,9 @@
 4. The mode runner (`ramjet.modes`) asks the policies and fixes the live pick.
 5. `ramjet.proxy` forwards; a retry goes to the least-loaded routable engine not tried.
 6. On the end, the routed prefix is recorded as approximate residency, metrics are
-   updated and a `DecisionRecord` goes to the `DecisionSink`.
+   updated and a `DecisionRecord` goes to the `DecisionSink`: `ramjet.accounting`,
+   which measures it, logs it (`ramjet.decisions`), feeds the mean wait back into
+   `FleetStats`, then passes it to the sink given to the router, if any.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from ramjet.accounting import Accounting
 from ramjet.config import PolicyConfig
 from ramjet.engines import EngineState, Fleet, HealthProber
 from ramjet.metrics import RouterMetrics
@@ -108,6 +111,9 @@ class DecisionRecord:
     engine_headers: Mapping[str, str] = field(default_factory=dict)
     """The engine's `X-Ramjet-*` response headers (its account of the prompt work)."""
     views: tuple[EngineView, ...] = ()
+    response_tail: bytes = b""
+    """The last bytes of the body sent to the client (`ramjet.proxy.ResponseTail`): the
+    accounting reads the engine's final usage (`prompt_work`) there."""
 
 
 class DecisionSink(Protocol):
@@ -134,8 +140,18 @@ class Router:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.residency: ResidencySource = residency or NoResidency()
-        self.sink: DecisionSink = sink or NullSink()
         self.clock = clock
+        lg = config.logging
+        self.accounting = Accounting(
+            self.metrics.registry,
+            log_path=lg.decisions_path,
+            log_max_bytes=lg.decisions_max_bytes,
+            log_backups=lg.decisions_backups,
+            log_queue=lg.decisions_queue,
+            downstream=sink,
+            clock=clock,
+        )
+        self.sink: DecisionSink = self.accounting
         self.fleet = Fleet(
             config.engines, config.health, config.retry, clock, on_eject=self._on_eject
         )
@@ -194,6 +210,7 @@ class Router:
         if self._probe_session is not None:
             await self._probe_session.close()
         await self.proxy.close()
+        await asyncio.to_thread(self.accounting.close)
 
     @property
     def inflight(self) -> int:
@@ -383,7 +400,11 @@ class Router:
                 ),
             )
         rv = to_request_view(parsed, request_id)
-        fleet = FleetStats(now_s=t0, arrival_rate_per_s=self.arrivals.rate(t0))
+        fleet = FleetStats(
+            now_s=t0,
+            arrival_rate_per_s=self.arrivals.rate(t0),
+            mean_wait_s=self.accounting.mean_wait_s(),
+        )
         session_key = parsed.session or (
             str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
         )
@@ -470,6 +491,7 @@ class Router:
             end=res.end,
             engine_headers=res.engine_headers,
             views=views,
+            response_tail=res.tail.bytes(),
         )
         try:
             self.sink.on_decision(record)

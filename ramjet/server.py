@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from ramjet.config import PolicyConfig
 from ramjet.metrics import RouterMetrics
 from ramjet.proxy import error_body, json_error
+from ramjet.reload import admin_reload_handler, on_sighup
 from ramjet.router import DecisionSink, ResidencySource, Router
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,10 @@ def create_app(
     residency: ResidencySource | None = None,
     sink: DecisionSink | None = None,
     router: Router | None = None,
+    policy_path: str | None = None,
 ) -> web.Application:
-    """The router as an aiohttp app; start/stop ride on the app's lifecycle."""
+    """The router as an aiohttp app; start/stop ride on the app's lifecycle.
+    `policy_path` is the file `POST /admin/reload` reloads (`ramjet.reload`)."""
     r = router or Router(config, metrics=RouterMetrics(registry), residency=residency, sink=sink)
     app = web.Application(middlewares=[_errors], client_max_size=config.limits.max_body_bytes)
     app[ROUTER_KEY] = r
@@ -183,6 +186,7 @@ def create_app(
     app.router.add_get("/healthz", r.handle_healthz)
     app.router.add_get("/readyz", r.handle_readyz)
     app.router.add_get("/metrics", r.handle_metrics)
+    app.router.add_post("/admin/reload", admin_reload_handler(r, policy_path))
 
     async def on_startup(_: web.Application) -> None:
         await r.start()
@@ -207,11 +211,14 @@ class RouterServer:
         registry: CollectorRegistry | None = None,
         residency: ResidencySource | None = None,
         sink: DecisionSink | None = None,
+        policy_path: str | None = None,
     ) -> None:
         self.config = config
         self.host = host
         self.port = port
-        self.app = create_app(config, registry=registry, residency=residency, sink=sink)
+        self.app = create_app(
+            config, registry=registry, residency=residency, sink=sink, policy_path=policy_path
+        )
         self.router = self.app[ROUTER_KEY]
         lim = config.limits
         self._runner = _Runner(
@@ -245,15 +252,18 @@ class RouterServer:
         await self._runner.cleanup()
 
 
-async def serve(config: PolicyConfig, host: str, port: int) -> None:
-    """Run until SIGTERM/SIGINT, then drain for `timeouts.drain_s` and exit."""
-    server = RouterServer(config, host, port)
+async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain for `timeouts.drain_s` and exit. SIGHUP
+    reloads mode and policies from `policy_path` (`ramjet.reload`)."""
+    server = RouterServer(config, host, port, policy_path=policy_path)
     await server.start()
     log.info("ramjet listening on %s (mode %s)", server.url, config.mode.kind)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if policy_path is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_sighup, server.router, policy_path)
     await stop.wait()
     log.info("draining (up to %.0fs)", config.timeouts.drain_s)
     await server.stop()

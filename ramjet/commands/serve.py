@@ -33,7 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     from ramjet.server import serve
 
     try:
-        uvloop.run(serve(config, args.host, args.port))
+        uvloop.run(serve(config, args.host, args.port, policy_path=args.policy))
     except PolicyConfigError as exc:
         print(f"{args.policy}: invalid policy file\n  {exc}", file=sys.stderr)
         return 2
