@@ -24,9 +24,9 @@ import base64
 import binascii
 import struct
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 
 from ramjet.profile import EngineProfile
 from ramjet.types import PrefixKey, Tier
@@ -56,20 +56,21 @@ def _unpack_keys(value: Any) -> tuple[PrefixKey, ...]:
             raise ValueError("keys must be standard base64") from None
         if len(raw) % 8:
             raise ValueError("packed keys must be a multiple of 8 bytes")
-        return tuple(PrefixKey(k) for k in struct.unpack(f">{len(raw) // 8}Q", raw))
+        # PrefixKey is an int at run time: no per-key conversion
+        return cast(tuple[PrefixKey, ...], struct.unpack(f">{len(raw) // 8}Q", raw))
     if isinstance(value, list | tuple):  # Python-side construction
         if len(value) > MAX_KEYS_PER_LIST:
             raise ValueError(f"more than {MAX_KEYS_PER_LIST} keys in one list")
         for k in value:
             if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < 2**64:
                 raise ValueError("keys must be integers in [0, 2**64)")
-        return tuple(PrefixKey(k) for k in value)
+        return cast(tuple[PrefixKey, ...], tuple(value))
     raise ValueError("keys must be a base64 string of packed 64-bit keys")
 
 
 Keys = Annotated[
     tuple[PrefixKey, ...],
-    BeforeValidator(_unpack_keys),
+    PlainValidator(_unpack_keys),
     PlainSerializer(pack_keys, return_type=str, when_used="json"),
 ]
 TtlMs = Annotated[int, Field(gt=0, le=365 * 24 * 3600 * 1000)]

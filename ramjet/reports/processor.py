@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 from prometheus_client import CollectorRegistry
 
@@ -36,7 +37,7 @@ from ramjet.reports.keys import KeyRing
 from ramjet.reports.metrics import EngineFigures, ReportMetrics
 from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected, ReportVerifier
 from ramjet.residency.tables import ResidencyTables, ViewMode
-from ramjet.types import EngineId, PrefixKey, Tier, TrustGrade
+from ramjet.types import EngineId, TrustGrade
 
 
 @dataclass(slots=True)
@@ -205,20 +206,21 @@ class ReportProcessor:
     def _apply_snapshot(
         self, engine: EngineId, s: SnapshotBody, now: float, transit_s: float
     ) -> None:
-        def global_entries() -> Iterator[tuple[PrefixKey, Tier, float | None]]:
-            for group in s.residency:
-                ttl = None if group.ttl_ms is None else group.ttl_ms / 1000.0 - transit_s
-                if ttl is None or ttl > 0:
-                    for k in group.keys:
-                        yield k, group.tier_enum, ttl
-
+        live = [
+            (g, None if g.ttl_ms is None else g.ttl_ms / 1000.0 - transit_s) for g in s.residency
+        ]
+        global_entries = chain.from_iterable(
+            zip(g.keys, repeat(g.tier_enum), repeat(ttl), strict=False)
+            for g, ttl in live
+            if ttl is None or ttl > 0
+        )
         swa = [
             (k, g.ttl_ms / 1000.0 - transit_s)
             for g in s.swa
             if g.ttl_ms / 1000.0 > transit_s
             for k in g.keys
         ]
-        self.tables.replace_engine(engine, global_entries(), swa, now)
+        self.tables.replace_engine(engine, global_entries, swa, now)
 
     def _figures(self) -> Iterator[EngineFigures]:
         now = self._clock()

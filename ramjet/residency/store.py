@@ -224,9 +224,22 @@ class MemoryStore:
             self._sizes[table] -= len(old)
         m = self._map(table, True, engine)
         approx_map = self._maps[table][False].get(engine)
+        cap = self._caps[table]
+        # a snapshot's keys come in groups sharing tier and expiry: share their Entry too
+        shared: dict[tuple[Tier, float], Entry] = {}
         for key, tier, expires_at in entries:
-            self._pop(table, approx_map, key)
-            self._set(table, m, key, Entry(tier, now, expires_at, True))
+            entry = shared.get((tier, expires_at))
+            if entry is None:
+                entry = shared[(tier, expires_at)] = Entry(tier, now, expires_at, True)
+            if approx_map:
+                self._pop(table, approx_map, key)
+            if key in m:
+                m[key] = entry
+                continue
+            if self._sizes[table] >= cap:
+                self._evict_one(table)
+            m[key] = entry
+            self._sizes[table] += 1
 
     def purge(self, engine: EngineId) -> None:
         for table in Table:

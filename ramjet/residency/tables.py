@@ -197,12 +197,16 @@ class ResidencyTables:
     ) -> None:
         """A snapshot: (key, tier, ttl_s) and (key, ttl_s) become the engine's whole
         exact content of each table."""
-        self.store.replace_exact(
-            Table.GLOBAL,
-            engine,
-            ((k, t, self._global_expiry(now, ttl)) for k, t, ttl in global_entries),
-            now,
-        )
+        expiry: dict[float | None, float] = {}  # few distinct TTLs: compute each once
+
+        def with_expiry() -> Iterator[tuple[PrefixKey, Tier, float]]:
+            for k, t, ttl in global_entries:
+                e = expiry.get(ttl)
+                if e is None:
+                    e = expiry[ttl] = self._global_expiry(now, ttl)
+                yield k, t, e
+
+        self.store.replace_exact(Table.GLOBAL, engine, with_expiry(), now)
         self.store.replace_exact(
             Table.SWA,
             engine,
