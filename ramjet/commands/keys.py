@@ -36,5 +36,5 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"# public key: {pub}")
     print("keys:\n  engines:")
     print(f"    {args.engine}:")
-    print(f"      - {{key_id: {args.key_id}, public_key: \"{public_key_b64(key.public_key())}\"}}")
+    print(f'      - {{key_id: {args.key_id}, public_key: "{public_key_b64(key.public_key())}"}}')
     return 0

@@ -7,5 +7,7 @@
 - `processor`: per-engine sequence/epoch/trust state; applies accepted reports.
 - `publisher`: the engine side: sign, sequence, ring, serve (pull) and push.
 - `ingest`: the router side: pull loop per engine and the push endpoint.
+- `transport`: paths, headers and batch framing shared by publisher and ingest.
+- `metrics`: rejection/accept/gap/snapshot counters; trust, epoch, staleness gauges.
 - `config`: the `reports:` and `keys:` sections of the policy file.
 """
