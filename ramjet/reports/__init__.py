@@ -9,5 +9,6 @@
 - `ingest`: the router side: pull loop per engine and the push endpoint.
 - `transport`: paths, headers and batch framing shared by publisher and ingest.
 - `metrics`: rejection/accept/gap/snapshot counters; trust, epoch, staleness gauges.
+- `runtime`: `ReportsRuntime.build(...)`: key ring + processor + ingest from the policy.
 - `config`: the `reports:` and `keys:` sections of the policy file.
 """

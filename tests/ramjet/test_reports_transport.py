@@ -256,3 +256,43 @@ async def test_push_endpoint_verifies_like_pull(engines: list[Engine]) -> None:
     finally:
         await ingest.stop()
         await runner.cleanup()
+
+
+async def test_runtime_built_from_policy_sections_pulls_keyed_engines(
+    engines: list[Engine],
+) -> None:
+    from reports_fixtures import KEYS as TEST_KEYS
+
+    from ramjet.reports.config import KeysConfig
+    from ramjet.reports.keys import public_key_b64
+    from ramjet.reports.runtime import ReportsRuntime
+
+    eng = Engine(epoch=4)
+    engines.append(eng)
+    url = await eng.start()
+    keys = KeysConfig.model_validate(
+        {
+            "engines": {
+                "e0": [
+                    {"key_id": "e0-a", "public_key": public_key_b64(TEST_KEYS["e0-a"].public_key())}
+                ]
+            }
+        }
+    )
+    reg = CollectorRegistry()
+    tables = ResidencyTables(registry=reg)
+    rt = ReportsRuntime.build(
+        ReportsConfig(poll=PollConfig(wait_s=0.5, timeout_s=3)),
+        keys,
+        tables,
+        reg,
+        engine_urls={"e0": url, "e9": "http://127.0.0.1:9"},  # e9 has no key: not pulled
+    )
+    assert rt.ingest.engines == {E0: url}
+    await rt.start()
+    try:
+        eng.store(K[:3])
+        await until(lambda: held(tables) == 3)
+        assert rt.processor.trust(E0) is TrustGrade.EXACT
+    finally:
+        await rt.stop()

@@ -1,0 +1,70 @@
+"""Everything the router runs for reports, built from the policy file in one call.
+
+    rt = ReportsRuntime.build(config.reports, config.keys, tables, registry,
+                              engine_urls={e.id: e.url for e in config.engines},
+                              base_dir=policy_path.parent)
+    rt.add_routes(app)        # POST /ramjet/reports (push)
+    await rt.start()          # pull loops + 1 s staleness/expiry tick
+    rt.processor.trust(engine), .load(engine), .profile(engine)
+    await rt.stop()
+
+Pull targets: `reports.engines` when it is set; otherwise every engine of the policy
+file that has an active key (an engine with a key is a reporting engine; it serves
+`/ramjet/reports` next to its API).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from ramjet.reports.config import KeysConfig, ReportsConfig
+from ramjet.reports.ingest import ReportIngest
+from ramjet.reports.keys import KeyRing
+from ramjet.reports.processor import ReportProcessor
+from ramjet.residency.tables import ResidencyTables
+from ramjet.types import EngineId
+
+
+def pull_targets(
+    reports: ReportsConfig, ring: KeyRing, engine_urls: Mapping[str, str]
+) -> dict[EngineId, str]:
+    if reports.engines:
+        return {EngineId(e): url for e, url in reports.engines.items()}
+    keyed = ring.engines()
+    return {EngineId(e): url for e, url in engine_urls.items() if e in keyed}
+
+
+@dataclass
+class ReportsRuntime:
+    processor: ReportProcessor
+    ingest: ReportIngest
+
+    @classmethod
+    def build(
+        cls,
+        reports: ReportsConfig,
+        keys: KeysConfig,
+        tables: ResidencyTables,
+        registry: CollectorRegistry,
+        engine_urls: Mapping[str, str] | None = None,
+        base_dir: Path | None = None,
+    ) -> ReportsRuntime:
+        """Raises `ramjet.reports.keys.KeyError_` when a configured key does not load."""
+        ring = KeyRing.from_config(keys, base_dir)
+        processor = ReportProcessor(ring, tables, reports, registry)
+        targets = pull_targets(reports, ring, engine_urls or {})
+        return cls(processor, ReportIngest(processor, targets))
+
+    def add_routes(self, app: web.Application) -> None:
+        self.ingest.add_routes(app)
+
+    async def start(self) -> None:
+        await self.ingest.start()
+
+    async def stop(self) -> None:
+        await self.ingest.stop()
