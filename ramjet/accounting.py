@@ -13,9 +13,11 @@ log's queue. What it measures, by `mode` (observe / canary / enforce):
   minus the realized TTFT (`decisions.realized_ttft`), in seconds and relative to the
   realized value. Positive = the model was pessimistic. (A histogram with negative
   buckets exposes no `_sum`; `ramjet_ttft_prediction_abs_error_seconds` gives the mean
-  absolute error.)
+  absolute error.) `ramjet_ttft_predicted_seconds` and `ramjet_ttft_realized_seconds`
+  observe the two sides of each such pair, so dashboards can plot predicted vs realized.
 - cached-token prediction error: predicted `resume_tokens` (the tokens the model expects
-  not to prefill) minus the engine's realized cached tokens (all tiers and SWA).
+  not to prefill) minus the engine's realized cached tokens (all tiers and SWA); the
+  two sides are also summed (`ramjet_cached_tokens_{predicted,realized}_tokens_total`).
 - estimated gain of the candidate over the incumbent: the candidate's own predicted TTFT
   for the incumbent's pick minus for its own pick. It is a prediction, not a measurement
   (only one of the two picks ran); positive = the candidate expects to be faster. Summed
@@ -116,6 +118,33 @@ class AccountingMetrics:
             "(predicted - realized) / realized TTFT",
             ["mode"],
             buckets=_RELATIVE,
+            registry=r,
+        )
+        self.ttft_predicted = Histogram(
+            "ramjet_ttft_predicted_seconds",
+            "Candidate-predicted TTFT on the answering engine (observed with "
+            "ramjet_ttft_realized_seconds, one pair per request: compare their means)",
+            ["mode"],
+            buckets=(*_SECONDS, float("inf")),
+            registry=r,
+        )
+        self.ttft_realized = Histogram(
+            "ramjet_ttft_realized_seconds",
+            "Realized TTFT of the requests observed in ramjet_ttft_predicted_seconds",
+            ["mode"],
+            buckets=(*_SECONDS, float("inf")),
+            registry=r,
+        )
+        self.cached_predicted = Counter(
+            "ramjet_cached_tokens_predicted_tokens_total",
+            "Predicted resume tokens, summed over the requests in the cached-token error",
+            ["mode"],
+            registry=r,
+        )
+        self.cached_realized = Counter(
+            "ramjet_cached_tokens_realized_tokens_total",
+            "Realized cached tokens (all tiers and SWA) of the same requests",
+            ["mode"],
             registry=r,
         )
         self.cached_error = Histogram(
@@ -233,6 +262,8 @@ class Accounting:
         inc, cand = record.incumbent, record.candidate
         if inc is not None and cand is not None and record.status and record.status < 500:
             m.compared.labels(mode=mode).inc()
+            m.gain_total.labels(mode=mode)  # both series exist from the first comparison
+            m.loss_total.labels(mode=mode)
             if inc.engine == cand.engine:
                 m.agreed.labels(mode=mode).inc()
             on_inc = predicted_for(cand, inc.engine, "ttft_s")
@@ -266,11 +297,15 @@ class Accounting:
         if predicted is not None and real is not None:
             m.ttft_error.labels(mode=mode).observe(predicted - real)
             m.ttft_abs_error.labels(mode=mode).observe(abs(predicted - real))
+            m.ttft_predicted.labels(mode=mode).observe(predicted)
+            m.ttft_realized.labels(mode=mode).observe(real)
             if real > 0:
                 m.ttft_relative_error.labels(mode=mode).observe((predicted - real) / real)
         resume = predicted_for(cand, record.engine, "resume_tokens")
         if resume is not None and realized is not None:
             m.cached_error.labels(mode=mode).observe(resume - realized.cached_tokens)
+            m.cached_predicted.labels(mode=mode).inc(max(resume, 0))
+            m.cached_realized.labels(mode=mode).inc(realized.cached_tokens)
 
     def start(self) -> None:
         return None

@@ -7,12 +7,19 @@ TTFT is from the request's arrival to the first response byte forwarded to the c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     120.0, 300.0,
 )  # fmt: skip
+
+UPSTREAM_ERROR_KINDS = (
+    "connect", "first_byte_timeout", "idle_timeout", "disconnect", "status_5xx", "backpressure",
+)  # fmt: skip
+"""The `kind` values of `ramjet_upstream_errors_total` (`ramjet.proxy`)."""
 
 
 class RouterMetrics:
@@ -108,6 +115,14 @@ class RouterMetrics:
         self.arrival_rate = Gauge(
             "ramjet_arrival_rate_per_second", "EWMA of the request arrival rate", registry=r
         )
+
+    def init_engines(self, engines: Iterable[str]) -> None:
+        """Create each configured engine's error series at 0, so a healthy router exports
+        them (a dashboard or alert on a series that never appeared sees nothing)."""
+        for engine in engines:
+            self.ejections.labels(engine=engine)
+            for kind in UPSTREAM_ERROR_KINDS:
+                self.upstream_errors.labels(engine=engine, kind=kind)
 
     def render(self) -> bytes:
         data: bytes = generate_latest(self.registry)

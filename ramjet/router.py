@@ -155,6 +155,7 @@ class Router:
         self.fleet = Fleet(
             config.engines, config.health, config.retry, clock, on_eject=self._on_eject
         )
+        self.metrics.init_engines(e.id for e in config.engines)
         self.proxy = Proxy(config, self.fleet, self.metrics)
         incumbent = create_policy(
             config.incumbent.name, config.incumbent.params, path="incumbent.params"

@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ramjet.reports.verify import Reason
+
 
 @dataclass(frozen=True, slots=True)
 class EngineFigures:
@@ -59,6 +61,17 @@ class ReportMetrics:
             registry=registry,
         )
         self._registry = registry
+
+    def init_engines(self, engines: Iterable[str]) -> None:
+        """Create the per-engine counters at 0 (every rejection reason, plus "unknown"),
+        so a healthy router exports them and alerts on their increase see a series."""
+        for engine in (*engines, "unknown"):
+            for reason in Reason:
+                self.rejected.labels(engine, reason.value)
+            if engine != "unknown":
+                self.gaps.labels(engine)
+                self.snapshots_fetched.labels(engine)
+                self.epoch_changes.labels(engine)
 
     def watch(self, figures: Callable[[], Iterable[EngineFigures]]) -> None:
         self._registry.register(_EngineCollector(figures))

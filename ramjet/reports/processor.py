@@ -75,6 +75,7 @@ class ReportProcessor:
         self.metrics = ReportMetrics(registry or CollectorRegistry())
         self.metrics.watch(self._figures)
         self._known = set(keyring.engines()) | {EngineId(e) for e in self.config.engines}
+        self.metrics.init_engines(self._known)
 
     # -- the door -----------------------------------------------------------------------
 
