@@ -248,3 +248,16 @@ def test_snapshot_sets_tiers_and_ttls() -> None:
     assert r.tables.view(E0).global_match(K, T) == GlobalMatch(hbm=256)
     assert r.tables.store.get(Table.GLOBAL, E0, K[0], r.clocks.mono, False) is not None
     assert r.tables.store.get(Table.GLOBAL, E0, K[0], r.clocks.mono, False).tier == Tier.HBM  # type: ignore[union-attr]
+
+
+def test_ten_mib_or_a_million_keys_is_refused_before_parsing() -> None:
+    from reports_fixtures import KEYS
+
+    from ramjet.reports.bodies import pack_keys
+    from ramjet.reports.envelope import Envelope, sign
+
+    r = rig()
+    body = b'{"evicted": "' + pack_keys(range(1_000_000)).encode() + b'"}'
+    env = Envelope(E0, "e0-a", 7, 1, int(WALL0 * 1000), "delta", body)
+    expect_rejected(r, sign(env, KEYS["e0-a"]), Reason.OVERSIZE, "unknown")
+    expect_rejected(r, bytes(10 << 20), Reason.OVERSIZE, "unknown")
