@@ -186,8 +186,7 @@ class Engine:
             m.kv_moved_seconds.labels(op).set(sec)
         engram = getattr(self.model, "engram_stats", None)
         if engram is not None:
-            m.engram_bytes.set(engram.bytes)
-            m.engram_seconds.set(engram.seconds)
+            m.set_engram_totals(engram.bytes, engram.seconds)
         m.swa_entries.set(len(self.swa))
         m.swa_bytes.set(self.swa.bytes_used)
 

@@ -90,3 +90,12 @@ class EngineMetrics:
         )
         self.info = Gauge("engine_info", "Engine identity", ["engine_id", "epoch"], registry=r)
         self.engine_id = engine_id
+        self._engram_seen = (0.0, 0.0)
+
+    def set_engram_totals(self, nbytes: float, seconds: float) -> None:
+        """Advance the Engram counters to the model's running totals (a counter has no
+        set(); totals that went down, a model reset, add nothing)."""
+        b0, s0 = self._engram_seen
+        self.engram_bytes.inc(max(nbytes - b0, 0.0))
+        self.engram_seconds.inc(max(seconds - s0, 0.0))
+        self._engram_seen = (max(nbytes, b0), max(seconds, s0))
