@@ -19,7 +19,7 @@ from simulations.preset import PRESETS, engine_spec
 from simulations.report import markdown, plot, table, write_csv
 from simulations.simulator import Simulation
 from simulations.summary import Row, bound_row, summarize
-from simulations.workload import TraceError, load_trace, scale_rate
+from simulations.workload import TraceError, load_trace, replicate, scale_rate
 
 
 class Progress:
@@ -81,6 +81,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         return 2
     if a.limit:
         reqs = reqs[: a.limit]
+    if a.replicate > 1:
+        reqs = replicate(reqs, a.replicate, block, a.seed)
     fl = floor(reqs, spec.profile)
     span = reqs[-1].arrival_s - reqs[0].arrival_s
     if a.load:
@@ -178,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         "--jitter-s", type=float, default=0.0, help="spread arrivals within buckets of this many s"
     )
     r.add_argument("--ttft-target-s", type=float, default=2.0)
+    r.add_argument(
+        "--replicate",
+        type=int,
+        default=1,
+        help="overlay N copies of a session trace (closed-loop load)",
+    )
     r.add_argument("--limit", type=int, default=0, help="first N requests only")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-plot", action="store_true")

@@ -240,3 +240,50 @@ def scale_rate(requests: list[Request], factor: float) -> list[Request]:
         )
         for r in requests
     ]
+
+
+def replicate(requests: list[Request], copies: int, block: int, seed: int = 0) -> list[Request]:
+    """`copies` independent copies of a session trace, for load sweeps of closed-loop work.
+
+    Compressing an agent trace's arrival times makes a turn arrive before the previous
+    one was answered, which no agent does. Instead each copy gets its own prefix keys
+    (re-chained with the copy number as salt) and session ids, and each session of each
+    copy is shifted by a seeded offset that keeps it inside the trace's span, so turns
+    keep their real gaps while sessions overlap more. Requests without a session are
+    shifted one by one. Copy 0 is the trace itself.
+    """
+    if copies < 1:
+        raise ValueError("copies must be at least 1")
+    rng = random.Random(seed)
+    t0 = min(r.arrival_s for r in requests)
+    t1 = max(r.arrival_s for r in requests)
+    out: list[Request] = []
+    for c in range(copies):
+        by_session: dict[str | None, list[Request]] = {}
+        for r in requests:
+            by_session.setdefault(
+                r.session if r.session is not None else f"#r{r.index}", []
+            ).append(r)
+        for sid, group in by_session.items():
+            lo = min(r.arrival_s for r in group)
+            hi = max(r.arrival_s for r in group)
+            shift = 0.0 if c == 0 else rng.uniform(t0 - lo, t1 - hi)
+            for r in group:
+                keys = (
+                    r.block_keys
+                    if c == 0
+                    else [PrefixKey(_xxh3(k.to_bytes(8, "little"), seed=c)) for k in r.block_keys]
+                )
+                session = None if r.session is None else (r.session if c == 0 else f"{sid}#{c}")
+                out.append(
+                    Request(
+                        0,
+                        r.arrival_s + shift,
+                        r.prompt_tokens,
+                        r.output_tokens,
+                        keys,
+                        r.block_tokens,
+                        session,
+                    )
+                )
+    return finish(out, block)

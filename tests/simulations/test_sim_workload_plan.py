@@ -11,7 +11,7 @@ from sim_helpers import PROFILE, req, workload
 from simulations import __main__ as cli
 from simulations.bounds import floor, srpt_merged
 from simulations.plan import GB, Deployment
-from simulations.workload import TraceError, load_trace
+from simulations.workload import TraceError, load_trace, replicate
 
 
 def test_deployment_arithmetic() -> None:
@@ -155,3 +155,22 @@ def test_cli_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["plan"]) == 0
     out = capsys.readouterr().out
     assert "382.37 GiB" in out and "92.88 GiB" in out and "98.0 GB" in out
+
+
+def test_replicate_keeps_sessions_and_gaps() -> None:
+    a, b = list(range(1, 5)), list(range(10, 14))
+    base = workload(
+        [req(0.0, a, session="x"), req(1.0, [*a, 5], session="x"), req(9.0, b, session="y")]
+    )
+    rep = replicate(base, 3, 64, seed=2)
+    assert len(rep) == 9
+    sessions: dict[str, list] = {}
+    for r in rep:
+        sessions.setdefault(r.session or "", []).append(r)
+    assert len(sessions) == 6
+    for group in sessions.values():
+        assert all(0.0 <= r.arrival_s <= 9.0 for r in group)
+        if len(group) == 2:
+            assert group[1].arrival_s - group[0].arrival_s == pytest.approx(1.0)
+            assert group[1].block_keys[:4] == group[0].block_keys
+    assert len({r.block_keys[0] for r in rep}) == 6
