@@ -178,7 +178,7 @@ def engram_gate(
     t, c, dim = h.shape
     if key.shape != (t, dim) or value.shape != (t, dim):
         raise ValueError("engram_gate: h [T, C, dim], key and value [T, dim]")
-    out = torch.empty_like(h)
+    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     if t == 0 or c == 0:
         return out
     block_d = triton.next_power_of_2(dim)

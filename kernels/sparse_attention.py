@@ -133,7 +133,7 @@ def sparse_attention(
         raise ValueError("sparse_attention: shapes do not agree")
     if win_kv.shape[1] != d or glob_packed.shape[1] != d // 2 or glob_scale.shape[1] != d // 16:
         raise ValueError("sparse_attention: KV widths do not match the head dim")
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t == 0 or h == 0:
         return out
     ieee = q.dtype == torch.float32

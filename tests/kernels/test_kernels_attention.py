@@ -85,3 +85,12 @@ def test_out_of_range_index_is_an_error() -> None:
     win_idx[0, 0] = 3
     with pytest.raises(IndexError):
         R.sparse_attention(q, win_kv, win_idx, packed, scale, glob_idx, sink, 1.0)
+
+
+def test_non_contiguous_query() -> None:
+    q, win_kv, win_idx, packed, scale, glob_idx, sink = _case(4, 3, 32, 5, 4, 6, 3, seed=6)
+    qt = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, [H, T, D] memory
+    want = R.sparse_attention(q, win_kv, win_idx, packed, scale, glob_idx, sink, 0.2)
+    with K.use_backend("triton"):
+        got = K.sparse_attention(qt, win_kv, win_idx, packed, scale, glob_idx, sink, 0.2)
+    assert got.is_contiguous() and (got - want).abs().max() <= TOL[torch.float32]

@@ -80,3 +80,12 @@ def test_gate(dtype: torch.dtype) -> None:
         got = K.engram_gate(h.to(dtype), key.to(dtype), value.to(dtype))
     assert got.dtype == dtype
     assert (got.float() - want.float()).abs().max() <= GATE_TOL[dtype]
+
+
+def test_gate_non_contiguous_residual() -> None:
+    g = torch.Generator().manual_seed(12)
+    h = torch.randn(2, 5, 32, generator=g).transpose(0, 1)  # [T=5, C=2, dim] as a view
+    key, value = torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g)
+    with K.use_backend("triton"):
+        got = K.engram_gate(h, key, value)
+    assert (got - R.engram_gate(h, key, value)).abs().max() <= GATE_TOL[torch.float32]

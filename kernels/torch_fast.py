@@ -1,0 +1,348 @@
+"""Fast torch implementations of the reference ops for CPU serving, with the same
+signatures and the same results as ``kernels.reference``.
+
+The references are written for bit-exact agreement with the Triton kernels and favour
+clarity (integer bit arithmetic, full sorts, gathers). A model serving on two CPU cores
+calls the same ops a few hundred times per forward pass; these versions compute the same
+values with table lookups, ``topk`` on exact integer ranking keys (score bits, then the
+lower position on ties: the reference's tie rule) and, in sparse attention, a banded
+window path when every row's window indices are a run of consecutive rows (as a sliding
+window always is), which avoids gathering a [T, W, D] tensor.
+
+Equality with the reference is tested in ``tests/engine_stub/test_model_fast_ops.py``:
+bit-exact for the formats and the selections, to fp32 rounding for the float math.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernels import reference as ref
+from kernels.reference import order_key, visible_count
+
+# E2M1 value of each byte's two nibbles: _FP4_PAIR[b] = (value of b & 15, value of b >> 4).
+_CODES = torch.arange(16, dtype=torch.int32)
+_E2M1 = ref.e2m1_decode(_CODES)
+_FP4_PAIR = torch.stack((_E2M1[torch.arange(256) & 15], _E2M1[torch.arange(256) >> 4]), dim=1)
+_E4M3 = ref.e4m3_decode(torch.arange(256, dtype=torch.int32))  # fp32 value of each E4M3 byte
+_LUTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_BAND_ROWS = 64  # query rows per band block: keys span rows + window
+_POS_BITS = 26  # positions below 2^26 fit beside the 32-bit score key in an int64
+
+
+def _luts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    got = _LUTS.get(device)
+    if got is None:
+        got = (_FP4_PAIR.to(device), _E4M3.to(device))
+        _LUTS[device] = got
+    return got
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    return ref.pow2(e.to(torch.int32))
+
+
+# --------------------------------------------------------------------------------------
+# formats
+
+
+fp4_quantize = ref.fp4_quantize
+fp4_pow2_quantize = ref.fp4_pow2_quantize
+
+
+def fp8_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 with a pow2 scale per block; torch's fp32 -> float8_e4m3fn cast is the same
+    round-to-nearest-even as the reference's integer encoder for |y| <= 448."""
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = xb.abs().amax(-1).clamp_(min=ref.FP8_AMAX_FLOOR)
+    mant, ex = torch.frexp(amax)  # amax = mant * 2^ex, mant in [0.5, 1)
+    # ceil(log2(amax / 448)) with 448 = 1.75 * 2^8: floor_log2(amax) - 8, +1 above 1.75.
+    exp = ex - 9 + (mant > 0.875).to(ex.dtype)
+    y = torch.ldexp(xb, -exp.unsqueeze(-1).float())
+    bits = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    neg_zero = (y == 0) & (torch.signbit(y))
+    if bool(neg_zero.any()):  # the reference encodes -0.0 as +0 (sign only when y < 0)
+        bits = torch.where(neg_zero, torch.zeros_like(bits), bits)
+    return bits.flatten(-2), exp.to(torch.int8)
+
+
+def fp4_dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    pair, _ = _luts(packed.device)
+    vals = pair[packed.long()].flatten(-2)  # [..., D]
+    s = scale.view(torch.float8_e4m3fn).float()
+    out = vals.view(*vals.shape[:-1], -1, ref.FP4_SCALE_BLOCK) * s.unsqueeze(-1)
+    return out.flatten(-2).to(dtype)
+
+
+def fp4_pow2_dequantize(
+    packed: torch.Tensor, exp: torch.Tensor, block: int = 32, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    pair, _ = _luts(packed.device)
+    vals = pair[packed.long()].flatten(-2)
+    out = vals.view(*vals.shape[:-1], -1, block) * _pow2(exp).unsqueeze(-1)
+    return out.flatten(-2).to(dtype)
+
+
+def fp8_dequantize(
+    bits: torch.Tensor, exp: torch.Tensor, block: int = 32, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    v = bits.view(torch.float8_e4m3fn).float()
+    out = torch.ldexp(v.view(*v.shape[:-1], -1, block), exp.float().unsqueeze(-1))
+    return out.flatten(-2).to(dtype)
+
+
+def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    bits, exp = fp8_quantize(x, block)
+    return fp8_dequantize(bits, exp, block, dtype=x.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# indexer
+
+
+def _mask_invisible(scores: torch.Tensor, q_pos: torch.Tensor, m: int) -> torch.Tensor:
+    """-inf where s >= (q_pos + 1) // m, touching only the columns some row cannot see."""
+    t, s = scores.shape
+    if t == 0 or s == 0:
+        return scores
+    vis = visible_count(q_pos, m, s)
+    v0 = int(vis.min())
+    if v0 < s:
+        cols = torch.arange(v0, s, device=scores.device)[None, :]
+        scores[:, v0:].masked_fill_(cols >= vis[:, None], float("-inf"))
+    return scores
+
+
+def indexer_scores(
+    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, m: int
+) -> torch.Tensor:
+    t, h, di = q.shape
+    s = k.shape[0]
+    dots = torch.relu_(q.reshape(t * h, di).float() @ k.float().T).view(t, h, s)
+    scores = torch.bmm(w.float().unsqueeze(1), dots).squeeze(1)
+    return _mask_invisible(scores, q_pos, m)
+
+
+def _rank_key(x: torch.Tensor) -> torch.Tensor:
+    """int64 key: score order first, then the lower index on ties (the reference's rule)."""
+    n = x.shape[-1]
+    if n >= 1 << _POS_BITS:
+        raise ValueError("too many positions for the ranking key")
+    idx = torch.arange(n, device=x.device)
+    return (order_key(x) << _POS_BITS) | ((1 << _POS_BITS) - 1 - idx)
+
+
+_FLOOR = -(1 << 62)
+
+
+def candidate_blocks(
+    scores: torch.Tensor, block: int, keep: int, q_pos: torch.Tensor, m: int
+) -> torch.Tensor:
+    if block < 1 or keep < 1:
+        raise ValueError(f"block and keep must be >= 1, got {block}, {keep}")
+    t, s = scores.shape
+    nb = -(-s // block)
+    vis = visible_count(q_pos, m, s)
+    padded = torch.full((t, nb * block), float("-inf"), device=scores.device)
+    padded[:, :s] = scores.float()
+    pos = torch.arange(nb * block, device=scores.device)
+    padded.masked_fill_(pos[None, :] >= vis[:, None], float("-inf"))
+    bmax = padded.view(t, nb, block).amax(-1)
+    bidx = torch.arange(nb, device=scores.device)[None, :]
+    newest = (vis - 1).div(block, rounding_mode="floor")[:, None]
+    forced = (bidx == newest) & (vis[:, None] > 0)
+    eligible = (bidx < -(-vis[:, None] // block)) & ~forced
+    out = forced.clone()
+    k = min(keep - 1, nb)
+    if k > 0:
+        key = torch.where(eligible, _rank_key(bmax), torch.full_like(bidx, _FLOOR))
+        top = key.topk(k, dim=1)
+        out.scatter_(1, top.indices, top.values != _FLOOR)
+        out |= forced
+    return out
+
+
+def indexer_topk(
+    scores: torch.Tensor,
+    topk: int,
+    q_pos: torch.Tensor,
+    m: int,
+    cand_mask: torch.Tensor | None = None,
+    block: int = 8,
+) -> torch.Tensor:
+    """Float ``topk`` on the eligible scores; the few rows whose k-th value ties with an
+    unselected eligible entry are redone with exact ranking keys (lower position wins)."""
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    t, s = scores.shape
+    out = torch.full((t, topk), -1, dtype=torch.int32, device=scores.device)
+    if s == 0 or t == 0:
+        return out
+    sc = _mask_invisible(scores.float().clone(), q_pos, m)
+    if cand_mask is not None:
+        nb = -(-s // block)
+        if cand_mask.shape != (t, nb):
+            raise ValueError(
+                f"cand_mask {tuple(cand_mask.shape)} does not fit S={s}, block={block}"
+            )
+        full = s // block
+        off = ~cand_mask.bool()
+        if full:
+            sc[:, : full * block].view(t, full, block).masked_fill_(
+                off[:, :full, None], float("-inf")
+            )
+        if full < nb:
+            sc[:, full * block :].masked_fill_(off[:, full:], float("-inf"))
+    width = min(topk, s)
+    vals, idx = sc.topk(width, dim=1)
+    kth = vals[:, -1:]
+    tie = torch.isfinite(kth.squeeze(1)) & ((sc == kth).sum(1) > (vals == kth).sum(1))
+    if bool(tie.any()):
+        rows = tie.nonzero().squeeze(1)
+        key = _rank_key(sc[rows])
+        key = torch.where(torch.isfinite(sc[rows]), key, torch.full_like(key, _FLOOR))
+        idx[rows] = key.topk(width, dim=1).indices
+    sel = torch.where(torch.isfinite(vals) | tie[:, None], idx, s)
+    if bool(tie.any()):
+        rows = tie.nonzero().squeeze(1)
+        ok = torch.isfinite(sc[rows].gather(1, idx[rows]))
+        sel[rows] = torch.where(ok, idx[rows], s)
+    sel = sel.sort(dim=1).values
+    out[:, :width] = torch.where(sel == s, -1, sel).to(torch.int32)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# sparse attention
+
+
+class _Memo:
+    """One-entry memo per kind, keyed by the identity and version of its input tensors:
+    a forward pass hands every layer the same window-index tensor, and reuse layers the
+    same global KV and selected positions, so the derived values are computed once."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, tuple[tuple[weakref.ref[torch.Tensor], ...], tuple[int, ...], Any]] = {}
+
+    def get(self, kind: str, key: tuple[torch.Tensor, ...], make: Callable[[], Any]) -> Any:
+        got = self._slots.get(kind)
+        versions = tuple(t._version for t in key)
+        if got is not None:
+            refs, vers, val = got
+            if vers == versions and all(r() is t for r, t in zip(refs, key, strict=True)):
+                return val
+        val = make()
+        self._slots[kind] = (tuple(weakref.ref(t) for t in key), versions, val)
+        return val
+
+
+_MEMO = _Memo()
+
+
+def _banded(win_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first, count) per row if every row's valid window indices are one run of
+    consecutive rows in increasing order after its -1 entries; else None."""
+    valid = win_idx >= 0
+    count = valid.sum(1)
+    w = win_idx.shape[1]
+    if w == 0:
+        return None
+    # Valid entries must be a suffix, increasing by exactly one.
+    if bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+        return None
+    steps = (win_idx[:, 1:] - win_idx[:, :-1]) != 1
+    if bool((steps & valid[:, :-1]).any()):
+        return None
+    last = win_idx[:, -1].long()
+    return last - count + 1, count
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    win_kv: torch.Tensor,
+    win_idx: torch.Tensor,
+    glob_packed: torch.Tensor,
+    glob_scale: torch.Tensor,
+    glob_idx: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    t, h, d = q.shape
+    band = _MEMO.get("band", (win_idx,), lambda: _banded(win_idx))
+    if band is None or win_kv.shape[0] == 0:
+        return ref.sparse_attention(
+            q, win_kv, win_idx, glob_packed, glob_scale, glob_idx, sink, scale
+        )
+    first, count = band
+    qf = q.float() * scale
+    sk = sink.float()[None, :]  # [1, H]
+    kvw = win_kv.float()
+    # Global part: gather the few selected entries and dequantize them by table lookup.
+    gi = glob_idx.long()
+    has_glob = gi.shape[1] > 0 and glob_packed.shape[0] > 0
+    if has_glob:
+        if bool(((gi < -1) | (gi >= glob_packed.shape[0])).any()):
+            raise IndexError(f"KV index out of range [-1, {glob_packed.shape[0]})")
+        gsel = gi.clamp(min=0)
+        gk = _MEMO.get(
+            "glob",
+            (glob_idx, glob_packed, glob_scale),
+            lambda: fp4_dequantize(glob_packed[gsel], glob_scale[gsel]),  # [T, K, D]
+        )
+        sg = torch.bmm(qf, gk.transpose(1, 2))  # [T, H, K]
+        sg.masked_fill_((gi < 0)[:, None, :], float("-inf"))
+    out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
+    wmax = int(count.max()) if t else 0
+    blk = _BAND_ROWS
+    for a in range(0, t, blk):
+        b = min(t, a + blk)
+        lo = int(first[a:b].min())
+        hi = int((first[a:b] + count[a:b]).max())
+        if hi - lo > 2 * (b - a) + 2 * wmax:  # rows from far-apart windows: gather them
+            out[a:b] = ref.sparse_attention(
+                q[a:b], win_kv, win_idx[a:b], glob_packed, glob_scale, glob_idx[a:b], sink, scale
+            )
+            continue
+        kw = kvw[lo:hi]
+        nw = hi - lo
+        tb = b - a
+        sw = (qf[a:b].reshape(tb * h, d) @ kw.T).view(tb, h, nw)
+        j = torch.arange(lo, hi, device=q.device)[None, :]
+        f = first[a:b, None]
+        outside = (j < f) | (j >= f + count[a:b, None])
+        sw.masked_fill_(outside[:, None, :], float("-inf"))
+        mx = torch.maximum(sw.amax(-1), sk)  # [tb, H]
+        if has_glob:
+            sgb = sg[a:b]
+            mx = torch.maximum(mx, sgb.amax(-1))
+            eg = torch.exp(sgb - mx[..., None])
+        ew = torch.exp(sw - mx[..., None])
+        denom = ew.sum(-1) + torch.exp(sk - mx)
+        if has_glob:
+            denom = denom + eg.sum(-1)
+        o = (ew.view(tb * h, nw) @ kw).view(tb, h, d)
+        if has_glob:
+            o = o + torch.bmm(eg, gk[a:b])
+        out[a:b] = o / denom[..., None]
+    return out.to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Engram
+
+
+engram_rows = ref.engram_rows
+engram_gate = ref.engram_gate
+
+
+def engram_gather(table: torch.Tensor, exp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    r = rows.long()
+    if bool(((r < 0) | (r >= table.shape[0])).any()):
+        raise IndexError(f"Engram row out of range [0, {table.shape[0]})")
+    return fp8_dequantize(table[r], exp[r]).flatten(1)

@@ -1,0 +1,83 @@
+"""End to end: a short greedy request through the reference model (``engine_stub.model``)
+with every op on the Triton path (interpreter) gives the same tokens as the torch path.
+
+While the Triton run goes, every op in ``kernels.reference`` raises, so a call that
+silently took the torch path would fail the test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_stub.model import MiniV4, ModelConfig
+from kernels import dispatch as K
+from kernels import reference as R
+
+OPS = [
+    "fp4_quantize",
+    "fp4_dequantize",
+    "fp4_pow2_quantize",
+    "fp4_pow2_dequantize",
+    "fp8_quantize",
+    "fp8_dequantize",
+    "fp8_qdq",
+    "indexer_scores",
+    "candidate_blocks",
+    "indexer_topk",
+    "sparse_attention",
+    "engram_rows",
+    "engram_gather",
+    "engram_gate",
+]
+
+
+def _greedy(model: MiniV4, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Prefill, then one decode step: two greedy tokens (two forward passes, since each
+    interpreted forward pass costs seconds)."""
+    st = model.new_state()
+    first = int(torch.argmax(model.prefill(st, prompt)))
+    logits = model.decode_batch([st], [first])[0]
+    return [first, int(torch.argmax(logits))], logits
+
+
+def test_triton_path_gives_the_torch_path_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    # window 8 and 12 prompt tokens: window expiry, m=2 groups, top-k (16) > visible
+    model = MiniV4(ModelConfig.tiny(window=8), seed=0)
+    prompt = list(b"kernels, go!")
+    with K.use_backend("torch"):
+        want, want_logits = _greedy(model, prompt)
+
+    called: set[str] = set()
+
+    def spy(name: str) -> object:
+        real = getattr(K, name)
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            called.add(name)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise AssertionError("an op took the torch reference during the Triton run")
+
+    import engine_stub.model.ops as ops
+
+    for name in OPS:
+        monkeypatch.setattr(ops, name, spy(name))
+        monkeypatch.setattr(R, name, refuse)
+    with K.use_backend("triton"):
+        got, got_logits = _greedy(model, prompt)
+    assert got == want
+    assert (got_logits - want_logits).abs().max() <= 1e-3 * want_logits.abs().max()
+    used = {
+        "fp8_quantize",
+        "fp8_dequantize",
+        "fp4_quantize",
+        "indexer_scores",
+        "indexer_topk",
+        "candidate_blocks",
+        "sparse_attention",
+    }
+    assert used <= called, f"ops never reached: {used - called}"
+    assert {"engram_rows", "engram_gather", "engram_gate"} <= called
