@@ -77,6 +77,15 @@ class RedisSettings(BaseModel):
         return v
 
 
+class StoreConfig(RedisSettings):
+    """The policy file's `store:` section: where the residency tables live.
+
+    `kind: memory` (default): in this process only. `kind: redis`: shared by every
+    replica through Redis (`RedisSettings` fields; see docs/redis.md)."""
+
+    kind: Literal["memory", "redis"] = "memory"
+
+
 class RedisUnavailable(Exception):
     """Redis did not answer in time, refused, or the breaker is open. Fail open."""
 
@@ -138,13 +147,20 @@ class Breaker:
         self.consecutive = 0
         self.open_s = open_s
         self.open_until = 0.0
+        self.probe_started = 0.0
 
     def allow(self) -> bool:
-        """May a call go out now? In half-open, only the one probe may."""
+        """May a call go out now? In half-open, only the one probe may (another one if
+        the probe never reported back within `open_s`, e.g. it was cancelled)."""
         if self.state == "closed":
             return True
-        if self.state == "open" and self.clock() >= self.open_until:
+        now = self.clock()
+        if self.state == "open" and now >= self.open_until:
             self.state = "half_open"
+            self.probe_started = now
+            return True
+        if self.state == "half_open" and now - self.probe_started >= self.open_s:
+            self.probe_started = now
             return True
         return False
 
@@ -215,7 +231,8 @@ class RedisLink:
                 fn(self.client), timeout_s or self.settings.timeout_ms / 1000
             )
         except NoScriptError:
-            raise  # the script helper handles it; the server answered, so it is healthy
+            self._succeeded()  # the server answered: healthy; the script helper reloads
+            raise
         except (TimeoutError, RedisTimeoutError) as exc:
             self._failed("timeout")
             raise RedisUnavailable("redis call timed out") from exc
