@@ -20,6 +20,8 @@ UPSTREAM_ERROR_KINDS = (
     "connect", "first_byte_timeout", "idle_timeout", "disconnect", "status_5xx", "backpressure",
 )  # fmt: skip
 """The `kind` values of `ramjet_upstream_errors_total` (`ramjet.proxy`)."""
+CANDIDATE_ERROR_KINDS = ("raised", "invalid", "slow", "skipped")
+"""The `kind` values of `ramjet_candidate_errors_total` for the candidate (`ramjet.modes`)."""
 
 
 class RouterMetrics:
@@ -50,6 +52,8 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        for kind in CANDIDATE_ERROR_KINDS:  # at 0 from start: the series exist to alert on
+            self.candidate_errors.labels(kind=kind)
         self.ttft = Histogram(
             "ramjet_ttft_seconds",
             "Router-observed time from request arrival to the first response byte sent",
