@@ -204,8 +204,14 @@ def indexer_scores(
     m: int,
 ) -> torch.Tensor:
     """score[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]); -inf where s >= (q_pos+1)//m. [T, S] fp32."""
-    dots = torch.einsum("thd,sd->ths", q.float(), k.float()).relu()
-    scores = (dots * w.float()[:, :, None]).sum(1)
+    t, h, _ = q.shape
+    s = k.shape[0]
+    scores = torch.empty(t, s, dtype=torch.float32, device=q.device)
+    chunk = max(1, (1 << 24) // max(1, h * s))  # bound the [chunk, H, S] intermediate
+    kf = k.float()
+    for a in range(0, t, chunk):
+        dots = torch.einsum("thd,sd->ths", q[a : a + chunk].float(), kf).relu()
+        scores[a : a + chunk] = (dots * w[a : a + chunk].float()[:, :, None]).sum(1)
     vis = visible_count(q_pos, m, k.shape[0])
     hidden = torch.arange(k.shape[0], device=k.device)[None, :] >= vis[:, None]
     return scores.masked_fill(hidden, float("-inf"))

@@ -228,9 +228,13 @@ class _Memo:
     same global KV and selected positions, so the derived values are computed once."""
 
     def __init__(self) -> None:
-        self._slots: dict[str, tuple[tuple[weakref.ref[torch.Tensor], ...], tuple[int, ...], Any]] = {}
+        self._slots: dict[
+            str, tuple[tuple[weakref.ref[torch.Tensor], ...], tuple[int, ...], Any]
+        ] = {}
 
     def get(self, kind: str, key: tuple[torch.Tensor, ...], make: Callable[[], Any]) -> Any:
+        if any(t.is_inference() for t in key):  # no version counter: never memoize
+            return make()
         got = self._slots.get(kind)
         versions = tuple(t._version for t in key)
         if got is not None:

@@ -1,46 +1,87 @@
-"""Run the Triton kernels under the interpreter on CPU, without changing other tests.
+"""Where the kernel tests run the Triton kernels: the interpreter on CPU (default), or a
+GPU with ``KERNELS_TEST_DEVICE=cuda`` (``benchmarks/gpu_check.sh``).
 
-Triton fixes interpreter mode when it is first imported (its ``tl`` library functions
-are decorated then) and reads ``TRITON_INTERPRET`` again at every launch. So this file
-sets the variable, imports triton and the kernel modules, and restores the environment
-at once; an autouse fixture sets it again only around the tests of this directory.
-Tests elsewhere in the same process keep their environment (and ``kernels.dispatch``
-keeps choosing the torch path for them), and processes they start do not inherit it.
+Interpreter, without changing other tests: Triton fixes interpreter mode when it is
+first imported (its ``tl`` library functions are decorated then) and reads
+``TRITON_INTERPRET`` again at every launch. So this file sets the variable, imports
+triton and the kernel modules, and restores the environment at once; an autouse fixture
+sets it again only around the tests of this directory. Tests elsewhere in the same
+process keep their environment (``kernels.dispatch`` keeps choosing the torch path for
+them), and processes they start do not inherit it.
+
+The ``triton_call`` fixture runs one op through ``kernels.dispatch`` on the Triton path:
+inputs moved to the test device, outputs brought back to the CPU, where the tests
+compare them with the torch reference.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+import torch
 
-if "triton" in sys.modules:
-    from triton.language import standard as _standard
+DEVICE = os.environ.get("KERNELS_TEST_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise pytest.UsageError(f"KERNELS_TEST_DEVICE must be cpu or cuda, got {DEVICE!r}")
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    raise pytest.UsageError("KERNELS_TEST_DEVICE=cuda but torch sees no CUDA device")
 
-    if type(_standard.cdiv).__name__ != "InterpretedFunction":
-        raise pytest.UsageError(
-            "triton was imported in compiled mode before tests/kernels/conftest.py; the "
-            "kernel tests need the interpreter: run them in their own pytest process"
-        )
+if DEVICE == "cpu":
+    if "triton" in sys.modules:
+        from triton.language import standard as _standard
 
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: F401  (decorates tl's own library in interpreter mode)
+        if type(_standard.cdiv).__name__ != "InterpretedFunction":
+            raise pytest.UsageError(
+                "triton was imported in compiled mode before tests/kernels/conftest.py; "
+                "the kernel tests need the interpreter: run them in their own pytest process"
+            )
+    _saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401  (decorates tl's own library in interpreter mode)
 
-    from kernels import dispatch
+        from kernels import dispatch as _dispatch
 
-    dispatch.load_kernels()
-finally:
-    if _saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+        _dispatch.load_kernels()
+    finally:
+        if _saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _saved
 
 
 @pytest.fixture(autouse=True)
 def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device(DEVICE)
+
+
+def _move(x: Any, dev: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(dev)
+    if isinstance(x, tuple):
+        return tuple(_move(v, dev) for v in x)
+    return x
+
+
+@pytest.fixture
+def triton_call() -> Callable[..., Any]:
+    from kernels import dispatch
+
+    def call(name: str, *args: Any, **kwargs: Any) -> Any:
+        dev = torch.device(DEVICE)
+        with dispatch.use_backend("triton"):
+            out = getattr(dispatch, name)(*_move(args, dev), **kwargs)
+        return _move(out, torch.device("cpu"))
+
+    return call

@@ -4,11 +4,15 @@ hash parameters (odd multipliers, distinct primes, cumulative offsets)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
-from kernels import dispatch as K
 from kernels import reference as R
+
+TritonCall = Callable[..., Any]  # the conftest fixture: one op on the Triton path
 
 GATE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -42,33 +46,31 @@ def test_hash_params() -> None:
 
 
 @pytest.mark.parametrize("t", [1, 37])
-def test_rows_exact_with_wraparound(t: int) -> None:
+def test_rows_exact_with_wraparound(t: int, triton_call: TritonCall) -> None:
     mult, primes, offsets = R.engram_hash_params(seed=t)
     g = torch.Generator().manual_seed(t)
     ids = torch.randint(0, 130_000, (t + 3,), generator=g)
     ids[:3] = 0  # pad ids before the start
     want = _oracle(ids.tolist(), mult.tolist(), primes.tolist(), offsets.tolist())
     assert R.engram_rows(ids, mult, primes, offsets).tolist() == want
-    with K.use_backend("triton"):
-        assert K.engram_rows(ids, mult, primes, offsets).tolist() == want
+    assert triton_call("engram_rows", ids, mult, primes, offsets).tolist() == want
     # the multipliers are 62-bit: products really wrap
     assert any(abs(int(i) * int(mult[0])) >= 1 << 63 for i in ids[3:])
 
 
-def test_gather_exact() -> None:
+def test_gather_exact(triton_call: TritonCall) -> None:
     g = torch.Generator().manual_seed(9)
     table, exp = R.fp8_quantize(torch.randn(300, 64, generator=g) * 10)
     rows = torch.randint(0, 300, (5, 24), generator=g)
     want = R.engram_gather(table, exp, rows)
     assert torch.equal(want[:, 64:128], R.fp8_dequantize(table, exp)[rows[:, 1]])
-    with K.use_backend("triton"):
-        assert torch.equal(K.engram_gather(table, exp, rows), want)
-        with pytest.raises(IndexError):
-            K.engram_gather(table, exp, rows + 300)
+    assert torch.equal(triton_call("engram_gather", table, exp, rows), want)
+    with pytest.raises(IndexError):
+        triton_call("engram_gather", table, exp, rows + 300)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gate(dtype: torch.dtype) -> None:
+def test_gate(dtype: torch.dtype, triton_call: TritonCall) -> None:
     g = torch.Generator().manual_seed(11)
     h = torch.randn(6, 3, 40, generator=g)
     key, value = torch.randn(6, 40, generator=g), torch.randn(6, 40, generator=g)
@@ -76,16 +78,14 @@ def test_gate(dtype: torch.dtype) -> None:
     h[1, 1] = 0.0  # zero copy: dot 0 -> gate sigmoid(0) = 0.5
     want = R.engram_gate(h.to(dtype), key.to(dtype), value.to(dtype))
     assert torch.allclose(want[1, 1].float(), 0.5 * value[1].to(dtype).float(), atol=1e-3)
-    with K.use_backend("triton"):
-        got = K.engram_gate(h.to(dtype), key.to(dtype), value.to(dtype))
+    got = triton_call("engram_gate", h.to(dtype), key.to(dtype), value.to(dtype))
     assert got.dtype == dtype
     assert (got.float() - want.float()).abs().max() <= GATE_TOL[dtype]
 
 
-def test_gate_non_contiguous_residual() -> None:
+def test_gate_non_contiguous_residual(triton_call: TritonCall) -> None:
     g = torch.Generator().manual_seed(12)
     h = torch.randn(2, 5, 32, generator=g).transpose(0, 1)  # [T=5, C=2, dim] as a view
     key, value = torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g)
-    with K.use_backend("triton"):
-        got = K.engram_gate(h, key, value)
+    got = triton_call("engram_gate", h, key, value)
     assert (got - R.engram_gate(h, key, value)).abs().max() <= GATE_TOL[torch.float32]

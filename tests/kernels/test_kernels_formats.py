@@ -3,16 +3,15 @@ torch's own float8_e4m3fn cast, and the Triton kernels bit-exact against the ref
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
-from kernels import dispatch as K
 from kernels import reference as R
 
-
-def _triton(name: str, *args: object) -> object:
-    with K.use_backend("triton"):
-        return getattr(K, name)(*args)
+TritonCall = Callable[..., Any]  # the conftest fixture: one op on the Triton path
 
 
 def test_e4m3_encode_matches_torch_cast_including_ties_and_subnormals() -> None:
@@ -105,36 +104,40 @@ def _odd_inputs(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(3, 5, 64), (1, 32), (7, 96)])
-def test_fp4_triton_bit_exact(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def test_fp4_triton_bit_exact(
+    shape: tuple[int, ...], dtype: torch.dtype, triton_call: TritonCall
+) -> None:
     x = _odd_inputs(shape, seed=len(shape) * 100 + shape[-1]).to(dtype)
     packed, scale = R.fp4_quantize(x)
-    tp, ts = _triton("fp4_quantize", x)
+    tp, ts = triton_call("fp4_quantize", x)
     assert torch.equal(packed, tp) and torch.equal(scale, ts)
-    assert torch.equal(_triton("fp4_dequantize", packed, scale), R.fp4_dequantize(packed, scale))
-    deq16 = _triton("fp4_dequantize", packed, scale, torch.float16)
+    assert torch.equal(
+        triton_call("fp4_dequantize", packed, scale), R.fp4_dequantize(packed, scale)
+    )
+    deq16 = triton_call("fp4_dequantize", packed, scale, torch.float16)
     assert deq16.dtype == torch.float16
     assert torch.equal(deq16, R.fp4_dequantize(packed, scale, torch.float16))
     pp, pe = R.fp4_pow2_quantize(x)
-    tpp, tpe = _triton("fp4_pow2_quantize", x)
+    tpp, tpe = triton_call("fp4_pow2_quantize", x)
     assert torch.equal(pp, tpp) and torch.equal(pe, tpe)
-    assert torch.equal(_triton("fp4_pow2_dequantize", pp, pe), R.fp4_pow2_dequantize(pp, pe))
+    assert torch.equal(triton_call("fp4_pow2_dequantize", pp, pe), R.fp4_pow2_dequantize(pp, pe))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fp8_triton_bit_exact(dtype: torch.dtype) -> None:
+def test_fp8_triton_bit_exact(dtype: torch.dtype, triton_call: TritonCall) -> None:
     x = _odd_inputs((5, 3, 96), seed=7).to(dtype)
     bits, exp = R.fp8_quantize(x)
-    tb, te = _triton("fp8_quantize", x)
+    tb, te = triton_call("fp8_quantize", x)
     assert torch.equal(bits, tb) and torch.equal(exp, te)
-    assert torch.equal(_triton("fp8_dequantize", bits, exp), R.fp8_dequantize(bits, exp))
-    q = _triton("fp8_qdq", x)
+    assert torch.equal(triton_call("fp8_dequantize", bits, exp), R.fp8_dequantize(bits, exp))
+    q = triton_call("fp8_qdq", x)
     assert q.dtype == dtype and torch.equal(q, R.fp8_qdq(x))
 
 
-def test_format_errors_are_clear() -> None:
+def test_format_errors_are_clear(triton_call: TritonCall) -> None:
     with pytest.raises(ValueError, match="multiple of the block"):
         R.fp4_quantize(torch.zeros(2, 24))
     with pytest.raises(ValueError, match="multiple of the block"):
-        _triton("fp8_qdq", torch.zeros(2, 40))
+        triton_call("fp8_qdq", torch.zeros(2, 40))
     with pytest.raises(ValueError, match="does not fit"):
-        _triton("fp4_dequantize", torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 3))
+        triton_call("fp4_dequantize", torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 3))
