@@ -1,0 +1,311 @@
+"""Static checks of deploy/: promtool on the Prometheus config and rules, the committed
+dashboards equal the generator's output, the Kubernetes manifests against a small schema
+(kinds, required fields, label selectors, probes, resources, references between objects,
+the embedded policy through ramjet's own loader), and the systemd units through
+`systemd-analyze verify` (always also through a parser check, so a machine without
+systemd still checks them)."""
+
+from __future__ import annotations
+
+import configparser
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ramjet.config import parse_policy
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+
+def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+# -- Prometheus --------------------------------------------------------------------------------
+
+
+def test_promtool_check_config() -> None:
+    r = _run(PROMTOOL, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout + r.stderr
+
+
+def test_promtool_check_rules() -> None:
+    files = sorted(str(p) for p in (DEPLOY / "prometheus" / "rules").glob("*.yml"))
+    assert len(files) >= 2
+    r = _run(PROMTOOL, "check", "rules", *files)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_rejects_a_broken_rule(tmp_path: Path) -> None:
+    """The check above can fail: a rule with a syntax error is refused."""
+    bad = tmp_path / "bad.yml"
+    bad.write_text("groups:\n  - name: x\n    rules:\n      - record: a:b\n        expr: sum(\n")
+    assert _run(PROMTOOL, "check", "rules", str(bad)).returncode != 0
+
+
+# -- Grafana -----------------------------------------------------------------------------------
+
+
+def _generator() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "generate_dashboards", DEPLOY / "grafana" / "generate_dashboards.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_committed_dashboards_are_the_generated_ones() -> None:
+    files = _generator().files()
+    on_disk = {p.name for p in (DEPLOY / "grafana" / "dashboards").glob("*.json")}
+    assert on_disk == set(files), "run python deploy/grafana/generate_dashboards.py"
+    for name, text in files.items():
+        assert (DEPLOY / "grafana" / "dashboards" / name).read_text() == text, name
+
+
+def test_dashboards_cover_the_issue_and_use_the_provisioned_datasource() -> None:
+    gen = _generator()
+    titles = {d.title for d in gen.DASHBOARDS}
+    for part in ("Routing", "Cache", "Observation", "Engines", "reports", "Redis"):
+        assert any(part in t for t in titles), part
+    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/ramjet.yml").read_text())
+    uid = ds["datasources"][0]["uid"]
+    prov = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/ramjet.yml").read_text())
+    assert prov["providers"][0]["type"] == "file"
+    for d in gen.DASHBOARDS:
+        board = gen.render(d)
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids))
+        for p in board["panels"]:
+            assert p["description"].strip() and p["targets"], p["title"]
+            assert p["datasource"]["uid"] == uid
+            assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+
+
+# -- Kubernetes --------------------------------------------------------------------------------
+
+# kind -> (apiVersion, required paths)
+K8S_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Namespace": ("v1", ("metadata.name",)),
+    "ConfigMap": ("v1", ("metadata.name", "metadata.namespace", "data")),
+    "Secret": ("v1", ("metadata.name", "metadata.namespace", "type")),
+    "Service": ("v1", ("metadata.name", "metadata.namespace", "spec.selector", "spec.ports")),
+    "Deployment": (
+        "apps/v1",
+        (
+            "metadata.name",
+            "metadata.namespace",
+            "spec.replicas",
+            "spec.selector.matchLabels",
+            "spec.template.metadata.labels",
+            "spec.template.spec.containers",
+        ),
+    ),
+    "PodDisruptionBudget": (
+        "policy/v1",
+        ("metadata.name", "metadata.namespace", "spec.selector.matchLabels"),
+    ),
+}
+
+
+def _get(doc: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(doc, dict) or part not in doc:
+            return None
+        doc = doc[part]
+    return doc
+
+
+def load_manifests(folder: Path) -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(folder.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append({**doc, "_file": path.name})
+    return docs
+
+
+def check_manifests(docs: list[dict[str, Any]]) -> list[str]:
+    """Schema and cross-reference errors, as readable lines (empty: valid)."""
+    errs: list[str] = []
+    by_kind: dict[str, dict[str, dict[str, Any]]] = {}
+    for d in docs:
+        where = f"{d.get('_file')}: {d.get('kind')}/{_get(d, 'metadata.name')}"
+        kind = d.get("kind")
+        if kind not in K8S_SCHEMA:
+            errs.append(f"{where}: unknown kind")
+            continue
+        api, required = K8S_SCHEMA[kind]
+        if d.get("apiVersion") != api:
+            errs.append(f"{where}: apiVersion {d.get('apiVersion')!r}, want {api!r}")
+        errs += [f"{where}: missing {p}" for p in required if _get(d, p) in (None, "", [], {})]
+        by_kind.setdefault(kind, {})[_get(d, "metadata.name")] = d
+    pods = []
+    for name, dep in by_kind.get("Deployment", {}).items():
+        where = f"Deployment/{name}"
+        sel = _get(dep, "spec.selector.matchLabels") or {}
+        labels = _get(dep, "spec.template.metadata.labels") or {}
+        if not sel.items() <= labels.items():
+            errs.append(f"{where}: selector {sel} does not match template labels {labels}")
+        spec = _get(dep, "spec.template.spec") or {}
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec.get("containers", []):
+            cw = f"{where}/{c.get('name')}"
+            for field in ("name", "image", "ports", "readinessProbe", "livenessProbe"):
+                if not c.get(field):
+                    errs.append(f"{cw}: missing {field}")
+            for bound in ("requests", "limits"):
+                res = _get(c, f"resources.{bound}") or {}
+                if not {"cpu", "memory"} <= set(res):
+                    errs.append(f"{cw}: resources.{bound} needs cpu and memory")
+            named_ports = {p.get("name") for p in c.get("ports", [])}
+            for probe in ("readinessProbe", "livenessProbe"):
+                port = _get(c, f"{probe}.httpGet.port") or _get(c, f"{probe}.tcpSocket.port")
+                if isinstance(port, str) and port not in named_ports:
+                    errs.append(f"{cw}: {probe} port {port!r} is not a container port")
+            for m in c.get("volumeMounts", []):
+                if m["name"] not in volumes:
+                    errs.append(f"{cw}: volumeMount {m['name']!r} has no volume")
+        for v in volumes.values():
+            if "configMap" in v and v["configMap"]["name"] not in by_kind.get("ConfigMap", {}):
+                errs.append(f"{where}: volume {v['name']}: no ConfigMap {v['configMap']['name']}")
+            if "secret" in v and v["secret"]["secretName"] not in by_kind.get("Secret", {}):
+                errs.append(f"{where}: volume {v['name']}: no Secret {v['secret']['secretName']}")
+        pods.append((labels, spec.get("containers", [])))
+    for owner in ("Service", "PodDisruptionBudget"):
+        for name, obj in by_kind.get(owner, {}).items():
+            sel = _get(obj, "spec.selector") if owner == "Service" else None
+            sel = sel or _get(obj, "spec.selector.matchLabels") or {}
+            matched = [c for labels, c in pods if sel.items() <= labels.items()]
+            if not matched:
+                errs.append(f"{owner}/{name}: selector {sel} matches no pod template")
+            elif owner == "Service":
+                ports = {p.get("name") for cs in matched for c in cs for p in c.get("ports", [])}
+                for p in obj["spec"]["ports"]:
+                    tp = p.get("targetPort")
+                    if isinstance(tp, str) and tp not in ports:
+                        errs.append(f"Service/{name}: targetPort {tp!r} not a pod port")
+    return errs
+
+
+def test_k8s_manifests_are_valid() -> None:
+    docs = load_manifests(DEPLOY / "k8s")
+    assert check_manifests(docs) == []
+    kinds = [d["kind"] for d in docs]
+    routers = [d for d in docs if d["kind"] == "Deployment" and "router" in d["metadata"]["name"]]
+    assert len(routers) == 1 and routers[0]["spec"]["replicas"] == 2
+    c = routers[0]["spec"]["template"]["spec"]["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    engines = [d for d in docs if d["kind"] == "Deployment" and "engine" in d["metadata"]["name"]]
+    assert len(engines) == 2 and kinds.count("Secret") >= 3
+    assert any(d["kind"] == "Deployment" and "redis" in d["metadata"]["name"] for d in docs)
+
+
+def test_k8s_policy_configmap_is_a_valid_policy_matching_the_cluster() -> None:
+    docs = load_manifests(DEPLOY / "k8s")
+    cm = next(
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "ramjet-policy"
+    )
+    cfg = parse_policy(yaml.safe_load(cm["data"]["policy.yaml"]))
+    services = {
+        f"{d['metadata']['name']}.{d['metadata']['namespace']}.svc.cluster.local:{p['port']}"
+        for d in docs
+        if d["kind"] == "Service"
+        for p in d["spec"]["ports"]
+    }
+    for e in cfg.engines:
+        assert e.url.removeprefix("http://") in services, e.url
+    assert cfg.store.kind == "redis"
+    assert cfg.store.url.removeprefix("redis://").split("/")[0] in services
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    scraped = {
+        t
+        for job in prom["scrape_configs"]
+        for sc in job.get("static_configs", [])
+        for t in sc["targets"]
+    }
+    assert {e.url.removeprefix("http://") for e in cfg.engines} == scraped
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda d: d[0].update(apiVersion="apps/v1beta1"), "apiVersion"),
+        (lambda d: d[0]["spec"]["template"]["metadata"]["labels"].clear(), "selector"),
+        (lambda d: d[0]["spec"]["template"]["spec"]["containers"][0].pop("resources"), "resources"),
+        (lambda d: d[0]["spec"]["template"]["spec"]["volumes"].pop(), "has no volume"),
+        (lambda d: d[1]["spec"].update(selector={"app": "nothing"}), "matches no pod"),
+    ],
+)
+def test_k8s_checker_catches_broken_manifests(mutate: Any, expected: str) -> None:
+    docs = [d for d in load_manifests(DEPLOY / "k8s") if d["_file"] == "router.yaml"]
+    docs += [d for d in load_manifests(DEPLOY / "k8s") if d["kind"] in ("ConfigMap", "Secret")]
+    assert check_manifests(docs) == []
+    mutate(docs)
+    assert any(expected in e for e in check_manifests(docs)), check_manifests(docs)
+
+
+# -- systemd -----------------------------------------------------------------------------------
+
+UNIT_SECTIONS = {".service": {"Unit", "Service", "Install"}, ".target": {"Unit", "Install"}}
+
+
+def parse_unit(path: Path) -> configparser.RawConfigParser:
+    cp = configparser.RawConfigParser(strict=False, interpolation=None)
+    cp.optionxform = str  # type: ignore[assignment,method-assign]
+    cp.read_string(path.read_text())
+    return cp
+
+
+def test_systemd_units_parse_and_name_what_they_need() -> None:
+    units = sorted((DEPLOY / "systemd").glob("*.service")) + sorted(
+        (DEPLOY / "systemd").glob("*.target")
+    )
+    assert {u.name for u in units} >= {"ramjet-router@.service", "ramjet-engine@.service"}
+    for u in units:
+        cp = parse_unit(u)
+        assert set(cp.sections()) == UNIT_SECTIONS[u.suffix], u.name
+        assert cp.get("Unit", "Description"), u.name
+        if u.suffix == ".service":
+            start = cp.get("Service", "ExecStart")
+            assert start.startswith("/"), f"{u.name}: ExecStart needs an absolute path"
+            assert cp.get("Service", "Restart") == "on-failure"
+            assert cp.get("Service", "User") == "ramjet"
+    router = parse_unit(DEPLOY / "systemd" / "ramjet-router@.service")
+    assert "ramjet serve --policy" in router.get("Service", "ExecStart")
+    assert router.get("Service", "ExecReload") == "/bin/kill -HUP $MAINPID"
+
+
+def test_systemd_analyze_verify(tmp_path: Path) -> None:
+    """`systemd-analyze verify` when the machine has it; the install paths the units
+    execute do not exist here, so they point at stub executables in the copy."""
+    tool = shutil.which("systemd-analyze")
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name in ("ramjet", "python"):
+        (stubs / name).write_text("#!/bin/sh\n")
+        (stubs / name).chmod(0o755)
+    names = []
+    for u in sorted((DEPLOY / "systemd").iterdir()):
+        if u.suffix in UNIT_SECTIONS:
+            text = u.read_text().replace("/opt/ramjet/.venv/bin/", f"{stubs}/")
+            (tmp_path / u.name).write_text(text)
+            names.append(f"./{u.name}")
+    if tool is None:  # the parser check above still ran; nothing more to ask
+        return
+    r = _run(tool, "verify", "--man=no", *names, cwd=tmp_path)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stdout + r.stderr
+    (tmp_path / "broken.service").write_text("[Service]\nExecStart=relative/path\n")
+    assert _run(tool, "verify", "--man=no", "./broken.service", cwd=tmp_path).returncode != 0
