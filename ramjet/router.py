@@ -10,7 +10,9 @@
    is forwarded.
 3. Views: `RequestView` from the parse; one `EngineView` per engine serving the model,
    `healthy` meaning routable now (probe ok, not ejected, not backing off; all engines
-   in panic), load from the router's in-flight counters, residency from the tables.
+   in panic), load from the router's in-flight counters merged with the engine's signed
+   load report, trust and profile from its reports (`router.signals`, set by
+   `ramjet.router_reports`), residency from the tables.
 4. The mode runner (`ramjet.modes`) asks the policies and fixes the live pick.
 5. `ramjet.proxy` forwards; a retry goes to the least-loaded routable engine not tried.
 6. On the end, the routed prefix is recorded as approximate residency, metrics are
@@ -36,12 +38,12 @@ from aiohttp import web
 from ramjet.accounting import Accounting
 from ramjet.config import PolicyConfig
 from ramjet.engines import EngineState, Fleet, HealthProber
+from ramjet.keymodes import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.modes import ArrivalRate, ModeOutcome, ModeRunner
 from ramjet.parsing import ParsedRequest, ParseLimits, RequestError, parse_request, to_request_view
 from ramjet.policy.base import (
     Decision,
-    EngineLoad,
     EngineView,
     FleetStats,
     GlobalMatch,
@@ -50,6 +52,7 @@ from ramjet.policy.base import (
 from ramjet.policy.registry import create_policy
 from ramjet.prefix import PrefixKeys
 from ramjet.proxy import Attempt, Exchange, ForwardResult, Proxy, json_error
+from ramjet.router_reports import EngineSignals, NoSignals
 from ramjet.types import EngineId, PrefixKey
 
 log = logging.getLogger(__name__)
@@ -140,6 +143,7 @@ class Router:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.residency: ResidencySource = residency or NoResidency()
+        self.signals: EngineSignals = NoSignals()
         self.clock = clock
         lg = config.logging
         self.accounting = Accounting(
@@ -168,6 +172,7 @@ class Router:
         self.modes = ModeRunner(config.mode, incumbent, candidate, self.metrics, clock=clock)
         self.arrivals = ArrivalRate()
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
+        self.key_pools = KeyPools(config.key_pools)
         self.draining = False
         self._slots = asyncio.Semaphore(config.limits.max_concurrent)
         self._waiting = 0
@@ -227,11 +232,10 @@ class Router:
             EngineView(
                 id=e.id,
                 healthy=e.id in ok,
-                load=EngineLoad(
-                    inflight_requests=e.inflight_requests,
-                    inflight_prompt_tokens=e.inflight_prompt_tokens,
-                ),
+                load=self.signals.load(e),
                 residency=self.residency.view(e.id, now),
+                profile=self.signals.profile(e.id),
+                trust=self.signals.trust(e.id),
                 models=frozenset(e.models),
             )
             for e in serving
@@ -400,6 +404,14 @@ class Router:
                     retry_after_s=max(retry_after, 1.0),
                 ),
             )
+        if self.key_pools:  # token-block keys for a pool of tokenizing engines
+            try:
+                parsed = self.key_pools.rekey(parsed, [v.id for v in views])
+            except RequestError as exc:
+                self.metrics.rejected.labels(reason=exc.code).inc()
+                return web.Response(
+                    status=exc.status, body=exc.to_openai_json(), content_type="application/json"
+                )
         rv = to_request_view(parsed, request_id)
         fleet = FleetStats(
             now_s=t0,

@@ -39,6 +39,7 @@ from ramjet.metrics import RouterMetrics
 from ramjet.proxy import error_body, json_error
 from ramjet.reload import admin_reload_handler, on_sighup
 from ramjet.router import DecisionSink, ResidencySource, Router
+from ramjet.router_reports import attach_reports
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +177,13 @@ def create_app(
     policy_path: str | None = None,
 ) -> web.Application:
     """The router as an aiohttp app; start/stop ride on the app's lifecycle.
-    `policy_path` is the file `POST /admin/reload` reloads (`ramjet.reload`)."""
+    `policy_path` is the file `POST /admin/reload` reloads (`ramjet.reload`); key files
+    in its `keys:` section resolve against its directory. A policy with engine keys gets
+    the signed-report runtime (`ramjet.router_reports`)."""
     r = router or Router(config, metrics=RouterMetrics(registry), residency=residency, sink=sink)
     app = web.Application(middlewares=[_errors], client_max_size=config.limits.max_body_bytes)
     app[ROUTER_KEY] = r
+    attach_reports(app, r, config, policy_path)
     app.router.add_post("/v1/chat/completions", r.handle_completion)
     app.router.add_post("/v1/completions", r.handle_completion)
     app.router.add_get("/v1/models", r.handle_models)

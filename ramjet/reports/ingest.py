@@ -6,13 +6,17 @@ processor's last accepted (epoch, seq) for that engine. When the engine answers
 "snapshot needed" (unknown epoch, cursor older than its ring) or the processor saw a
 gap, or refused a pulled frame (too old, rate limited...), the loop fetches
 `GET /ramjet/snapshot` first. Every frame goes through
-`ReportProcessor.submit(frame, expected_engine=engine)`: a pulled frame that claims
-another engine is rejected. Errors back off exponentially with jitter
+`ReportProcessor.submit_async(frame, expected_engine=engine)` (a large snapshot is
+applied in pieces that yield to the loop): a pulled frame that claims another engine is
+rejected. Errors back off exponentially with jitter
 (`poll.backoff_min_s` .. `poll.backoff_max_s`); a response bigger than a batch may be
 is cut off unread.
 
 Push: `POST /ramjet/reports` (mount with `add_routes(app)` on the router's app), one
-frame per request, read up to the size cap and no further; the same `submit`.
+frame per request, read up to the size cap and no further; the same `submit_async`.
+
+Fault injection (tests): `drop`, when set, is asked about every pulled frame before it
+is submitted; a frame it returns True for is discarded as if lost in transit.
 
 `start()` launches the pull loops and a 1 s tick (staleness, expiry); `stop()` cancels
 them and closes the HTTP session.
@@ -24,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -75,6 +79,8 @@ class ReportIngest:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.polls: dict[EngineId, int] = {}
+        self.drop: Callable[[EngineId, bytes], bool] | None = None
+        """Test seam: pulled frames it returns True for are discarded (lost in transit)."""
 
     # -- push -----------------------------------------------------------------------------
 
@@ -91,7 +97,7 @@ class ReportIngest:
         except ResponseTooLarge:
             self.processor.count_rejected(Reason.OVERSIZE)
             return web.json_response({"rejected": Reason.OVERSIZE.value}, status=413)
-        outcome = self.processor.submit(frame)
+        outcome = await self.processor.submit_async(frame)
         if isinstance(outcome, Rejected):
             status = _STATUS.get(outcome.reason, 400)
             return web.json_response({"rejected": outcome.reason.value}, status=status)
@@ -146,7 +152,7 @@ class ReportIngest:
                 raise RuntimeError(f"snapshot: HTTP {resp.status}")
             frame = await _read_limited(resp.content, cap + 1)
         self.processor.metrics.snapshots_fetched.labels(engine).inc()
-        outcome = self.processor.submit(frame, expected_engine=engine)
+        outcome = await self.processor.submit_async(frame, expected_engine=engine)
         if isinstance(outcome, Rejected):
             raise RuntimeError(f"snapshot rejected: {outcome.reason.value} ({outcome.detail})")
         return True
@@ -175,8 +181,12 @@ class ReportIngest:
             await self.fetch_snapshot(engine, base)
             return 0
         accepted = 0
-        for frame in tp.iter_frames(data):
-            outcome = self.processor.submit(frame, expected_engine=engine)
+        for i, frame in enumerate(tp.iter_frames(data)):
+            if i and i % 32 == 0:
+                await asyncio.sleep(0)  # a full batch (~0.15 ms a frame) must not stall routing
+            if self.drop is not None and self.drop(engine, frame):
+                continue
+            outcome = await self.processor.submit_async(frame, expected_engine=engine)
             if not isinstance(outcome, Rejected):
                 accepted += 1
             elif outcome.reason is not Reason.REPLAYED:

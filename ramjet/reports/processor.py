@@ -14,6 +14,16 @@ Commit, per engine:
 - a snapshot replaces the engine's exact residency and clears the gap;
 - TTLs in a report count from its issue time: the time it spent in transit is deducted.
 
+Large snapshots without stalling the loop: `await submit_async(frame)` (what the ingest
+uses) applies a snapshot of more than `snapshot_chunk_keys` keys in pieces, yielding to
+the event loop between pieces, into a staged copy of the engine's tables that replaces
+the live one in one step (`ResidencyTables.stage_snapshot`), so routing keeps reading the
+old, whole view meanwhile. The snapshot's cursor is taken at acceptance, so a report of
+the same engine accepted during the apply is newer than the snapshot: it is applied to
+the live tables at once and replayed onto the staged copy before the swap (deltas set a
+key's state, so replaying is exact). A new epoch or a newer snapshot abandons the apply.
+While it runs, the engine's trust is DEGRADED. The sync `submit` applies in one step.
+
 Trust grade (`trust(engine)`): APPROXIMATE until the engine's first accepted report;
 then DEGRADED while a snapshot is pending or no report came for `stale_after_s`, else
 EXACT. After `stale_ttl_s` without a report the engine's residency stops steering
@@ -23,10 +33,10 @@ staleness rules and sweeps expired residency; the ingest loop calls it every sec
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from itertools import chain, repeat
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
@@ -36,8 +46,13 @@ from ramjet.reports.config import ReportsConfig
 from ramjet.reports.keys import KeyRing
 from ramjet.reports.metrics import EngineFigures, ReportMetrics
 from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected, ReportVerifier
-from ramjet.residency.tables import ResidencyTables, ViewMode
-from ramjet.types import EngineId, TrustGrade
+from ramjet.residency.tables import ResidencyTables, SnapshotStaging, ViewMode
+from ramjet.types import EngineId, PrefixKey, Tier, TrustGrade
+
+_Piece = tuple[Sequence[PrefixKey], Tier | None, float | None]
+
+DEFAULT_SNAPSHOT_CHUNK_KEYS = 8192
+"""Keys applied per event-loop turn by `submit_async` (about 1-3 ms of dict updates)."""
 
 
 @dataclass(slots=True)
@@ -51,6 +66,20 @@ class EngineReportState:
     load: LoadBody | None = None
     load_at: float | None = None
     profile: EngineProfile | None = None
+    applying: SnapshotApply | None = None
+    """A large snapshot being applied in pieces (`submit_async`)."""
+
+
+@dataclass(slots=True)
+class SnapshotApply:
+    """A snapshot accepted, its cursor taken, its residency not yet swapped in."""
+
+    body: SnapshotBody
+    now: float
+    transit_s: float
+    replay: list[tuple[DeltaBody, float, float]] = field(default_factory=list)
+    """Deltas accepted meanwhile: (body, now, transit_s), replayed onto the staged copy."""
+    abandoned: bool = False
 
 
 class ReportProcessor:
@@ -62,8 +91,12 @@ class ReportProcessor:
         registry: CollectorRegistry | None = None,
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] | None = None,
+        snapshot_chunk_keys: int = DEFAULT_SNAPSHOT_CHUNK_KEYS,
     ) -> None:
+        """`snapshot_chunk_keys`: keys per piece of a snapshot applied by `submit_async`
+        (0: in one step, as `submit` does)."""
         self.config = config or ReportsConfig()
+        self.snapshot_chunk_keys = snapshot_chunk_keys
         self.keyring = keyring
         self.tables = tables
         self._clock = clock or tables.clock
@@ -85,6 +118,20 @@ class ReportProcessor:
             self.count_rejected(outcome.reason, outcome.engine)
             return outcome
         self._commit(outcome)
+        return outcome
+
+    async def submit_async(
+        self, frame: bytes, expected_engine: EngineId | None = None
+    ) -> Accepted | Rejected:
+        """`submit`, but a snapshot over `snapshot_chunk_keys` keys is applied in pieces
+        that yield to the event loop (see the module docstring). Returns once applied."""
+        outcome = self.verifier.check(frame, expected_engine)
+        if isinstance(outcome, Rejected):
+            self.count_rejected(outcome.reason, outcome.engine)
+            return outcome
+        job = self._commit(outcome, defer=self.snapshot_chunk_keys > 0)
+        if job is not None:
+            await self._apply_in_pieces(outcome.envelope.engine_id, job)
         return outcome
 
     def count_rejected(self, reason: Reason, engine: EngineId | None = None) -> None:
@@ -115,7 +162,8 @@ class ReportProcessor:
         if st is None or st.last_report_at is None:
             return TrustGrade.APPROXIMATE
         t = self._clock() if now is None else now
-        if st.gap or st.snapshot_needed or t - st.last_report_at > self.config.stale_after_s:
+        stale = t - st.last_report_at > self.config.stale_after_s
+        if st.gap or st.snapshot_needed or st.applying is not None or stale:
             return TrustGrade.DEGRADED
         return TrustGrade.EXACT
 
@@ -151,15 +199,20 @@ class ReportProcessor:
         st = self._states.get(engine)
         return None if st is None else st.cursor
 
-    def _commit(self, accepted: Accepted) -> None:
+    def _commit(self, accepted: Accepted, defer: bool = False) -> SnapshotApply | None:
+        """Apply an accepted report. With `defer`, a snapshot over `snapshot_chunk_keys`
+        keys is not applied here: its bookkeeping is, and the returned job is for
+        `_apply_in_pieces`."""
         env, body = accepted.envelope, accepted.body
         engine = env.engine_id
         self._known.add(engine)
         st = self.state(engine)
         now = self._clock()
+        job = None
         if st.cursor is None or env.epoch > st.cursor.epoch:
             if st.cursor is not None:
                 self.metrics.epoch_changes.labels(engine).inc()
+            self._abandon(st)
             self.tables.purge_engine(engine)
             # the epoch starts empty: report 1 onwards is complete without a snapshot
             st.cursor = Cursor(env.epoch, 0, 0)
@@ -171,11 +224,17 @@ class ReportProcessor:
         # seconds the report spent between signing and now: deducted from its TTLs
         transit_s = max(0.0, self._wall() - env.issued_at_ms / 1000.0)
         if isinstance(body, SnapshotBody):
-            self._apply_snapshot(engine, body, now, transit_s)
+            self._abandon(st)
+            if defer and body.key_count() > self.snapshot_chunk_keys:
+                job = st.applying = SnapshotApply(body, now, transit_s)
+            else:
+                self._apply_snapshot(engine, body, now, transit_s)
             st.snapshot_needed = False
             st.gap = False
         elif isinstance(body, DeltaBody):
             self._apply_delta(engine, body, now, transit_s)
+            if st.applying is not None:
+                st.applying.replay.append((body, now, transit_s))
         elif isinstance(body, LoadBody):
             st.load, st.load_at = body, now
         elif isinstance(body, ProfileBody):
@@ -186,6 +245,13 @@ class ReportProcessor:
         st.last_report_at = now
         self.tables.set_mode(engine, ViewMode.REPORTED)
         self.metrics.accepted.labels(engine, env.kind).inc()
+        return job
+
+    @staticmethod
+    def _abandon(st: EngineReportState) -> None:
+        if st.applying is not None:
+            st.applying.abandoned = True
+            st.applying = None
 
     def _apply_delta(self, engine: EngineId, d: DeltaBody, now: float, transit_s: float) -> None:
         t = self.tables
@@ -204,24 +270,60 @@ class ReportProcessor:
                 t.store_swa(engine, swa.keys, now, ttl_s)
         t.expire_swa(engine, d.swa_expired)
 
+    @staticmethod
+    def _pieces(s: SnapshotBody, transit_s: float, size: int) -> Iterator[_Piece]:
+        """(keys, tier, ttl_s) pieces of at most `size` keys, tier None for SWA states;
+        groups whose TTL ran out in transit are left out."""
+        step = max(1, size)
+        for g in s.residency:
+            ttl = None if g.ttl_ms is None else g.ttl_ms / 1000.0 - transit_s
+            if ttl is not None and ttl <= 0:
+                continue
+            tier = g.tier_enum
+            for i in range(0, len(g.keys), step):
+                yield g.keys[i : i + step], tier, ttl
+        for w in s.swa:
+            ttl_s = w.ttl_ms / 1000.0 - transit_s
+            if ttl_s <= 0:
+                continue
+            for i in range(0, len(w.keys), step):
+                yield w.keys[i : i + step], None, ttl_s
+
+    @staticmethod
+    def _add_piece(staging: SnapshotStaging, piece: _Piece) -> None:
+        keys, tier, ttl_s = piece
+        if tier is None:
+            staging.add_swa(keys, ttl_s)
+        else:
+            staging.add_global(keys, tier, ttl_s)
+
     def _apply_snapshot(
         self, engine: EngineId, s: SnapshotBody, now: float, transit_s: float
     ) -> None:
-        live = [
-            (g, None if g.ttl_ms is None else g.ttl_ms / 1000.0 - transit_s) for g in s.residency
-        ]
-        global_entries = chain.from_iterable(
-            zip(g.keys, repeat(g.tier_enum), repeat(ttl), strict=False)
-            for g, ttl in live
-            if ttl is None or ttl > 0
-        )
-        swa = [
-            (k, g.ttl_ms / 1000.0 - transit_s)
-            for g in s.swa
-            if g.ttl_ms / 1000.0 > transit_s
-            for k in g.keys
-        ]
-        self.tables.replace_engine(engine, global_entries, swa, now)
+        staging = self.tables.stage_snapshot(engine, now)
+        for piece in self._pieces(s, transit_s, 1 << 30):
+            self._add_piece(staging, piece)
+        staging.commit()
+
+    async def _apply_in_pieces(self, engine: EngineId, job: SnapshotApply) -> None:
+        st = self.state(engine)
+        staging = self.tables.stage_snapshot(engine, job.now)
+        try:
+            for piece in self._pieces(job.body, job.transit_s, self.snapshot_chunk_keys):
+                self._add_piece(staging, piece)
+                await asyncio.sleep(0)
+                if job.abandoned:
+                    return
+            staging.commit()
+            for delta, now, transit_s in job.replay:
+                self._apply_delta(engine, delta, now, transit_s)
+            st.applying = None
+        except BaseException:
+            # cancelled mid-apply: the live tables are the old content plus newer deltas
+            if st.applying is job:
+                st.applying = None
+                st.snapshot_needed = True
+            raise
 
     def _figures(self) -> Iterator[EngineFigures]:
         now = self._clock()

@@ -4,9 +4,12 @@
                               engine_urls={e.id: e.url for e in config.engines},
                               base_dir=policy_path.parent)
     rt.add_routes(app)        # POST /ramjet/reports (push)
-    await rt.start()          # pull loops + 1 s staleness/expiry tick
+    await rt.start()          # pull loops + staleness/expiry tick (1 s, or
+                              #   stale_after_s / 4 when that is shorter)
     rt.processor.trust(engine), .load(engine), .profile(engine)
     await rt.stop()
+
+The router builds it through `ramjet.router_reports.attach_reports`.
 
 Pull targets: `reports.engines` when it is set; otherwise every engine of the policy
 file that has an active key (an engine with a key is a reporting engine; it serves
@@ -58,7 +61,10 @@ class ReportsRuntime:
         ring = KeyRing.from_config(keys, base_dir)
         processor = ReportProcessor(ring, tables, reports, registry)
         targets = pull_targets(reports, ring, engine_urls or {})
-        return cls(processor, ReportIngest(processor, targets))
+        # the tick applies staleness: run it often enough that a silent engine stops
+        # steering within a fraction of the TTL
+        tick_s = min(1.0, reports.stale_after_s / 4)
+        return cls(processor, ReportIngest(processor, targets, tick_interval_s=tick_s))
 
     def add_routes(self, app: web.Application) -> None:
         self.ingest.add_routes(app)

@@ -14,13 +14,22 @@ an entry moves it to the most recently confirmed end. `expire(now)` drops entrie
 the least recently confirmed end while they are expired; an expired entry that sits
 behind a live one (its TTL was shorter) is never returned by `get` and leaves at its
 turn or under cap pressure, so memory stays bounded by the cap either way.
+
+Snapshots without a stall. `stage_exact(table, engine, now)` returns an `ExactStaging`:
+the engine's new exact content is built off to the side in pieces (`add(keys, tier,
+expires_at)`, one C-level dict update per piece, so a caller can yield to the event loop
+between pieces) while reads keep seeing the old content, then `commit()` swaps it in
+at once: one engine's view is never half old, half new. `replace_exact` is the same in
+one call. A store that cannot stage (the Redis store) is driven through
+`replace_exact` instead (`ramjet.residency.tables.SnapshotStaging`).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import NamedTuple, Protocol
 
 from ramjet.types import EngineId, PrefixKey, Tier
@@ -219,27 +228,37 @@ class MemoryStore:
         entries: Iterable[tuple[PrefixKey, Tier, float]],
         now: float,
     ) -> None:
-        old = self._maps[table][True].pop(engine, None)
+        staging = self.stage_exact(table, engine, now)
+        for key, tier, expires_at in entries:
+            staging.add((key,), tier, expires_at)
+        staging.commit()
+
+    def stage_exact(self, table: Table, engine: EngineId, now: float) -> ExactStaging:
+        """Build the engine's new exact content of `table` off to the side; see the
+        module docstring."""
+        return ExactStaging(self, table, engine, now)
+
+    def entries(self, table: Table, engine: EngineId, exact: bool) -> list[tuple[PrefixKey, Entry]]:
+        """The engine's entries of one kind in `table`, live or not yet swept (for
+        inspection and tests; a copy)."""
+        m = self._maps[table][exact].get(engine)
+        return list(m.items()) if m else []
+
+    def _swap_exact(self, table: Table, engine: EngineId, new: _Map) -> None:
+        by_engine = self._maps[table][True]
+        old = by_engine.pop(engine, None)
         if old is not None:
             self._sizes[table] -= len(old)
-        m = self._map(table, True, engine)
         approx_map = self._maps[table][False].get(engine)
-        cap = self._caps[table]
-        # a snapshot's keys come in groups sharing tier and expiry: share their Entry too
-        shared: dict[tuple[Tier, float], Entry] = {}
-        for key, tier, expires_at in entries:
-            entry = shared.get((tier, expires_at))
-            if entry is None:
-                entry = shared[(tier, expires_at)] = Entry(tier, now, expires_at, True)
-            if approx_map:
-                self._pop(table, approx_map, key)
-            if key in m:
-                m[key] = entry
-                continue
-            if self._sizes[table] >= cap:
-                self._evict_one(table)
-            m[key] = entry
-            self._sizes[table] += 1
+        if approx_map:
+            for key in [k for k in approx_map if k in new]:
+                del approx_map[key]
+                self._sizes[table] -= 1
+        by_engine[engine] = new
+        self._sizes[table] += len(new)
+        # the new entries are the most recently confirmed: the rule evicts others first
+        for _ in range(self._sizes[table] - self._caps[table]):
+            self._evict_one(table)
 
     def purge(self, engine: EngineId) -> None:
         for table in Table:
@@ -264,3 +283,37 @@ class MemoryStore:
 
     def size(self, table: Table) -> int:
         return self._sizes[table]
+
+
+class ExactStaging:
+    """One engine's next exact content of one table, built off the live map
+    (`MemoryStore.stage_exact`). Keys added twice keep their first position and their
+    last tier and expiry, as in `replace_exact`."""
+
+    __slots__ = ("_done", "_engine", "_map", "_now", "_shared", "_store", "_table")
+
+    def __init__(self, store: MemoryStore, table: Table, engine: EngineId, now: float) -> None:
+        self._store = store
+        self._table = table
+        self._engine = engine
+        self._now = now
+        self._map: _Map = OrderedDict()
+        # a snapshot's keys come in groups sharing tier and expiry: share their Entry too
+        self._shared: dict[tuple[Tier, float], Entry] = {}
+        self._done = False
+
+    def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None:
+        entry = self._shared.get((tier, expires_at))
+        if entry is None:
+            entry = self._shared[(tier, expires_at)] = Entry(tier, self._now, expires_at, True)
+        self._map.update(zip(keys, repeat(entry)))
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def commit(self) -> None:
+        """Swap the staged content in (once); evicts by the store's rule if over the cap."""
+        if self._done:
+            raise RuntimeError("staging already committed")
+        self._done = True
+        self._store._swap_exact(self._table, self._engine, self._map)

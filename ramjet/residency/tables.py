@@ -3,7 +3,8 @@
 Writers:
 - the report processor (`ramjet.reports.processor`), from verified engine reports:
   `store_global` / `evict_global` / `store_swa` / `expire_swa` for deltas,
-  `replace_engine` for snapshots, `purge_engine` for a new epoch. These are exact.
+  `replace_engine` (or, in pieces, `stage_snapshot`) for snapshots, `purge_engine` for
+  a new epoch. These are exact.
 - the router, after it dispatches a request: `record_routed(engine, keys, now)`. These
   entries are approximate (HBM assumed, `approximate_ttl_s`), never override an exact
   entry, and are only written and read for engines in `ViewMode.APPROXIMATE`.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import repeat
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
@@ -39,7 +41,7 @@ from prometheus_client.registry import Collector
 from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.prefix import PrefixKeys
 from ramjet.residency.config import ResidencyConfig
-from ramjet.residency.store import MemoryStore, ResidencyStore, Table
+from ramjet.residency.store import ExactStaging, MemoryStore, ResidencyStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 Clock = Callable[[], float]
@@ -197,22 +199,18 @@ class ResidencyTables:
     ) -> None:
         """A snapshot: (key, tier, ttl_s) and (key, ttl_s) become the engine's whole
         exact content of each table."""
-        expiry: dict[float | None, float] = {}  # few distinct TTLs: compute each once
+        staging = self.stage_snapshot(engine, now)
+        for k, t, ttl in global_entries:
+            staging.add_global((k,), t, ttl)
+        for k, ttl in swa_entries:
+            staging.add_swa((k,), ttl)
+        staging.commit()
 
-        def with_expiry() -> Iterator[tuple[PrefixKey, Tier, float]]:
-            for k, t, ttl in global_entries:
-                e = expiry.get(ttl)
-                if e is None:
-                    e = expiry[ttl] = self._global_expiry(now, ttl)
-                yield k, t, e
-
-        self.store.replace_exact(Table.GLOBAL, engine, with_expiry(), now)
-        self.store.replace_exact(
-            Table.SWA,
-            engine,
-            ((k, Tier.HBM, self._swa_expiry(now, ttl)) for k, ttl in swa_entries),
-            now,
-        )
+    def stage_snapshot(self, engine: EngineId, now: float) -> SnapshotStaging:
+        """A snapshot applied in pieces: `add_global`/`add_swa` key groups (the caller may
+        yield to the event loop between them; reads keep seeing the old content), then
+        `commit()` makes them the engine's whole exact content of both tables at once."""
+        return SnapshotStaging(self, engine, now)
 
     def purge_engine(self, engine: EngineId) -> None:
         """Forget all the engine's residency (it restarted: a new epoch)."""
@@ -220,6 +218,57 @@ class ResidencyTables:
 
     def expire(self, now: float | None = None) -> int:
         return self.store.expire(self.clock() if now is None else now)
+
+
+class SnapshotStaging:
+    """See `ResidencyTables.stage_snapshot`. Over a `MemoryStore` each piece goes into a
+    staged map at once (`ExactStaging`); over any other store the pieces are collected
+    and handed to `replace_exact` at commit."""
+
+    def __init__(self, tables: ResidencyTables, engine: EngineId, now: float) -> None:
+        self._tables = tables
+        self._engine = engine
+        self._now = now
+        store = tables.store
+        self._staged: dict[Table, ExactStaging] | None = None
+        self._collected: dict[Table, list[tuple[PrefixKey, Tier, float]]] = {t: [] for t in Table}
+        if isinstance(store, MemoryStore):
+            self._staged = {t: store.stage_exact(t, engine, now) for t in Table}
+        self._expiry: dict[tuple[Table, float | None], float] = {}
+        self.keys = 0
+        """Keys added so far."""
+
+    def _add(self, table: Table, keys: Sequence[PrefixKey], tier: Tier, expires: float) -> None:
+        self.keys += len(keys)
+        if self._staged is not None:
+            self._staged[table].add(keys, tier, expires)
+        else:
+            self._collected[table].extend(zip(keys, repeat(tier), repeat(expires)))
+
+    def _expires(self, table: Table, ttl_s: float | None) -> float:
+        # few distinct TTLs per snapshot: compute each expiry once
+        e = self._expiry.get((table, ttl_s))
+        if e is None:
+            t = self._tables
+            now = self._now
+            e = t._global_expiry(now, ttl_s) if table is Table.GLOBAL else t._swa_expiry(now, ttl_s)
+            self._expiry[(table, ttl_s)] = e
+        return e
+
+    def add_global(self, keys: Sequence[PrefixKey], tier: Tier, ttl_s: float | None) -> None:
+        self._add(Table.GLOBAL, keys, tier, self._expires(Table.GLOBAL, ttl_s))
+
+    def add_swa(self, keys: Sequence[PrefixKey], ttl_s: float | None) -> None:
+        self._add(Table.SWA, keys, Tier.HBM, self._expires(Table.SWA, ttl_s))
+
+    def commit(self) -> None:
+        if self._staged is not None:
+            for staging in self._staged.values():
+                staging.commit()
+            return
+        store = self._tables.store
+        for table, entries in self._collected.items():
+            store.replace_exact(table, self._engine, entries, self._now)
 
 
 class _SizeCollector(Collector):
