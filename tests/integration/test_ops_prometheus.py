@@ -182,26 +182,35 @@ def policy(engines: dict[str, tuple[EngineProcess, Any]], redis_url: str) -> Pol
 
 
 class Replica:
+    """One router as `ramjet serve` runs it, with Redis residency and signed reports on
+    one registry (one /metrics). Where the server does not yet mount the report runtime
+    itself, it is built and mounted here the same way."""
+
     def __init__(self, config: PolicyConfig) -> None:
         self.registry = CollectorRegistry()
         self.residency: ResidencyRuntime = build_residency(config, self.registry)
-        self.reports = ReportsRuntime.build(
-            config.reports,
-            config.keys,
-            self.residency.tables,
-            self.registry,
-            engine_urls={e.id: e.url for e in config.engines},
-        )
         self.server = RouterServer(config, registry=self.registry, residency=self.residency.tables)
-        self.reports.add_routes(self.server.app)
+        self.reports: ReportsRuntime | None = None
+        mounted = {r.resource.canonical for r in self.server.app.router.routes() if r.resource}
+        if "/ramjet/reports" not in mounted:
+            self.reports = ReportsRuntime.build(
+                config.reports,
+                config.keys,
+                self.residency.tables,
+                self.registry,
+                engine_urls={e.id: e.url for e in config.engines},
+            )
+            self.reports.add_routes(self.server.app)
 
     async def start(self) -> None:
         await self.residency.start()
         await self.server.start()
-        await self.reports.start()
+        if self.reports is not None:
+            await self.reports.start()
 
     async def stop(self) -> None:
-        await self.reports.stop()
+        if self.reports is not None:
+            await self.reports.stop()
         await self.server.stop(drain_s=0.5)
         await self.residency.stop()
 
