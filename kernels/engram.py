@@ -87,6 +87,7 @@ def _gate_kernel(
     C,
     DIM,
     eps,
+    inv_sqrt_dim,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -99,7 +100,7 @@ def _gate_kernel(
         off = (t * C + c) * DIM + d
         h = tl.load(h_ptr + off, mask=dmask, other=0.0).to(tl.float32)
         hn = h * tl.rsqrt(tl.sum(h * h, axis=0) / DIM + eps)
-        dot = tl.sum(hn * kn, axis=0) / tl.sqrt(DIM.to(tl.float32))
+        dot = tl.sum(hn * kn, axis=0) * inv_sqrt_dim
         mag = tl.sqrt(tl.maximum(tl.abs(dot), 1e-6))
         z = tl.where(dot > 0, mag, tl.where(dot < 0, -mag, 0.0))
         gate = 1.0 / (1.0 + tl.exp(-z))
@@ -190,6 +191,7 @@ def engram_gate(
         c,
         dim,
         eps,
+        dim**-0.5,
         block_d,
         num_warps=4 if block_d <= 1024 else 8,
     )

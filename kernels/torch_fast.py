@@ -30,7 +30,7 @@ _E2M1 = ref.e2m1_decode(_CODES)
 _FP4_PAIR = torch.stack((_E2M1[torch.arange(256) & 15], _E2M1[torch.arange(256) >> 4]), dim=1)
 _E4M3 = ref.e4m3_decode(torch.arange(256, dtype=torch.int32))  # fp32 value of each E4M3 byte
 _LUTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_BAND_ROWS = 64  # query rows per band block: keys span rows + window
+_BAND_ROWS = 32  # query rows per band block: keys span rows + window - 1
 _POS_BITS = 26  # positions below 2^26 fit beside the 32-bit score key in an int64
 
 
@@ -267,6 +267,79 @@ def _banded(win_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return last - count + 1, count
 
 
+def _uniform_band(
+    win_idx: torch.Tensor, first: torch.Tensor, count: torch.Tensor
+) -> tuple[int, int] | None:
+    """(last0, lo) when row t's window is [max(lo, last0 + t - W + 1), last0 + t] (a
+    sliding window over consecutive rows: one prefill segment); else None."""
+    t, w = win_idx.shape
+    last = first + count - 1
+    last0 = int(last[0])
+    steps = torch.arange(t, device=win_idx.device)
+    if not bool((last == last0 + steps).all()):
+        return None
+    lo = int(first.min())
+    if not bool((first == (last - w + 1).clamp(min=lo)).all()):
+        return None
+    return last0, lo
+
+
+def _band_mask(
+    t: int, w: int, last0: int, lo: int, rows: int, device: torch.device
+) -> torch.Tensor:
+    """[nb, rows, 1, span] bool: key o of block b is in row r's window (see _band_scores)."""
+    nb = -(-t // rows)
+    span = rows + w - 1
+    o = torch.arange(span, device=device)
+    r = torch.arange(rows, device=device)
+    band = (o[None, :] >= r[:, None]) & (o[None, :] < r[:, None] + w)  # [rows, span]
+    thr = lo - last0 - torch.arange(nb, device=device) * rows + w - 1  # [nb]
+    return (band[None] & (o[None, None, :] >= thr[:, None, None])).unsqueeze(2)
+
+
+def _band_scores(
+    qf: torch.Tensor, kvw: torch.Tensor, w: int, last0: int, rows: int, ok: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window scores of all rows at once, block by block without a gather.
+
+    Rows are split in blocks of `rows`; block b's keys are the contiguous span of
+    rows + w - 1 window rows ending at its last row (an unfold view of the left- and
+    right-padded KV). -> (scores [nb, rows, H, span] with -inf outside each row's
+    window, keys [nb, span, D])."""
+    t, h, d = qf.shape
+    nb = ok.shape[0]
+    span = rows + w - 1
+    pad_r = max(0, last0 + nb * rows - kvw.shape[0])
+    kvp = torch.cat((kvw.new_zeros(w - 1, d), kvw, kvw.new_zeros(pad_r, d)))
+    keys = kvp[last0 : last0 + nb * rows + w - 1].unfold(0, span, rows).transpose(1, 2)
+    qp = qf if nb * rows == t else torch.cat((qf, qf.new_zeros(nb * rows - t, h, d)))
+    sc = torch.bmm(qp.view(nb, rows * h, d), keys.transpose(1, 2)).view(nb, rows, h, span)
+    sc.masked_fill_(~ok, float("-inf"))
+    return sc, keys
+
+
+def _gather_fp4(packed: torch.Tensor, scale: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
+    if bool(((gi < -1) | (gi >= packed.shape[0])).any()):
+        raise IndexError(f"KV index out of range [-1, {packed.shape[0]})")
+    gsel = gi.clamp(min=0)
+    return fp4_dequantize(packed[gsel], scale[gsel])
+
+
+def _window_plan(win_idx: torch.Tensor) -> tuple[Any, ...] | None:
+    """What sparse_attention needs to know about a window index, computed once per tensor:
+    None (gather), ("band", first, count) or ("uniform", first, count, last0, mask)."""
+    band = _banded(win_idx)
+    if band is None:
+        return None
+    first, count = band
+    uni = _uniform_band(win_idx, first, count)
+    if uni is None:
+        return ("band", first, count)
+    t, w = win_idx.shape
+    mask = _band_mask(t, w, uni[0], uni[1], _BAND_ROWS, win_idx.device)
+    return ("uniform", first, count, uni[0], mask)
+
+
 def sparse_attention(
     q: torch.Tensor,
     win_kv: torch.Tensor,
@@ -278,12 +351,12 @@ def sparse_attention(
     scale: float,
 ) -> torch.Tensor:
     t, h, d = q.shape
-    band = _MEMO.get("band", (win_idx,), lambda: _banded(win_idx))
-    if band is None or win_kv.shape[0] == 0:
+    plan = _MEMO.get("band", (win_idx,), lambda: _window_plan(win_idx))
+    if plan is None or win_kv.shape[0] == 0:
         return ref.sparse_attention(
             q, win_kv, win_idx, glob_packed, glob_scale, glob_idx, sink, scale
         )
-    first, count = band
+    first, count = plan[1], plan[2]
     qf = q.float() * scale
     sk = sink.float()[None, :]  # [1, H]
     kvw = win_kv.float()
@@ -291,16 +364,29 @@ def sparse_attention(
     gi = glob_idx.long()
     has_glob = gi.shape[1] > 0 and glob_packed.shape[0] > 0
     if has_glob:
-        if bool(((gi < -1) | (gi >= glob_packed.shape[0])).any()):
-            raise IndexError(f"KV index out of range [-1, {glob_packed.shape[0]})")
-        gsel = gi.clamp(min=0)
         gk = _MEMO.get(
             "glob",
             (glob_idx, glob_packed, glob_scale),
-            lambda: fp4_dequantize(glob_packed[gsel], glob_scale[gsel]),  # [T, K, D]
+            lambda: _gather_fp4(glob_packed, glob_scale, gi),  # [T, K, D]
         )
         sg = torch.bmm(qf, gk.transpose(1, 2))  # [T, H, K]
         sg.masked_fill_((gi < 0)[:, None, :], float("-inf"))
+    if plan[0] == "uniform":
+        rows = _BAND_ROWS
+        sw, keys = _band_scores(qf, kvw, win_idx.shape[1], plan[3], rows, plan[4])
+        nb = sw.shape[0]
+        mx = torch.maximum(sw.amax(-1).view(nb * rows, h)[:t], sk)  # [T, H]
+        if has_glob:
+            mx = torch.maximum(mx, sg.amax(-1))
+            eg = torch.exp(sg - mx[..., None])
+        mxp = mx if nb * rows == t else torch.cat((mx, mx.new_zeros(nb * rows - t, h)))
+        ew = torch.exp(sw - mxp.view(nb, rows, h, 1))
+        denom = ew.sum(-1).view(nb * rows, h)[:t] + torch.exp(sk - mx)
+        o = torch.bmm(ew.view(nb, rows * h, -1), keys).view(nb * rows, h, d)[:t]
+        if has_glob:
+            denom = denom + eg.sum(-1)
+            o = o + torch.bmm(eg, gk)
+        return (o / denom[..., None]).to(q.dtype)
     out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
     wmax = int(count.max()) if t else 0
     blk = _BAND_ROWS
