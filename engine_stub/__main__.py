@@ -85,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--key", type=Path, default=None, help="Ed25519 private key file for signed reports"
     )
     s.add_argument("--key-id", default=None, help="key id published with the reports")
+    s.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="also publish cache events in vLLM's ZMQ wire format (e.g. tcp://127.0.0.1:5557)",
+    )
+    s.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="replay socket")
+    s.add_argument(
+        "--kv-events-drop-live",
+        default="",
+        metavar="SEQS",
+        help="test fault: batch seqs (comma-separated) kept for replay but not sent live",
+    )
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(handler=_serve)
     p = sub.add_parser("profile", help="measure this machine and print the profile as JSON")
@@ -145,6 +158,15 @@ def _serve(args: argparse.Namespace) -> int:
     engine.start()
     app = build_app(engine)
     attach_reports(app, engine, key_file=args.key, key_id=args.key_id)
+    bridge = None
+    if args.kv_events:
+        from engine_stub.vllm_events import VllmEventBridge, ZmqEventPublisher
+
+        drop = [int(x) for x in args.kv_events_drop_live.split(",") if x.strip()]
+        publisher = ZmqEventPublisher(args.kv_events, args.kv_events_replay, drop_live=drop)
+        bridge = VllmEventBridge(
+            engine.events, publisher, model=args.model, block_tokens=engine.kv.block_tokens
+        )
 
     async def main() -> None:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -165,6 +187,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     finally:
+        if bridge is not None:
+            bridge.close()
         engine.close()
     return 0
 

@@ -19,7 +19,7 @@ import torch
 
 from . import ops
 from .config import ModelConfig
-from .weights import Weights, apply_rope, rmsnorm, rope_tables
+from .weights import Weights, apply_rope, rmsnorm, rope_rot
 
 
 @dataclass
@@ -43,7 +43,7 @@ def draft_block(cfg: ModelConfig, w: Weights, hidden: torch.Tensor, g0: int, n: 
     base = torch.cat((hidden.reshape(-1), w.embed[g0])) @ dw.w_in  # [dim]
     x = base.unsqueeze(0) + dw.slot  # [P, dim]
     pos = torch.arange(p, device=dev)
-    cos, sin = rope_tables(pos, cfg.rope_dim, cfg.rope_theta)
+    rot = rope_rot(pos, cfg.rope_dim, cfg.rope_theta)
     j = pos.unsqueeze(1) - torch.arange(p - 1, -1, -1, device=dev).unsqueeze(0)
     win_idx = torch.where(j >= 0, j, torch.full_like(j, -1)).to(torch.int32)
     empty_p = torch.zeros(0, cfg.head_dim // 2, dtype=torch.uint8, device=dev)
@@ -54,12 +54,12 @@ def draft_block(cfg: ModelConfig, w: Weights, hidden: torch.Tensor, g0: int, n: 
         aw = bw.attn
         xn = rmsnorm(x)
         qr = rmsnorm(xn @ aw.wq_a)
-        q = apply_rope((qr @ aw.wq_b).view(p, cfg.n_heads, cfg.head_dim), cos, sin)
-        kv = ops.fp8_qdq(apply_rope(rmsnorm(xn @ aw.wkv), cos, sin), cfg.fp8_block)
+        q = apply_rope((qr @ aw.wq_b).view(p, cfg.n_heads, cfg.head_dim), rot)
+        kv = ops.fp8_qdq(apply_rope(rmsnorm(xn @ aw.wkv), rot), cfg.fp8_block)
         o = ops.sparse_attention(
             q, kv, win_idx, empty_p, empty_s, empty_i, aw.sink, cfg.head_dim**-0.5
         )
-        o = apply_rope(o, cos, sin, inverse=True)
+        o = apply_rope(o, rot, inverse=True)
         o = (
             torch.einsum("ngk,gkr->ngr", o.reshape(p, cfg.o_groups, -1), aw.wo_a).reshape(p, -1)
             @ aw.wo_b

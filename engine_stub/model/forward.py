@@ -28,7 +28,7 @@ import torch
 from . import ops
 from .config import ModelConfig
 from .state import SeqState
-from .weights import AttnWeights, BlockWeights, Weights, apply_rope, rmsnorm, rope_tables
+from .weights import AttnWeights, BlockWeights, Weights, apply_rope, rmsnorm, rope_rot
 
 
 @dataclass
@@ -110,12 +110,12 @@ class Backbone:
         pos = torch.cat(
             [torch.arange(s.p0, s.p0 + n, device=dev) for s, n in zip(segs, lens, strict=True)]
         )
-        cos, sin = rope_tables(pos, c.rope_dim, c.rope_theta)
+        rot = rope_rot(pos, c.rope_dim, c.rope_theta)
         engram = self.prefetch_engram(segs)
         win_idx, prev_len = self._window_index(segs, lens)
 
         h = w.embed[ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        ctx = _LayerCtx(pos=pos, cos=cos, sin=sin, win_idx=win_idx, starts=starts)
+        ctx = _LayerCtx(pos=pos, rot=rot, win_idx=win_idx, starts=starts)
         hidden_rows: list[torch.Tensor] = []
         last_rows = torch.tensor([s - 1 for s in starts[1:]], device=dev)
         for layer in range(c.n_layers):
@@ -124,19 +124,15 @@ class Backbone:
                 ew = w.engram[layer]
                 emb = engram[layer]
                 h = ops.engram_gate(h, emb @ ew.wk, emb @ ew.wv)
-            x = rmsnorm(torch.einsum("c,ncd->nd", bw.hc_pre[0], h))
+            x = rmsnorm(torch.matmul(bw.hc_pre[0], h))
             a = self._attention(layer, bw.attn, x, segs, lens, prev_len, ctx)
-            h = torch.einsum("ij,njd->nid", bw.hc_res[0], h) + bw.hc_post[0].view(
-                1, -1, 1
-            ) * a.unsqueeze(1)
-            x = rmsnorm(torch.einsum("c,ncd->nd", bw.hc_pre[1], h))
+            h = torch.matmul(bw.hc_res[0], h) + bw.hc_post[0].view(1, -1, 1) * a.unsqueeze(1)
+            x = rmsnorm(torch.matmul(bw.hc_pre[1], h))
             f = (torch.nn.functional.silu(x @ bw.w1) * (x @ bw.w3)) @ bw.w2
-            h = torch.einsum("ij,njd->nid", bw.hc_res[1], h) + bw.hc_post[1].view(
-                1, -1, 1
-            ) * f.unsqueeze(1)
+            h = torch.matmul(bw.hc_res[1], h) + bw.hc_post[1].view(1, -1, 1) * f.unsqueeze(1)
             if layer >= c.n_layers - 2:
-                hidden_rows.append(torch.einsum("c,ncd->nd", w.final_pre, h[last_rows]))
-        hfin = rmsnorm(torch.einsum("c,ncd->nd", w.final_pre, h if all_logits else h[last_rows]))
+                hidden_rows.append(torch.matmul(w.final_pre, h[last_rows]))
+        hfin = rmsnorm(torch.matmul(w.final_pre, h if all_logits else h[last_rows]))
         logits = hfin @ w.head
         hidden = torch.stack(hidden_rows, dim=1)  # [B, 2, dim]
         return ForwardOut(logits=logits, hidden=[hidden[i] for i in range(len(segs))])
@@ -171,8 +167,9 @@ class Backbone:
         c = self.cfg
         n = x.shape[0]
         qr = rmsnorm(x @ aw.wq_a)
-        q = apply_rope((qr @ aw.wq_b).view(n, c.n_heads, c.head_dim), ctx.cos, ctx.sin)
-        kv = apply_rope(rmsnorm(x @ aw.wkv), ctx.cos, ctx.sin)
+        q = (qr @ aw.wq_b).view(n, c.n_heads, c.head_dim)
+        qk = apply_rope(torch.cat((q, rmsnorm(x @ aw.wkv).unsqueeze(1)), dim=1), ctx.rot)
+        q, kv = qk[:, : c.n_heads], qk[:, c.n_heads]
         bits, exp = ops.fp8_quantize(kv, c.fp8_block)
         kv = ops.fp8_dequantize(bits, exp, c.fp8_block)
         parts = []
@@ -207,9 +204,9 @@ class Backbone:
             gi = ctx.topk[tsrc]
             gp, gs = ctx.glob_cat(src, segs)
         o = ops.sparse_attention(q, win_kv, ctx.win_idx, gp, gs, gi, aw.sink, c.head_dim**-0.5)
-        o = apply_rope(o, ctx.cos, ctx.sin, inverse=True)
-        o = torch.einsum("ngk,gkr->ngr", o.reshape(n, c.o_groups, -1), aw.wo_a)
-        return o.reshape(n, -1) @ aw.wo_b
+        o = apply_rope(o, ctx.rot, inverse=True)
+        o = torch.bmm(o.reshape(n, c.o_groups, -1).transpose(0, 1), aw.wo_a)  # [G, n, r]
+        return o.transpose(0, 1).reshape(n, -1) @ aw.wo_b
 
     def _compress(self, layer: int, aw: AttnWeights, x: torch.Tensor, sg: Segment) -> None:
         """Complete groups of m tokens -> FP4 global KV + FP4 index keys; the rest waits."""
@@ -236,11 +233,11 @@ class Backbone:
         else:
             latent = rmsnorm(kv)
         gpos = torch.arange(j0, j0 + g, device=self.device) * m
-        cos, sin = rope_tables(gpos, c.rope_dim, c.rope_theta)
-        ik = apply_rope(rmsnorm(latent @ aw.wc_ik), cos, sin)
+        rot = rope_rot(gpos, c.rope_dim, c.rope_theta)
+        ik = apply_rope(rmsnorm(latent @ aw.wc_ik), rot)
         ik_packed, ik_exp = ops.fp4_pow2_quantize(ik, c.index_block)
         ik_deq = ops.fp4_pow2_dequantize(ik_packed, ik_exp, c.index_block)
-        kv_packed, kv_scale = ops.fp4_quantize(apply_rope(latent, cos, sin))
+        kv_packed, kv_scale = ops.fp4_quantize(apply_rope(latent, rot))
         store = st.glob[layer]
         if store.n != j0:
             raise RuntimeError(f"layer {layer}: global store has {store.n} entries, expected {j0}")
@@ -261,7 +258,7 @@ class Backbone:
         c = self.cfg
         assert aw.wi_q is not None and aw.wi_w is not None
         n = x.shape[0]
-        qi = apply_rope((qr @ aw.wi_q).view(n, c.index_heads, c.index_dim), ctx.cos, ctx.sin)
+        qi = apply_rope((qr @ aw.wi_q).view(n, c.index_heads, c.index_dim), ctx.rot)
         qp, qe = ops.fp4_pow2_quantize(qi, c.index_block)
         qi = ops.fp4_pow2_dequantize(qp, qe, c.index_block)
         wts = (x @ aw.wi_w) * (c.index_dim**-0.5 * c.index_heads**-0.5)
@@ -288,8 +285,7 @@ class Backbone:
 @dataclass
 class _LayerCtx:
     pos: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    rot: torch.Tensor  # [N, rope_dim/2] complex
     win_idx: torch.Tensor
     starts: list[int]
     topk: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -74,7 +74,7 @@ class MiniV4:
         self.seed = seed
         self.device = torch.device(device)
         self.tokenizer = ByteTokenizer(cfg.vocab)
-        with torch.inference_mode():
+        with torch.no_grad():
             self.weights = Weights(cfg, seed, self.device)
         self.backbone = Backbone(cfg, self.weights, self.device)
 
@@ -89,7 +89,7 @@ class MiniV4:
     # -- forward ------------------------------------------------------------------
 
     def _advance(self, segs: list[Segment], all_logits: bool = False) -> torch.Tensor:
-        with torch.inference_mode():
+        with torch.no_grad():
             out = self.backbone.run(segs, all_logits=all_logits)
         last = 0
         for i, sg in enumerate(segs):
@@ -141,7 +141,7 @@ class MiniV4:
             raise ValueError("draft needs a state that has processed at least one token")
         n = self.cfg.draft_positions if n is None else n
         g0 = int(st.last_logits.argmax())
-        with torch.inference_mode():
+        with torch.no_grad():
             return draft_block(self.cfg, self.weights, st.last_hidden, g0, n)
 
     def verify(

@@ -1,25 +1,46 @@
-"""The ops the model calls, bound once from `kernels.dispatch` (Triton where it runs,
-torch references otherwise), falling back to `kernels.reference` for any op the dispatcher
-does not export yet. The model never carries its own copy of an op."""
+"""The ops the model calls. Tensors on CUDA go through `kernels.dispatch` (the Triton
+kernels); CPU tensors use `kernels.torch_fast` (the reference semantics, fast enough to
+serve on two cores). `ENGINE_MODEL_OPS=dispatch` sends CPU calls through the dispatcher
+too (the torch references, or the Triton interpreter under TRITON_INTERPRET=1). An op the
+dispatcher does not export yet falls back to `kernels.reference`. The model never carries
+its own copy of an op."""
 
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from kernels import reference as _reference
+from kernels import torch_fast as _fast
 
 try:
     _dispatch: ModuleType | None = importlib.import_module("kernels.dispatch")
-except ImportError:
+except ImportError:  # the dispatcher is optional for the CPU path
     _dispatch = None
 
+_FORCE_DISPATCH = os.environ.get("ENGINE_MODEL_OPS", "") == "dispatch"
 
-def _bind(name: str) -> Any:
-    if _dispatch is not None and hasattr(_dispatch, name):
-        return getattr(_dispatch, name)
-    return getattr(_reference, name)
+
+def _bind(name: str) -> Callable[..., Any]:
+    slow: Callable[..., Any] = getattr(_dispatch, name, None) or getattr(_reference, name)
+    fast: Callable[..., Any] = getattr(_fast, name, None) or slow
+    if _FORCE_DISPATCH:
+        return slow
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        first = args[0]
+        if isinstance(first, torch.Tensor) and first.is_cuda:
+            return slow(*args, **kwargs)
+        return fast(*args, **kwargs)
+
+    op.__name__ = name
+    op.__doc__ = getattr(slow, "__doc__", None)
+    return op
 
 
 fp4_quantize = _bind("fp4_quantize")

@@ -18,34 +18,33 @@ from .primes import engram_primes
 
 
 def rmsnorm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    """x / sqrt(mean(x^2) + eps) over the last dim (no weight: random weights would only
+    rescale)."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def rope_tables(
-    pos: torch.Tensor, rope_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, rope_dim/2] for integer positions [N]."""
+def rope_rot(pos: torch.Tensor, rope_dim: int, theta: float) -> torch.Tensor:
+    """Unit complex rotations [N, rope_dim/2] for integer positions [N]."""
     inv = theta ** (
         -torch.arange(0, rope_dim, 2, device=pos.device, dtype=torch.float32) / rope_dim
     )
     ang = pos.float().unsqueeze(-1) * inv
-    return torch.cos(ang), torch.sin(ang)
+    return torch.polar(torch.ones_like(ang), ang)
 
 
-def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-) -> torch.Tensor:
-    """Rotate interleaved pairs of the last rope_dim dims of x [N, ..., D]. cos/sin [N, r/2]
-    broadcast over the middle dims. inverse rotates by -angle (the output tail)."""
-    r = cos.shape[-1] * 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
+def apply_rope(x: torch.Tensor, rot: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs of the last rope_dim dims of x [N, ..., D] by the position
+    angle (by minus it when inverse: the output tail). rot [N, r/2] complex broadcasts over
+    the middle dims."""
+    half = rot.shape[-1]
+    r = 2 * half
+    rot = rot.view((rot.shape[0],) + (1,) * (x.dim() - 2) + (half,))
     if inverse:
-        s = -s
-    head, tail = x[..., :-r], x[..., -r:]
-    x1, x2 = tail[..., 0::2], tail[..., 1::2]
-    rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    return torch.cat((head, rot), dim=-1)
+        rot = rot.conj()
+    tail = torch.view_as_complex(x[..., -r:].reshape(*x.shape[:-1], half, 2).contiguous())
+    out = x.clone()
+    out[..., -r:] = torch.view_as_real(tail * rot).flatten(-2)
+    return out
 
 
 def _sinkhorn(m: torch.Tensor, iters: int = 20) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""Reference-model step costs on this machine: prefill tokens/s at 512, 2k and 8k tokens of
+context, decode step time (batch 1 and 4 at 2k context), DSpark verify step, and the cost
+of a 128-token SWA replay. Baseline measured in the same run: the same 512-token prefill
+through the plain torch reference ops (`kernels.reference`, ENGINE_MODEL_OPS=dispatch).
+
+    .venv/bin/python benchmarks/model_step.py [--threads 1] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# benchmarks/kernels.py would shadow the `kernels` package: drop this script's folder.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import torch  # noqa: E402
+
+from engine_stub.model import MiniV4, ModelConfig  # noqa: E402
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(32, 127, (n,), generator=g).tolist()
+
+
+def prefill_rate(model: MiniV4, n: int) -> tuple[float, float]:
+    st = model.new_state()
+    t0 = time.perf_counter()
+    model.prefill(st, _prompt(n))
+    dt = time.perf_counter() - t0
+    return n / dt, dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="skip the 8k point")
+    ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = MiniV4(ModelConfig.tiny(window=128), seed=0)
+    prefill_rate(model, 256)  # warm up
+    if args.baseline_only:
+        rate, _ = prefill_rate(model, 512)
+        print(f"{rate:.1f}")
+        return 0
+
+    print(f"reference model step costs (threads={args.threads}, window=128)")
+    sizes = [512, 2048] if args.quick else [512, 2048, 8192]
+    rates = {}
+    for n in sizes:
+        rate, dt = prefill_rate(model, n)
+        rates[n] = rate
+        print(f"prefill {n:>5} tokens: {rate:8.0f} tokens/s  ({dt:.2f} s)")
+
+    st = model.new_state()
+    model.prefill(st, _prompt(2048))
+    steps = 16
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model.decode_batch([st], [int(st.last_logits.argmax())])  # type: ignore[union-attr]
+    d1 = (time.perf_counter() - t0) / steps
+    others = []
+    for i in range(3):
+        o = model.new_state()
+        model.prefill(o, _prompt(2048, seed=i + 1))
+        others.append(o)
+    batch = [st, *others]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model.decode_batch(batch, [int(s.last_logits.argmax()) for s in batch])  # type: ignore[union-attr]
+    d4 = (time.perf_counter() - t0) / steps
+    print(f"decode step @2k: batch 1 {d1 * 1e3:.1f} ms, batch 4 {d4 * 1e3:.1f} ms")
+
+    t0 = time.perf_counter()
+    emitted = 0
+    for _ in range(8):
+        draft = model.draft(st, 5)
+        out, _ = model.verify(st, draft.tokens)
+        emitted += len(out)
+    dv = (time.perf_counter() - t0) / 8
+    print(f"draft+verify step (5 drafts) @2k: {dv * 1e3:.1f} ms, {emitted / 8:.2f} tokens/step")
+
+    n = st.n_tokens // 256 * 256
+    blobs = [model.export_global(st, s, s + 256) for s in range(0, n, 256)]
+    r = model.state_from_global(blobs, n, tokens=st.tokens[:n])
+    t0 = time.perf_counter()
+    model.replay(r, st.tokens[n - 128 : n])
+    rp = time.perf_counter() - t0
+    print(f"replay 128 tokens @{n}: {rp * 1e3:.1f} ms")
+
+    env = dict(os.environ, ENGINE_MODEL_OPS="dispatch")
+    base = subprocess.run(
+        [sys.executable, __file__, "--baseline-only", "--threads", str(args.threads)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    b = float(base.stdout.strip().splitlines()[-1])
+    print(f"baseline (reference ops) prefill 512: {b:.0f} tokens/s; speedup {rates[512] / b:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
