@@ -3,8 +3,10 @@
 1. One reference engine per engine of the policy file whose URL is on loopback
    (`python -m engine_stub serve --id ID --port PORT --cache-dir ROOT/ID`), each a child
    process, waited for on `GET /health`.
-2. The router (`python -m ramjet serve --policy FILE --port PORT`), a child process,
-   waited for on its port.
+   Each gets an ephemeral report-signing keypair (`ramjet.reports.local_keys`, in a temp
+   dir: `--key FILE --key-id ID-stack`) unless the policy lists keys for it.
+2. The router (`python -m ramjet serve --policy COPY --port PORT`, COPY being the policy
+   with those public keys merged in), a child process, waited for on its port.
 3. Until SIGINT/SIGTERM or a child's exit: then every child is stopped by pid (SIGTERM,
    then SIGKILL after a grace period), router first.
 
@@ -30,6 +32,7 @@ from types import FrameType
 from urllib.parse import urlsplit
 
 from ramjet.config import PolicyFileError, load_policy
+from ramjet.reports.local_keys import ephemeral_keys
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -125,18 +128,23 @@ def _run(args: argparse.Namespace) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="ramjet-stack-")
         root = Path(tmp.name)
     children: list[subprocess.Popen[bytes]] = []
+    key_dir = tempfile.TemporaryDirectory(prefix="ramjet-stack-keys-")
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        keys = ephemeral_keys(Path(args.policy), [eid for eid, _, _ in local], Path(key_dir.name))
+        for eid in keys.skipped:
+            print(f"stack: engine {eid} has keys in the policy; it signs with its own key")
         for eid, port, url in local:
             cmd = [sys.executable, "-m", "engine_stub", "serve", "--id", eid, "--port", str(port),
-                   "--cache-dir", str(Path(root) / eid), *args.engine_arg]  # fmt: skip
+                   "--cache-dir", str(Path(root) / eid), *keys.engine_args.get(eid, []),
+                   *args.engine_arg]  # fmt: skip
             print(f"stack: engine {eid} -> {url} (pid ", end="", flush=True)
             child = subprocess.Popen(cmd)
             children.append(child)
             print(f"{child.pid})", flush=True)
         for (eid, _, url), child in zip(local, children, strict=True):
             _wait_ready(f"engine {eid}", child, lambda u=url: _healthy(u), args.ready_timeout)
-        router_cmd = [sys.executable, "-m", "ramjet", "serve", "--policy", str(args.policy),
+        router_cmd = [sys.executable, "-m", "ramjet", "serve", "--policy", str(keys.policy_path),
                       "--host", args.host, "--port", str(args.port)]  # fmt: skip
         router = subprocess.Popen(router_cmd)
         children.insert(0, router)
@@ -156,12 +164,13 @@ def _run(args: argparse.Namespace) -> int:
     except _Stop:
         print("stack: stopping", flush=True)
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, OSError, PolicyFileError) as exc:
         print(f"stack: {exc}", file=sys.stderr)
         return 1
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
         stop_children(children)
+        key_dir.cleanup()
         if tmp is not None:
             tmp.cleanup()
