@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ramjet.keymodes import KeyPoolConfig, check_pools
 from ramjet.redis_link import StoreConfig
 from ramjet.reports.config import KeysConfig, ReportsConfig
 from ramjet.residency.config import ResidencyConfig
@@ -183,6 +184,8 @@ class PolicyConfig(_Frozen):
     """Signed engine reports: limits, skew, rate, staleness, pull (`ramjet.reports.config`)."""
     keys: KeysConfig = KeysConfig()
     """Engines' report public keys and retired key ids (`ramjet.reports.config`)."""
+    key_pools: tuple[KeyPoolConfig, ...] = ()
+    """Key mode per engine pool: text or token-block keys (`ramjet.keymodes`)."""
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -202,6 +205,7 @@ class PolicyConfig(_Frozen):
     def _check(self) -> PolicyConfig:
         if self.mode.kind in ("canary", "enforce") and self.candidate is None:
             raise ValueError(f"mode {self.mode.kind} needs a candidate policy")
+        check_pools(self.key_pools, (e.id for e in self.engines))
         return self
 
 

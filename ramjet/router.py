@@ -38,6 +38,7 @@ from aiohttp import web
 from ramjet.accounting import Accounting
 from ramjet.config import PolicyConfig
 from ramjet.engines import EngineState, Fleet, HealthProber
+from ramjet.keymodes import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.modes import ArrivalRate, ModeOutcome, ModeRunner
 from ramjet.parsing import ParsedRequest, ParseLimits, RequestError, parse_request, to_request_view
@@ -171,6 +172,7 @@ class Router:
         self.modes = ModeRunner(config.mode, incumbent, candidate, self.metrics, clock=clock)
         self.arrivals = ArrivalRate()
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
+        self.key_pools = KeyPools(config.key_pools)
         self.draining = False
         self._slots = asyncio.Semaphore(config.limits.max_concurrent)
         self._waiting = 0
@@ -402,6 +404,14 @@ class Router:
                     retry_after_s=max(retry_after, 1.0),
                 ),
             )
+        if self.key_pools:  # token-block keys for a pool of tokenizing engines
+            try:
+                parsed = self.key_pools.rekey(parsed, [v.id for v in views])
+            except RequestError as exc:
+                self.metrics.rejected.labels(reason=exc.code).inc()
+                return web.Response(
+                    status=exc.status, body=exc.to_openai_json(), content_type="application/json"
+                )
         rv = to_request_view(parsed, request_id)
         fleet = FleetStats(
             now_s=t0,

@@ -1,0 +1,321 @@
+"""The KV-event wire format of vLLM and SGLang: frames, batches, events; decode and encode.
+
+Framing (ZMQ multipart):
+- live (PUB -> SUB): `[topic, seq, payload]`, `seq` 8 bytes big-endian, the topic often
+  empty;
+- replay (ROUTER -> DEALER): a DEALER sends `[b"", start_seq (8 bytes BE)]`; the engine
+  answers one message per buffered batch with seq >= start_seq, then an end marker whose
+  seq is `0xFF` x 8. vLLM (since PR #45177) answers `[b"", topic, seq, payload]`, SGLang
+  and older vLLM `[b"", seq, payload]`: both are accepted (`parse_replay`). A first
+  replayed seq above the one asked for means the engine's buffer no longer holds it
+  (history truncated).
+
+Payload: msgpack of the batch `[ts, events, dp_rank]` (a map `{ts, events,
+data_parallel_rank}` is accepted too). Each event is either a tagged map
+(`{"type": "BlockStored", "block_hashes": [...], ...}`: vLLM since PR #42892, SGLang since
+PR #37482) or a tag-first array (`["BlockStored", block_hashes, parent_block_hash, ...]`,
+older builds; msgspec's `array_like` structs omit trailing default fields, so shorter
+arrays are legal). Field order of the arrays:
+
+    BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+                     medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+                     locality, ownership
+    BlockRemoved     block_hashes, medium, group_idx
+    AllBlocksCleared (no fields)
+
+Engine hashes are msgpack integers (vLLM's default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`,
+SGLang's first 8 digest bytes) or byte strings; both are kept as they come (hashable).
+
+Anything that does not fit raises `WireError`, with the path of the offending field; a
+decoder never half-applies a batch (the caller gets the whole batch or an error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgspec
+
+END_SEQ = b"\xff" * 8
+"""Seq bytes of the replay socket's end-of-replay marker."""
+
+EngineHash = int | bytes
+
+
+class WireError(ValueError):
+    """A frame, batch or event that does not decode."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    """All tokens of the stored blocks, concatenated (block_size per block)."""
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    """vLLM GPU/CPU/STORAGE; SGLang GPU/CPU_PINNED/DISK/EXTERNAL; None means GPU."""
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    """Per block: extra hash inputs (multimodal hashes, cache salt) or None."""
+    group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+    group_idx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+_TYPES: dict[str, type[BlockStored] | type[BlockRemoved] | type[AllBlocksCleared]] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+_FIELDS = {name: tuple(f.name for f in fields(cls)) for name, cls in _TYPES.items()}
+_REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[Event, ...]
+    dp_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One decoded ZMQ message: a batch and its sequence number."""
+
+    seq: int
+    batch: EventBatch
+    topic: bytes = b""
+
+
+# -- decoding ------------------------------------------------------------------------------
+
+_decode = msgspec.msgpack.decode
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _hash(v: Any, path: str) -> EngineHash:
+    if _is_int(v):
+        if not -(2**63) <= v < 2**64:
+            raise WireError(f"{path}: hash out of 64-bit range")
+        return int(v)
+    if isinstance(v, bytes):
+        return v
+    raise WireError(f"{path}: a block hash must be an integer or bytes, got {type(v).__name__}")
+
+
+def _hashes(v: Any, path: str) -> tuple[EngineHash, ...]:
+    if not isinstance(v, list):
+        raise WireError(f"{path}: must be an array of hashes")
+    return tuple(_hash(h, f"{path}[{i}]") for i, h in enumerate(v))
+
+
+def _opt_str(v: Any, path: str) -> str | None:
+    if v is None or isinstance(v, str):
+        return v
+    raise WireError(f"{path}: must be a string or nil")
+
+
+def _opt_int(v: Any, path: str) -> int | None:
+    if v is None:
+        return None
+    if _is_int(v):
+        return int(v)
+    raise WireError(f"{path}: must be an integer or nil")
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
+
+
+def _build(tag: str, values: dict[str, Any], path: str) -> Event:
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if tag == "BlockRemoved":
+        group = values.get("group_idx", 0)
+        return BlockRemoved(
+            _hashes(values.get("block_hashes"), f"{path}.block_hashes"),
+            _opt_str(values.get("medium"), f"{path}.medium"),
+            0 if group is None else _nonneg(group, f"{path}.group_idx"),
+        )
+    hashes = _hashes(values.get("block_hashes"), f"{path}.block_hashes")
+    parent = values.get("parent_block_hash")
+    tokens = values.get("token_ids")
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in tokens):
+        raise WireError(f"{path}.token_ids: must be an array of 32-bit unsigned integers")
+    size = _nonneg(values.get("block_size"), f"{path}.block_size")
+    if size == 0:
+        raise WireError(f"{path}.block_size: must be positive")
+    if len(tokens) != size * len(hashes):
+        raise WireError(
+            f"{path}.token_ids: {len(tokens)} tokens for {len(hashes)} blocks of {size}"
+        )
+    extra = values.get("extra_keys")
+    if extra is not None and not isinstance(extra, list):
+        raise WireError(f"{path}.extra_keys: must be an array or nil")
+    group = values.get("group_idx", 0)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None if parent is None else _hash(parent, f"{path}.parent_block_hash"),
+        token_ids=tuple(tokens),
+        block_size=size,
+        lora_id=_opt_int(values.get("lora_id"), f"{path}.lora_id"),
+        medium=_opt_str(values.get("medium"), f"{path}.medium"),
+        lora_name=_opt_str(values.get("lora_name"), f"{path}.lora_name"),
+        extra_keys=None if extra is None else _freeze(extra),
+        group_idx=0 if group is None else _nonneg(group, f"{path}.group_idx"),
+        kv_cache_spec_kind=_opt_str(values.get("kv_cache_spec_kind"), f"{path}.kv_cache_spec_kind"),
+        locality=_opt_str(values.get("locality"), f"{path}.locality"),
+        ownership=_opt_str(values.get("ownership"), f"{path}.ownership"),
+    )
+
+
+def _nonneg(v: Any, path: str) -> int:
+    if not _is_int(v) or v < 0:
+        raise WireError(f"{path}: must be a non-negative integer")
+    return int(v)
+
+
+def decode_event(raw: Any, path: str = "event") -> Event:
+    """One event from its msgpack value: a tagged map or a tag-first array."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str) or tag not in _TYPES:
+            raise WireError(f"{path}.type: unknown event type {tag!r}")
+        unknown = set(raw) - {"type", *_FIELDS[tag]}
+        if unknown:
+            raise WireError(f"{path}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+        missing = [f for f in _FIELDS[tag][: _REQUIRED[tag]] if f not in raw]
+        if missing:
+            raise WireError(f"{path}: missing field(s) {', '.join(missing)}")
+        return _build(tag, raw, path)
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+        if tag not in _TYPES:
+            raise WireError(f"{path}[0]: unknown event type {tag!r}")
+        names = _FIELDS[tag]
+        vals = raw[1:]
+        if not _REQUIRED[tag] <= len(vals) <= len(names):
+            raise WireError(
+                f"{path}: {tag} array has {len(vals)} fields, expected "
+                f"{_REQUIRED[tag]}..{len(names)}"
+            )
+        return _build(tag, dict(zip(names, vals, strict=False)), path)
+    raise WireError(f"{path}: an event must be a tagged map or a tag-first array")
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """A batch from its msgpack payload."""
+    try:
+        raw = _decode(payload)
+    except msgspec.DecodeError as exc:
+        raise WireError(f"payload is not msgpack: {exc}") from None
+    if isinstance(raw, dict):
+        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+    if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
+        raise WireError("batch must be [ts, events, dp_rank]")
+    ts, events = raw[0], raw[1]
+    rank = raw[2] if len(raw) == 3 else None
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise WireError("batch.ts: must be a number")
+    if not isinstance(events, list):
+        raise WireError("batch.events: must be an array")
+    return EventBatch(
+        float(ts),
+        tuple(decode_event(e, f"events[{i}]") for i, e in enumerate(events)),
+        _opt_int(rank, "batch.dp_rank"),
+    )
+
+
+def _seq(raw: bytes) -> int:
+    if len(raw) != 8:
+        raise WireError(f"seq frame must be 8 bytes, got {len(raw)}")
+    return int.from_bytes(raw, "big")
+
+
+def parse_live(frames: Sequence[bytes]) -> Message:
+    """A live message `[topic, seq, payload]`."""
+    if len(frames) != 3:
+        raise WireError(f"live message must have 3 frames [topic, seq, payload], got {len(frames)}")
+    return Message(_seq(frames[1]), decode_batch(frames[2]), bytes(frames[0]))
+
+
+def parse_replay(frames: Sequence[bytes]) -> Message | None:
+    """A replay answer as a DEALER receives it: `[b"", topic, seq, payload]` (vLLM) or
+    `[b"", seq, payload]` (SGLang, older vLLM). None for the end marker."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise WireError(
+            f"replay message must be [b'', (topic,) seq, payload], got {len(frames)} frames"
+        )
+    topic = bytes(frames[1]) if len(frames) == 4 else b""
+    seq_raw = frames[-2]
+    if seq_raw == END_SEQ:
+        return None
+    return Message(_seq(seq_raw), decode_batch(frames[-1]), topic)
+
+
+# -- encoding (the reference engine's publisher, fixtures, benchmarks) --------------------
+
+_encode = msgspec.msgpack.encode
+
+
+def _event_values(ev: Event) -> tuple[str, list[Any]]:
+    tag = type(ev).__name__
+    return tag, [getattr(ev, f) for f in _FIELDS[tag]]
+
+
+def _plain(v: Any) -> Any:
+    return [_plain(x) for x in v] if isinstance(v, tuple) else v
+
+
+def encode_event(ev: Event, *, tagged: bool = True) -> Any:
+    """The msgpack value of an event: a tagged map (default) or a tag-first array whose
+    trailing default-valued fields are omitted (as msgspec's `omit_defaults` does)."""
+    tag, vals = _event_values(ev)
+    names = _FIELDS[tag]
+    if tagged:
+        out: dict[str, Any] = {"type": tag}
+        out.update((n, _plain(v)) for n, v in zip(names, vals, strict=True))
+        return out
+    defaults = [f.default for f in fields(type(ev))]
+    n = len(vals)
+    while n > _REQUIRED[tag] and vals[n - 1] == defaults[n - 1]:
+        n -= 1
+    return [tag, *(_plain(v) for v in vals[:n])]
+
+
+def encode_batch(batch: EventBatch, *, tagged: bool = True) -> bytes:
+    events = [encode_event(e, tagged=tagged) for e in batch.events]
+    return _encode([batch.ts, events, batch.dp_rank])
+
+
+def live_frames(seq: int, payload: bytes, topic: bytes = b"") -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), payload]
+
+
+def replay_frames(seq: int | None, payload: bytes = b"", topic: bytes | None = b"") -> list[bytes]:
+    """What a DEALER receives for one replayed batch (seq None: the end marker); topic
+    None leaves the topic frame out (SGLang's framing)."""
+    seq_raw = END_SEQ if seq is None else seq.to_bytes(8, "big")
+    head = [b""] if topic is None else [b"", topic]
+    return [*head, seq_raw, payload]

@@ -1,0 +1,128 @@
+"""KV-event decoding: recorded messages (tests/vectors/kv_events.json) in both encodings
+and both replay framings, a payload assembled byte by byte from the msgpack spec, and
+refusals of malformed input."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from ramjet.sidecar.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    WireError,
+    decode_batch,
+    encode_batch,
+    parse_live,
+    parse_replay,
+)
+
+VECTORS = json.loads(
+    (Path(__file__).resolve().parents[1] / "vectors" / "kv_events.json").read_text("utf-8")
+)
+
+
+def _frames(case: dict[str, object]) -> list[bytes]:
+    return [bytes.fromhex(h) for h in case["frames_hex"]]  # type: ignore[attr-defined]
+
+
+def _check_events(events: tuple[object, ...]) -> None:
+    a, b, c, d, e = events
+    assert a == BlockStored(
+        block_hashes=(11, 2**64 - 1),
+        parent_block_hash=None,
+        token_ids=(1, 2, 3, 4, 5, 6, 7, 8),
+        block_size=4,
+        medium="GPU",
+        kv_cache_spec_kind="full_attention",
+    )
+    assert isinstance(b, BlockStored)
+    assert b.block_hashes == (b"\x01" * 8,) and b.parent_block_hash == 2**64 - 1
+    assert (b.lora_id, b.lora_name, b.group_idx, b.medium) == (3, "lora-a", 1, "CPU")
+    assert b.kv_cache_spec_kind == "sliding_window" and b.extra_keys == (None,)
+    assert c == BlockRemoved((11,), "GPU", 0)
+    assert d == BlockRemoved((2**64 - 1,), "CPU_PINNED", 1)
+    assert e == AllBlocksCleared()
+
+
+@pytest.mark.parametrize("case", VECTORS["messages"], ids=lambda c: c["name"])
+def test_recorded_messages_decode(case: dict[str, object]) -> None:
+    frames = _frames(case)
+    if case["kind"] == "live":
+        msg = parse_live(frames)
+        assert msg.topic == b"kv@v0"
+    elif case["kind"] == "replay":
+        msg = parse_replay(frames)
+        assert msg is not None
+        assert msg.topic == (b"kv@v0" if "with_topic" in str(case["name"]) else b"")
+    else:
+        assert parse_replay(frames) is None
+        return
+    assert msg.seq == 7
+    assert msg.batch.ts == VECTORS["batch"]["ts"] and msg.batch.dp_rank == 0
+    _check_events(msg.batch.events)
+    # the encoder reproduces the recorded bytes exactly
+    tagged = case["encoding"] == "tagged_map"
+    assert encode_batch(msg.batch, tagged=tagged) == frames[-1]
+
+
+def _fixstr(s: str) -> bytes:
+    raw = s.encode()
+    assert len(raw) < 32
+    return bytes([0xA0 | len(raw)]) + raw
+
+
+def test_hand_assembled_msgpack_both_encodings() -> None:
+    """Bytes written from the msgpack spec, not by any encoder of ours."""
+    ts = b"\xcb" + struct.pack(">d", 12.5)
+    # tag-first array, trailing defaults omitted: ["BlockStored", [7], nil, [1,2], 2]
+    arr = b"\x95" + _fixstr("BlockStored") + b"\x91\x07" + b"\xc0" + b"\x92\x01\x02" + b"\x02"
+    # tagged map: {"type": "BlockRemoved", "block_hashes": [uint64 max], "medium": "CPU"}
+    mp = (
+        b"\x83"
+        + _fixstr("type") + _fixstr("BlockRemoved")
+        + _fixstr("block_hashes") + b"\x91\xcf" + b"\xff" * 8
+        + _fixstr("medium") + _fixstr("CPU")
+    )  # fmt: skip
+    payload = b"\x93" + ts + b"\x92" + arr + mp + b"\xc0"
+    batch = decode_batch(payload)
+    assert batch.ts == 12.5 and batch.dp_rank is None
+    assert batch.events == (
+        BlockStored((7,), None, (1, 2), 2),
+        BlockRemoved((2**64 - 1,), "CPU", 0),
+    )
+
+
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (b"\xc1", "not msgpack"),
+        (b"\x92\x01\x91\x92\xa3Foo\x01", "unknown event type"),
+        (b"\x92\x01\x91\x81\xa4type\xa3Foo", "unknown event type"),
+        (b"\x92\x01\x91\x82\xa4type\xacBlockRemoved\xa1x\x01", "unknown field"),
+        (b"\x92\x01\x91\x81\xa4type\xacBlockRemoved", "missing field"),
+        # 3 tokens for 1 block of 2
+        (b"\x92\x01\x91\x95\xabBlockStored\x91\x07\xc0\x93\x01\x02\x03\x02", "3 tokens"),
+        (b"\x92\x01\x91\x95\xabBlockStored\x91\xa1x\xc0\x92\x01\x02\x02", "integer or bytes"),
+        (b"\x92\x01\x91\x95\xabBlockStored\x91\x07\xc0\x92\x01\xff\x02", "32-bit unsigned"),
+        (b"\x92\xa1x\x90", "ts"),
+        (b"\x91\x01", "batch must be"),
+    ],
+)
+def test_malformed_payloads_are_refused(payload: bytes, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        decode_batch(payload)
+
+
+def test_bad_framing_is_refused() -> None:
+    ok = _frames(VECTORS["messages"][0])
+    with pytest.raises(WireError, match="3 frames"):
+        parse_live(ok[1:])
+    with pytest.raises(WireError, match="8 bytes"):
+        parse_live([ok[0], b"\x00" * 4, ok[2]])
+    with pytest.raises(WireError, match="replay message"):
+        parse_replay(ok)  # no empty delimiter frame
