@@ -19,7 +19,7 @@ Kinds (`EventKind`):
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -57,6 +57,8 @@ class CacheEvent:
 
 
 Listener = Callable[[CacheEvent], None]
+BlockDescriber = Callable[[Sequence[PrefixKey], Sequence[int]], None]
+"""Told a prompt's block keys (in order) and its tokens before the blocks are stored."""
 
 
 class CacheEvents:
@@ -64,6 +66,7 @@ class CacheEvents:
 
     def __init__(self) -> None:
         self._listeners: list[Listener] = []
+        self._describers: list[BlockDescriber] = []
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}
 
@@ -77,3 +80,15 @@ class CacheEvents:
             self.counts[event.kind] = self.counts.get(event.kind, 0) + 1
         for listener in listeners:
             listener(event)
+
+    def subscribe_blocks(self, describer: BlockDescriber) -> None:
+        """Listeners that publish token ids (the vLLM-format publisher) learn here which
+        tokens make up each block key."""
+        with self._lock:
+            self._describers.append(describer)
+
+    def describe(self, keys: Sequence[PrefixKey], tokens: Sequence[int]) -> None:
+        with self._lock:
+            describers = list(self._describers)
+        for d in describers:
+            d(keys, tokens)

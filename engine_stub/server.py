@@ -164,6 +164,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             exc.status, str(exc), param=exc.param, code=exc.code, headers=_headers(engine)
         )
     keys = compute_keys(rendered, engine.key_seed)
+    engine.events.describe(keys.blocks, ids)
     req = Request(ids, keys, params, asyncio.get_running_loop())
     try:
         engine.scheduler.submit(req)

@@ -144,6 +144,26 @@ class ReportPublisher:
     def publish_profile(self, profile: EngineProfile) -> int:
         return self._publish("profile", profile_body(profile))
 
+    def new_epoch(self, epoch: int | None = None) -> int:
+        """Start a new epoch (a sidecar whose engine restarted or whose history was lost):
+        seq restarts at 1, the ring empties, and routers, seeing a higher epoch, purge
+        the engine's residency and fetch a snapshot. Returns the new epoch."""
+        with self._lock:
+            wanted = int(self._wall() * 1000) if epoch is None else epoch
+            self.epoch = max(wanted, self.epoch + 1)
+            self._seq = 0
+            self._ring.clear()
+            self._ring_bytes = 0
+            self._dropped_through = 0
+            self._push_q.clear()
+            if self._push_url is not None and self._snapshot is not None:
+                residency, swa = self._snapshot()
+                body = SnapshotBody(seq=0, residency=list(residency), swa=list(swa))
+                self._push_q.append(self._sign("snapshot", body, 0))
+            epoch_now = self.epoch
+        self._wake()
+        return epoch_now
+
     def snapshot_frame(self) -> bytes:
         """A signed snapshot of the engine's state now, at the current seq."""
         if self._snapshot is None:

@@ -83,12 +83,17 @@ def test_vllm_hashes_match_vectors_and_documented_algorithm(algo: str) -> None:
     got = vllm_block_hashes(toks, b, algo, none)  # type: ignore[arg-type]
     assert [d.hex() for d in got] == vec["digests"]
     assert [int.from_bytes(d, "big") & (2**64 - 1) for d in got] == vec["event_hashes"]
+
     # independently: hash_fn((parent or NONE_HASH, tuple(tokens), None))
     def fn(v: object) -> bytes:
-        raw = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) if "cbor" not in algo else (
-            cbor_canonical(v)
+        raw = (
+            pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+            if "cbor" not in algo
+            else (cbor_canonical(v))
         )
-        return hashlib.sha256(raw).digest() if algo.startswith("sha") else xxhash.xxh3_128_digest(raw)
+        return (
+            hashlib.sha256(raw).digest() if algo.startswith("sha") else xxhash.xxh3_128_digest(raw)
+        )
 
     assert fn(vec["none_hash_seed"]) == none
     prev = none
@@ -109,9 +114,10 @@ def test_cbor_input_is_rfc8949_canonical() -> None:
     )  # fmt: skip
     assert cbor_canonical((none, (1, 22, 333, 4444), None)) == want
     assert want.hex() == EH["vllm_sha256_cbor_first_input_hex"]
-    assert HASH_FUNCTIONS["sha256_cbor"]((none, (1, 22, 333, 4444), None)) == hashlib.sha256(
-        want
-    ).digest()
+    assert (
+        HASH_FUNCTIONS["sha256_cbor"]((none, (1, 22, 333, 4444), None))
+        == hashlib.sha256(want).digest()
+    )
 
 
 def test_sglang_page_hashes_match_vectors_and_algorithm() -> None:
@@ -153,7 +159,9 @@ def hf_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("tok")
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}, "eos_token": "</s>"})
+        json.dumps(
+            {"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+        )
     )
     return d / "tokenizer.json", d / "tokenizer_config.json"
 
@@ -190,7 +198,10 @@ def test_tokenizer_files_that_do_not_load(tmp_path: Path) -> None:
 
 def _policy(pools: list[dict]) -> dict:
     return {
-        "engines": [{"id": "v0", "url": "http://127.0.0.1:1"}, {"id": "t0", "url": "http://127.0.0.1:2"}],
+        "engines": [
+            {"id": "v0", "url": "http://127.0.0.1:1"},
+            {"id": "t0", "url": "http://127.0.0.1:2"},
+        ],
         "incumbent": {"name": "round_robin"},
         "key_pools": pools,
     }
@@ -219,11 +230,19 @@ def test_rekey_by_pool(hf_files: tuple[Path, Path]) -> None:
     tj, cfg = hf_files
     pools = KeyPools(
         [
-            KeyPoolConfig(name="v", engines=("v0",), keys_mode="tokens", tokenizer_file=str(tj),
-                          chat_template_file=str(cfg), block_tokens=4, forward_token_ids=True),
-            KeyPoolConfig(name="r", engines=("r0",), keys_mode="tokens", tokenizer="bytes",
-                          block_tokens=256),
-        ]  # fmt: skip
+            KeyPoolConfig(
+                name="v",
+                engines=("v0",),
+                keys_mode="tokens",
+                tokenizer_file=str(tj),
+                chat_template_file=str(cfg),
+                block_tokens=4,
+                forward_token_ids=True,
+            ),
+            KeyPoolConfig(
+                name="r", engines=("r0",), keys_mode="tokens", tokenizer="bytes", block_tokens=256
+            ),
+        ]
     )
     assert pools
     msgs = [{"role": "user", "content": "hello world hello world"}]

@@ -1,0 +1,139 @@
+"""The engine's profile from timed probe requests (`ramjet.profile.EngineProfile`).
+
+vLLM and SGLang publish no cost profile, so the sidecar measures one through the engine's
+own API (`/v1/completions`, `max_tokens` 1, temperature 0), before it serves traffic or
+whenever an operator asks (`--profile probe`):
+
+1. **Overhead**: a tiny prompt, cold: `prefill_overhead_s` = its latency.
+2. **Prefill curve**: for each size n_k (ascending, `sizes`), a prompt of about n_k
+   tokens that no cache holds (a random nonce leads it), cold. With T_k its latency minus
+   the overhead and n_k the engine's own `usage.prompt_tokens`, the marginal cost on
+   [n_{k-1}, n_k) is (T_k - T_{k-1}) / (n_k - n_{k-1}) seconds per token (n_0 = T_0 = 0):
+   one curve point at context n_{k-1} per size.
+3. **Replay floor**: the same prompt again, warm. The engine says how much it found in
+   cache (`usage.prompt_tokens_details.cached_tokens`: vLLM with
+   `--enable-prompt-tokens-details`, SGLang with `--enable-cache-report`). Whatever the
+   warm hit costs beyond the overhead and the prefill of its uncached tail is the cost
+   of resuming from cache: the replay of the SWA window, `replay_floor_s` (the median
+   over sizes, floored at 0). An engine that reports no cached tokens gives no floor (0).
+4. **Decode step**: a tiny prompt with `max_tokens` 16: (latency - overhead) / generated.
+
+Each timing is the best of `repeats` (each repeat with a fresh nonce, so cold stays
+cold). Sizes in bytes of the KV (`global_kv_bytes_per_token`) and tier bandwidths are
+the model's and the machine's, given by the operator.
+"""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from ramjet.profile import CurvePoint, EngineProfile, TierCost
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    seconds: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def filler(words: int, nonce: str) -> str:
+    """A prompt of about `words` tokens that no cache holds (it starts with the nonce)."""
+    return nonce + " " + " ".join(f"w{(i * 7919) % 1000}" for i in range(max(1, words)))
+
+
+async def probe_once(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int = 1
+) -> ProbeResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    t0 = time.perf_counter()
+    async with session.post(url.rstrip("/") + "/v1/completions", json=body) as resp:
+        data: Any = await resp.json(content_type=None)
+        if resp.status != 200:
+            raise RuntimeError(f"probe request failed: HTTP {resp.status}: {str(data)[:200]}")
+    dt = time.perf_counter() - t0
+    usage = data.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return ProbeResult(
+        dt,
+        int(usage.get("prompt_tokens") or 0),
+        int(details.get("cached_tokens") or 0),
+        int(usage.get("completion_tokens") or 0),
+    )
+
+
+async def probe_profile(
+    url: str,
+    model: str,
+    *,
+    sizes: Sequence[int] = (256, 1024, 4096),
+    repeats: int = 2,
+    global_kv_bytes_per_token: float,
+    tiers: dict[str, TierCost] | None = None,
+    replay_window_tokens: int = 128,
+    timeout_s: float = 120.0,
+) -> EngineProfile:
+    if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] <= 0:
+        raise ValueError("probe sizes must be positive and strictly increasing")
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+
+        async def best(words: int, max_tokens: int = 1) -> tuple[ProbeResult, ProbeResult]:
+            cold: ProbeResult | None = None
+            warm: ProbeResult | None = None
+            for _ in range(repeats):
+                prompt = filler(words, secrets.token_hex(8))
+                c = await probe_once(s, url, model, prompt, max_tokens)
+                w = await probe_once(s, url, model, prompt, max_tokens)
+                cold = c if cold is None or c.seconds < cold.seconds else cold
+                warm = w if warm is None or w.seconds < warm.seconds else warm
+            assert cold is not None and warm is not None
+            return cold, warm
+
+        tiny, _ = await best(4)
+        overhead = tiny.seconds
+        measured: list[tuple[ProbeResult, ProbeResult]] = [await best(n) for n in sizes]
+        gen, _ = await best(4, max_tokens=16)
+
+    points: list[CurvePoint] = []
+    prev_n, prev_t = 0, 0.0
+    for cold, _warm in measured:
+        n, t = cold.prompt_tokens, max(0.0, cold.seconds - overhead)
+        if n <= prev_n:
+            continue
+        points.append(
+            CurvePoint(
+                context_tokens=prev_n, seconds_per_token=max(0.0, (t - prev_t) / (n - prev_n))
+            )
+        )
+        prev_n, prev_t = n, max(t, prev_t)
+    if not points:
+        points = [CurvePoint(context_tokens=0, seconds_per_token=0.0)]
+    shape = EngineProfile(prefill_curve=points, replay_floor_s=0.0, global_kv_bytes_per_token=1.0)
+    floors = []
+    for _cold, warm in measured:
+        if warm.cached_tokens > 0:
+            tail = shape.prefill_seconds(
+                warm.prompt_tokens - warm.cached_tokens, warm.cached_tokens
+            )
+            floors.append(max(0.0, warm.seconds - overhead - tail))
+    decode = (
+        max(0.0, (gen.seconds - overhead) / gen.completion_tokens) if gen.completion_tokens else 0.0
+    )
+    return EngineProfile(
+        prefill_curve=points,
+        prefill_overhead_s=overhead,
+        replay_floor_s=statistics.median(floors) if floors else 0.0,
+        replay_window_tokens=replay_window_tokens,
+        global_kv_bytes_per_token=global_kv_bytes_per_token,
+        tiers=dict(tiers or {}),
+        decode_step_s=decode,
+    )

@@ -1,0 +1,216 @@
+"""The sidecar: one engine's KV events in, Ramjet's signed reports out.
+
+    engine PUB/ROUTER --(EventStream thread)--> ResidencyTracker --> DeltaBuilder
+        --> ReportPublisher (signed with the sidecar's own Ed25519 key, as the engine id)
+        --> GET /ramjet/reports, /ramjet/snapshot (routers pull) or POST (push)
+
+The publisher is the shared `ramjet.reports.publisher.ReportPublisher`, so a router
+trusts a sidecar exactly as it trusts the reference engine: by the key id listed under
+the engine in its `keys:` section. Each burst of events becomes one delta. A restart of
+the engine or lost history starts a new epoch (`ReportPublisher.new_epoch`): routers
+purge what the sidecar said before and take its snapshot. Load comes from scraping the
+engine's `/metrics` (`ramjet.sidecar.scrape`), the profile from timed probe requests
+(`ramjet.sidecar.probe`) or a JSON file.
+
+Locks: the tracker and the delta builder are guarded by `_lock`; the publisher has its
+own. `_lock` is never held while calling into the publisher except through its snapshot
+callback (which takes `_lock` under the publisher's lock), so the order is always
+publisher -> sidecar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+from aiohttp import web
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ramjet.profile import EngineProfile, TierCost
+from ramjet.reports.bodies import DeltaBuilder, LoadBody, SwaStates, TierKeys
+from ramjet.reports.publisher import ReportPublisher
+from ramjet.sidecar.probe import probe_profile
+from ramjet.sidecar.scrape import LoadScraper
+from ramjet.sidecar.stream import EventStream
+from ramjet.sidecar.tracker import MEDIA, ResidencyTracker
+from ramjet.sidecar.wire import Message
+from ramjet.types import EngineId
+
+log = logging.getLogger(__name__)
+
+EngineKind = Literal["vllm", "sglang"]
+
+
+@dataclass(frozen=True)
+class SidecarSettings:
+    engine_kind: EngineKind
+    engine_id: str
+    engine_url: str
+    events_url: str
+    replay_url: str | None
+    key_id: str
+    model: str
+    block_tokens: int = 16
+    topic: bytes = b""
+    push_url: str | None = None
+    load_interval_s: float = 1.0
+    scrape_metrics: bool = True
+    profile: Literal["skip", "probe"] = "skip"
+    profile_file: str | None = None
+    probe_sizes: tuple[int, ...] = (256, 1024, 4096)
+    global_kv_bytes_per_token: float = 1.0
+    tiers: dict[str, TierCost] = field(default_factory=dict)
+    replay_timeout_s: float = 2.0
+
+
+class Sidecar:
+    def __init__(self, settings: SidecarSettings, private_key: Ed25519PrivateKey) -> None:
+        self.settings = settings
+        self.tracker = ResidencyTracker(
+            settings.model, MEDIA[settings.engine_kind], settings.block_tokens
+        )
+        self._builder = DeltaBuilder()
+        self._lock = threading.Lock()
+        self._load = LoadBody(
+            queued_prompt_tokens=0, running_requests=0, waiting_requests=0, kv_utilization=0.0
+        )
+        self.publisher = ReportPublisher(
+            EngineId(settings.engine_id),
+            private_key,
+            settings.key_id,
+            snapshot=self._snapshot,
+            load=lambda: self._load,
+            load_interval_s=settings.load_interval_s,
+            push_url=settings.push_url,
+        )
+        self.stream = EventStream(
+            settings.events_url,
+            settings.replay_url,
+            on_batch=self._on_batch,
+            on_reset=self._on_reset,
+            on_flush=self.flush,
+            topic=settings.topic,
+            replay_timeout_s=settings.replay_timeout_s,
+        )
+        self.profile: EngineProfile | None = None
+        self.last_batch_ts: float | None = None
+        """The engine's timestamp of the last batch applied (benchmarks read it)."""
+        self.flushed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- events (stream thread) ------------------------------------------------------------
+
+    def _on_batch(self, msg: Message) -> None:
+        with self._lock:
+            self.tracker.apply(msg.batch.events, self._builder)
+            self.last_batch_ts = msg.batch.ts
+
+    def _on_reset(self, reason: str) -> None:
+        with self._lock:
+            self.tracker.reset()
+            self._builder = DeltaBuilder()
+        epoch = self.publisher.new_epoch()
+        log.warning("%s: new epoch %d", reason, epoch)
+
+    def flush(self) -> int | None:
+        """Sign the events applied since the last flush as one delta; its seq."""
+        with self._lock:
+            if not len(self._builder):
+                return None
+            body = self._builder.build()
+        seq = self.publisher.publish_delta(body)
+        with self.flushed:
+            self.flushed.notify_all()
+        return seq
+
+    def _snapshot(self) -> tuple[list[TierKeys], list[SwaStates]]:
+        with self._lock:
+            return self.tracker.snapshot(), []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        self.publisher.add_routes(app)
+        app.router.add_get("/health", self._health)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        with self._lock:
+            resident = len(self.tracker.resident())
+            stats = dict(self.tracker.stats)
+        return web.json_response(
+            {
+                "engine_id": self.settings.engine_id,
+                "epoch": self.publisher.epoch,
+                "seq": self.publisher.seq,
+                "last_event_seq": self.stream.last,
+                "resident_blocks": resident,
+                "tracker": stats,
+                "stream": dict(self.stream.stats),
+                "groups": {str(k): v for k, v in self.tracker.group_kinds().items()},
+            }
+        )
+
+    async def start(self) -> None:
+        await self.publisher.start()
+        self._thread = threading.Thread(target=self.stream.run, name="kv-events", daemon=True)
+        self._thread.start()
+        await asyncio.get_running_loop().run_in_executor(None, self.stream.connected.wait, 5.0)
+        if self.settings.scrape_metrics:
+            self._tasks.append(asyncio.create_task(self._scrape_loop()))
+        if self.settings.profile_file is not None:
+            with open(self.settings.profile_file, encoding="utf-8") as f:
+                self.profile = EngineProfile.model_validate_json(f.read())
+            self.publisher.publish_profile(self.profile)
+        elif self.settings.profile == "probe":
+            self._tasks.append(asyncio.create_task(self._probe()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        self.stream.stop()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+        self.flush()
+        await self.publisher.stop()
+
+    async def _probe(self) -> None:
+        s = self.settings
+        try:
+            self.profile = await probe_profile(
+                s.engine_url,
+                s.model,
+                sizes=s.probe_sizes,
+                global_kv_bytes_per_token=s.global_kv_bytes_per_token,
+                tiers=s.tiers,
+            )
+        except (aiohttp.ClientError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
+            log.error("profile probe failed: %s", exc)
+            return
+        self.publisher.publish_profile(self.profile)
+        log.info("profile published: %s", self.profile.model_dump_json())
+
+    async def _scrape_loop(self) -> None:
+        scraper = LoadScraper()
+        url = self.settings.engine_url.rstrip("/") + "/metrics"
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.settings.load_interval_s))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    async with session.get(url) as resp:
+                        text = await resp.text()
+                        if resp.status == 200:
+                            self._load = scraper.load(text, time.monotonic())
+                except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+                    log.debug("metrics scrape failed: %s", exc)
+                await asyncio.sleep(self.settings.load_interval_s)
