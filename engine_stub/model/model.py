@@ -104,17 +104,20 @@ class MiniV4:
             st.last_hidden = out.hidden[i].clone()
         return out.logits
 
-    def prefill(self, st: SeqState, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Append tokens (chunked); returns the logits after the last one [V]."""
+    def prefill(
+        self, st: SeqState, ids: Sequence[int] | torch.Tensor, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Append tokens (in chunks of cfg.prefill_chunk); returns the logits after the last
+        one [V], or after every one [T, V] with all_logits."""
         t = _ids_tensor(ids, self.cfg.vocab, self.device)
         if t.numel() == 0:
             raise ValueError("prefill needs at least one token")
         self._need_swa(st)
         ch = self.cfg.prefill_chunk
-        logits = torch.empty(0)
+        outs = []
         for s in range(0, t.numel(), ch):
-            logits = self._advance([Segment(st, t[s : s + ch], st.n_tokens)])
-        return logits[-1]
+            outs.append(self._advance([Segment(st, t[s : s + ch], st.n_tokens)], all_logits))
+        return torch.cat(outs) if all_logits else outs[-1][-1]
 
     def decode_batch(self, states: Sequence[SeqState], tokens: Sequence[int]) -> torch.Tensor:
         """One token for each of several distinct sequences -> logits [B, V]."""
@@ -197,8 +200,6 @@ class MiniV4:
         want = min(self.cfg.window, n)
         if t.numel() != want:
             raise ValueError(f"replay needs the last {want} tokens, got {t.numel()}")
-        if any(st.pending_kv[f].shape[0] for f in self.cfg.full_layers) and False:
-            raise ValueError("unreachable")
         t0 = time.perf_counter()
         hd, eb = self.cfg.head_dim, self.cfg.head_dim // self.cfg.fp8_block
         st.win = [torch.zeros(0, hd, device=self.device) for _ in range(self.cfg.n_layers)]
