@@ -98,6 +98,8 @@ async def probe_profile(
             assert cold is not None and warm is not None
             return cold, warm
 
+        # one request first, unmeasured: connection setup must not count as overhead
+        await probe_once(s, url, model, filler(4, secrets.token_hex(8)))
         tiny, _ = await best(4)
         overhead = tiny.seconds
         measured: list[tuple[ProbeResult, ProbeResult]] = [await best(n) for n in sizes]

@@ -45,15 +45,15 @@ METRIC_NAMES: Mapping[str, tuple[str, ...]] = {
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sum of each family's samples (counters under their name without `_total`)."""
+    """Sum of each series' samples over their labels, by sample name (counters under
+    their name without `_total`); histogram and summary parts are left out."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
-        total = 0.0
         for s in fam.samples:
             if s.name.endswith(("_created", "_bucket", "_count", "_sum")):
                 continue
-            total += float(s.value)
-        out[fam.name] = total
+            name = s.name.removesuffix("_total")
+            out[name] = out.get(name, 0.0) + float(s.value)
     return out
 
 

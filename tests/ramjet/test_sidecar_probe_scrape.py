@@ -1,0 +1,114 @@
+"""The sidecar's profile probes against an HTTP engine whose costs are known (a fake at
+the probe's seam: latency = overhead + per-token prefill of the uncached tail + a replay
+floor on warm hits), and load from Prometheus text of each engine kind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from ramjet.sidecar.probe import probe_profile
+from ramjet.sidecar.scrape import LoadScraper, parse_metrics
+
+OVERHEAD, PER_TOKEN, REPLAY, DECODE = 0.05, 2e-4, 0.05, 0.004
+
+
+async def _fake_engine() -> tuple[web.AppRunner, str]:
+    seen: set[str] = set()
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        prompt, max_tokens = body["prompt"], body["max_tokens"]
+        n = len(prompt.split())
+        cached = (n // 16) * 16 if prompt in seen else 0
+        seen.add(prompt)
+        delay = OVERHEAD + PER_TOKEN * (n - cached) + (REPLAY if cached else 0.0)
+        delay += DECODE * (max_tokens - 1)
+        await asyncio.sleep(delay)
+        usage = {"prompt_tokens": n, "completion_tokens": max_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        return web.json_response({"choices": [{"text": "x"}], "usage": usage})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.timeout(30)
+async def test_probe_recovers_the_engines_costs() -> None:
+    runner, url = await _fake_engine()
+    try:
+        prof = await probe_profile(
+            url, "m", sizes=(200, 400, 800), repeats=3, global_kv_bytes_per_token=1000.0
+        )
+    finally:
+        await runner.cleanup()
+    assert prof.prefill_overhead_s == pytest.approx(OVERHEAD, abs=0.03)  # + HTTP time
+    rates = [p.seconds_per_token for p in prof.prefill_curve]
+    assert [p.context_tokens for p in prof.prefill_curve][0] == 0
+    # a loaded test machine adds a few ms of noise per request: the whole curve is
+    # checked tightly, each segment loosely
+    assert prof.prefill_seconds(801) - prof.prefill_overhead_s == pytest.approx(
+        801 * PER_TOKEN, rel=0.2
+    )
+    for r in rates:
+        assert r == pytest.approx(PER_TOKEN, rel=0.6)
+    assert prof.replay_floor_s == pytest.approx(REPLAY, rel=0.35)
+    assert prof.decode_step_s == pytest.approx(DECODE * 15 / 16, abs=0.002)
+    assert prof.global_kv_bytes_per_token == 1000.0
+
+
+async def test_probe_refuses_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="increasing"):
+        await probe_profile(
+            "http://127.0.0.1:9", "m", sizes=(400, 200), global_kv_bytes_per_token=1
+        )
+
+
+VLLM = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3
+vllm:num_requests_running{engine="1",model_name="m"} 1
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 2
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.5
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{model_name="m"} 10000
+# TYPE vllm:request_success counter
+vllm:request_success_total{finished_reason="stop",model_name="m"} 8
+vllm:request_success_total{finished_reason="length",model_name="m"} 2
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{model_name="m"} GEN
+"""
+
+SGLANG = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 5
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 1
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m"} 0.25
+"""
+
+
+def test_load_from_vllm_and_sglang_metrics() -> None:
+    s = LoadScraper()
+    first = s.load(VLLM.replace("GEN", "1000"), 10.0)
+    assert (first.running_requests, first.waiting_requests) == (4, 2)
+    assert first.kv_utilization == 0.5 and first.queued_prompt_tokens == 2000
+    assert first.decode_tokens_per_s is None
+    second = s.load(VLLM.replace("GEN", "1500"), 12.0)
+    assert second.decode_tokens_per_s == pytest.approx(250.0)
+    sg = LoadScraper().load(SGLANG, 1.0)
+    assert (sg.running_requests, sg.waiting_requests, sg.kv_utilization) == (5, 1, 0.25)
+    assert parse_metrics("") == {}
+    empty = LoadScraper().load("# nothing\n", 1.0)
+    assert empty.running_requests == 0 and empty.kv_utilization == 0.0
