@@ -52,7 +52,7 @@ async def test_probe_recovers_the_engines_costs() -> None:
         await runner.cleanup()
     assert prof.prefill_overhead_s == pytest.approx(OVERHEAD, abs=0.03)  # + HTTP time
     rates = [p.seconds_per_token for p in prof.prefill_curve]
-    assert [p.context_tokens for p in prof.prefill_curve][0] == 0
+    assert prof.prefill_curve[0].context_tokens == 0
     # a loaded test machine adds a few ms of noise per request: the whole curve is
     # checked tightly, each segment loosely
     assert prof.prefill_seconds(801) - prof.prefill_overhead_s == pytest.approx(
