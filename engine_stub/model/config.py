@@ -55,7 +55,7 @@ class ModelConfig:
     draft_positions: int = 5
     markov_rank: int = 16
     block_tokens: int = 256
-    prefill_chunk: int = 256
+    prefill_chunk: int = 512
     rope_theta: float = 10000.0
     ratios: tuple[int, ...] = field(default=RATIOS)
     full_layers: tuple[int, ...] = field(default=FULL_LAYERS)

@@ -128,7 +128,10 @@ class Backbone:
             a = self._attention(layer, bw.attn, x, segs, lens, prev_len, ctx)
             h = torch.matmul(bw.hc_res[0], h) + bw.hc_post[0].view(1, -1, 1) * a.unsqueeze(1)
             x = rmsnorm(torch.matmul(bw.hc_pre[1], h))
-            f = (torch.nn.functional.silu(x @ bw.w1) * (x @ bw.w3)) @ bw.w2
+            assert bw.w13 is not None
+            g13 = x @ bw.w13
+            hid = c.ffn_hidden
+            f = (torch.nn.functional.silu(g13[:, :hid]) * g13[:, hid:]) @ bw.w2
             h = torch.matmul(bw.hc_res[1], h) + bw.hc_post[1].view(1, -1, 1) * f.unsqueeze(1)
             if layer >= c.n_layers - 2:
                 hidden_rows.append(torch.matmul(w.final_pre, h[last_rows]))
@@ -166,9 +169,13 @@ class Backbone:
     ) -> torch.Tensor:
         c = self.cfg
         n = x.shape[0]
-        qr = rmsnorm(x @ aw.wq_a)
-        q = (qr @ aw.wq_b).view(n, c.n_heads, c.head_dim)
-        qk = apply_rope(torch.cat((q, rmsnorm(x @ aw.wkv).unsqueeze(1)), dim=1), ctx.rot)
+        assert aw.w_x is not None and aw.w_qr is not None
+        xp = x @ aw.w_x  # [N, q_rank | D | HI? | D? | D?]
+        qa, hd = c.q_rank, c.head_dim
+        qr = rmsnorm(xp[:, :qa])
+        qq = qr @ aw.w_qr  # [N, H*D | HI*Di?]
+        q = qq[:, : c.n_heads * hd].reshape(n, c.n_heads, hd)
+        qk = apply_rope(torch.cat((q, rmsnorm(xp[:, qa : qa + hd]).unsqueeze(1)), dim=1), ctx.rot)
         q, kv = qk[:, : c.n_heads], qk[:, c.n_heads]
         bits, exp = ops.fp8_quantize(kv, c.fp8_block)
         kv = ops.fp8_dequantize(bits, exp, c.fp8_block)
@@ -193,12 +200,16 @@ class Backbone:
         else:
             src = c.kv_source(layer)
             assert src is not None
+            off = qa + hd + c.index_heads  # wc_kv, wc_gate columns of xp (full layers)
             if role == "full":
                 for i, sg in enumerate(segs):
                     if not sg.frozen_global:
-                        self._compress(layer, aw, x[ctx.starts[i] : ctx.starts[i + 1]], sg)
+                        rows = xp[ctx.starts[i] : ctx.starts[i + 1]]
+                        self._compress(layer, aw, rows[:, off : off + hd], rows[:, off + hd :], sg)
             if role in ("full", "reindex"):
-                ctx.topk[layer] = self._index(layer, aw, x, qr, segs, src, m, ctx)
+                wts = xp[:, qa + hd : off]
+                qi = qq[:, c.n_heads * hd :]
+                ctx.topk[layer] = self._index(layer, qi, wts, segs, src, m, ctx)
             tsrc = c.topk_source(layer)
             assert tsrc is not None
             gi = ctx.topk[tsrc]
@@ -208,15 +219,16 @@ class Backbone:
         o = torch.bmm(o.reshape(n, c.o_groups, -1).transpose(0, 1), aw.wo_a)  # [G, n, r]
         return o.transpose(0, 1).reshape(n, -1) @ aw.wo_b
 
-    def _compress(self, layer: int, aw: AttnWeights, x: torch.Tensor, sg: Segment) -> None:
-        """Complete groups of m tokens -> FP4 global KV + FP4 index keys; the rest waits."""
+    def _compress(
+        self, layer: int, aw: AttnWeights, kv: torch.Tensor, sc: torch.Tensor, sg: Segment
+    ) -> None:
+        """Complete groups of m tokens -> FP4 global KV + FP4 index keys; the rest waits.
+        kv = Wkv x and sc = Wgate x [T, head_dim] for this segment's rows."""
         c, st = self.cfg, sg.st
         m = c.ratio(layer)
-        assert aw.wc_kv is not None and aw.wc_gate is not None and aw.wc_ik is not None
-        kv = x @ aw.wc_kv
+        assert aw.wc_ik is not None
         pend_kv, pend_sc = st.pending_kv[layer], st.pending_score[layer]
         if m > 1:
-            sc = x @ aw.wc_gate
             kv = torch.cat((pend_kv, kv))
             sc = torch.cat((pend_sc, sc))
         g = kv.shape[0] // m
@@ -246,22 +258,21 @@ class Backbone:
     def _index(
         self,
         layer: int,
-        aw: AttnWeights,
-        x: torch.Tensor,
-        qr: torch.Tensor,
+        qi: torch.Tensor,
+        wts: torch.Tensor,
         segs: list[Segment],
         src: int,
         m: int,
         ctx: _LayerCtx,
     ) -> torch.Tensor:
-        """Top-k global positions per row [N, topk] int32, offset into ctx.glob_cat(src)."""
+        """Top-k global positions per row [N, topk] int32, offset into ctx.glob_cat(src).
+        qi = Wq_I qr [N, HI*Di], wts = Wproj x [N, HI]."""
         c = self.cfg
-        assert aw.wi_q is not None and aw.wi_w is not None
-        n = x.shape[0]
-        qi = apply_rope((qr @ aw.wi_q).view(n, c.index_heads, c.index_dim), ctx.rot)
+        n = qi.shape[0]
+        qi = apply_rope(qi.reshape(n, c.index_heads, c.index_dim), ctx.rot)
         qp, qe = ops.fp4_pow2_quantize(qi, c.index_block)
         qi = ops.fp4_pow2_dequantize(qp, qe, c.index_block)
-        wts = (x @ aw.wi_w) * (c.index_dim**-0.5 * c.index_heads**-0.5)
+        wts = wts * (c.index_dim**-0.5 * c.index_heads**-0.5)
         out = []
         base = 0
         for i, sg in enumerate(segs):

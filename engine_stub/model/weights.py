@@ -70,6 +70,17 @@ class AttnWeights:
     # indexer query (full and reindex layers)
     wi_q: torch.Tensor | None  # [q_rank, HI*Di]
     wi_w: torch.Tensor | None  # [dim, HI]
+    # Fused copies (one matmul per input): x @ [wq_a | wkv | wi_w? | wc_kv? | wc_gate?],
+    # qr @ [wq_b | wi_q?]. Filled by fuse().
+    w_x: torch.Tensor | None = None
+    w_qr: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        xs = [self.wq_a, self.wkv]
+        xs += [t for t in (self.wi_w, self.wc_kv, self.wc_gate) if t is not None]
+        self.w_x = torch.cat(xs, dim=1).contiguous()
+        qs = [self.wq_b] + ([self.wi_q] if self.wi_q is not None else [])
+        self.w_qr = torch.cat(qs, dim=1).contiguous()
 
 
 @dataclass
@@ -81,6 +92,7 @@ class BlockWeights:
     hc_pre: torch.Tensor  # [2, C]: collapse weights (attention, ffn)
     hc_post: torch.Tensor  # [2, C]: write weights
     hc_res: torch.Tensor  # [2, C, C]: doubly stochastic mixing
+    w13: torch.Tensor | None = None  # [dim, 2*hidden]: [w1 | w3] fused
 
 
 @dataclass
@@ -159,6 +171,9 @@ class Weights:
                     ),
                 )
             )
+        for bw in self.blocks:
+            bw.attn.fuse()
+            bw.w13 = torch.cat((bw.w1, bw.w3), dim=1).contiguous()
         self.engram: dict[int, EngramWeights] = {}
         all_primes = engram_primes(c)
         for i, layer in enumerate(c.engram_layers):
