@@ -63,10 +63,8 @@ def fp8_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     # ceil(log2(amax / 448)) with 448 = 1.75 * 2^8: floor_log2(amax) - 8, +1 above 1.75.
     exp = ex - 9 + (mant > 0.875).to(ex.dtype)
     y = torch.ldexp(xb, -exp.unsqueeze(-1).float())
-    bits = y.to(torch.float8_e4m3fn).view(torch.uint8)
-    neg_zero = (y == 0) & (torch.signbit(y))
-    if bool(neg_zero.any()):  # the reference encodes -0.0 as +0 (sign only when y < 0)
-        bits = torch.where(neg_zero, torch.zeros_like(bits), bits)
+    # + 0.0 turns -0.0 into +0.0: the reference sets the sign only when y < 0.
+    bits = (y + 0.0).to(torch.float8_e4m3fn).view(torch.uint8)
     return bits.flatten(-2), exp.to(torch.int8)
 
 
@@ -336,8 +334,9 @@ def _window_plan(win_idx: torch.Tensor) -> tuple[Any, ...] | None:
     if uni is None:
         return ("band", first, count)
     t, w = win_idx.shape
-    mask = _band_mask(t, w, uni[0], uni[1], _BAND_ROWS, win_idx.device)
-    return ("uniform", first, count, uni[0], mask)
+    rows = min(_BAND_ROWS, t)
+    mask = _band_mask(t, w, uni[0], uni[1], rows, win_idx.device)
+    return ("uniform", first, count, uni[0], mask, rows)
 
 
 def sparse_attention(
@@ -372,7 +371,7 @@ def sparse_attention(
         sg = torch.bmm(qf, gk.transpose(1, 2))  # [T, H, K]
         sg.masked_fill_((gi < 0)[:, None, :], float("-inf"))
     if plan[0] == "uniform":
-        rows = _BAND_ROWS
+        rows = plan[5]
         sw, keys = _band_scores(qf, kvw, win_idx.shape[1], plan[3], rows, plan[4])
         nb = sw.shape[0]
         mx = torch.maximum(sw.amax(-1).view(nb * rows, h)[:t], sk)  # [T, H]

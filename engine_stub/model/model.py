@@ -70,6 +70,8 @@ def _ids_tensor(
 
 class MiniV4:
     def __init__(self, cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> None:
+        if cfg.dim * cfg.n_layers > 1 << 16:
+            raise ValueError("this config is for the memory model only (too large to build)")
         self.cfg = cfg
         self.seed = seed
         self.device = torch.device(device)
