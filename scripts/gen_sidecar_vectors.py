@@ -139,18 +139,30 @@ def event_vectors() -> dict[str, Any]:
         payload = encode_batch(batch, tagged=tagged)
         enc = "tagged_map" if tagged else "tag_first_array"
         out["messages"].append(
-            {"name": f"live_{enc}", "kind": "live", "encoding": enc,
-             "frames_hex": [f.hex() for f in live_frames(7, payload, b"kv@v0")]}  # fmt: skip
+            {
+                "name": f"live_{enc}",
+                "kind": "live",
+                "encoding": enc,
+                "frames_hex": [f.hex() for f in live_frames(7, payload, b"kv@v0")],
+            }
         )
         for topic, fr in ((b"kv@v0", "with_topic"), (None, "without_topic")):
             out["messages"].append(
-                {"name": f"replay_{fr}_{enc}", "kind": "replay", "encoding": enc,
-                 "frames_hex": [f.hex() for f in replay_frames(7, payload, topic)]}  # fmt: skip
+                {
+                    "name": f"replay_{fr}_{enc}",
+                    "kind": "replay",
+                    "encoding": enc,
+                    "frames_hex": [f.hex() for f in replay_frames(7, payload, topic)],
+                }
             )
     for topic, fr in ((b"kv@v0", "with_topic"), (None, "without_topic")):
         out["messages"].append(
-            {"name": f"replay_end_{fr}", "kind": "replay_end", "encoding": None,
-             "frames_hex": [f.hex() for f in replay_frames(None, b"", topic)]}  # fmt: skip
+            {
+                "name": f"replay_end_{fr}",
+                "kind": "replay_end",
+                "encoding": None,
+                "frames_hex": [f.hex() for f in replay_frames(None, b"", topic)],
+            }
         )
     return out
 
