@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.numerics import device_fn
+
 __all__ = ["candidate_blocks", "indexer_scores", "indexer_topk"]
 
 SELECT_BLOCK = 1024  # row chunk per selection pass
@@ -91,7 +93,7 @@ def _block_max_kernel(
     tl.store(out_ptr + t.to(tl.int64) * NB + b, tl.max(x, axis=1), mask=b < NB)
 
 
-@triton.jit
+@device_fn
 def _order_key(x):
     """int64 key ordered like fp32 x, -0 folded onto +0."""
     b = x.to(tl.int32, bitcast=True)
@@ -99,7 +101,7 @@ def _order_key(x):
     return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.int64)
 
 
-@triton.jit
+@device_fn
 def _eligible(
     pos,  # [1, BLOCK_N]
     t,  # [BLOCK_T, 1] int64

@@ -18,12 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.numerics import e2m1_decode, e4m3_decode
+from kernels.numerics import device_fn, e2m1_decode, e4m3_decode
 
 __all__ = ["sparse_attention"]
 
 
-@triton.jit
+@device_fn
 def _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, scale, IEEE: tl.constexpr):
     """One online-softmax step over a [BLOCK_N] tile of KV (k_e/k_o: [BLOCK_N, HALF])."""
     if IEEE:
