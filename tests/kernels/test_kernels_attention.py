@@ -13,7 +13,14 @@ from kernels import reference as R
 
 TritonCall = Callable[..., Any]  # the conftest fixture: one op on the Triton path
 
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3}  # max abs error; outputs are O(1)
+# |got - want| <= atol + rtol * |want|. fp32: summation order only. fp16: both sides round
+# the output to fp16 (1 ulp = 2^-10 relative) and the kernel rounds p to fp16 for the PV dot.
+TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (1e-3, 4e-3)}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    atol, rtol = TOL[dtype]
+    return bool(((got.float() - want.float()).abs() <= atol + rtol * want.float().abs()).all())
 
 
 def _case(
@@ -38,7 +45,7 @@ def _check(
     want = R.sparse_attention(q, win_kv, win_idx, packed, scale, glob_idx, sink, sm)
     got = triton_call("sparse_attention", q, win_kv, win_idx, packed, scale, glob_idx, sink, sm)
     assert got.dtype == dtype and got.shape == q.shape
-    assert (got.float() - want.float()).abs().max() <= TOL[dtype]
+    assert _close(got, want, dtype)
     return got
 
 
@@ -96,4 +103,4 @@ def test_non_contiguous_query(triton_call: TritonCall) -> None:
     qt = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, [H, T, D] memory
     want = R.sparse_attention(q, win_kv, win_idx, packed, scale, glob_idx, sink, 0.2)
     got = triton_call("sparse_attention", qt, win_kv, win_idx, packed, scale, glob_idx, sink, 0.2)
-    assert got.is_contiguous() and (got - want).abs().max() <= TOL[torch.float32]
+    assert got.is_contiguous() and _close(got, want, torch.float32)

@@ -14,7 +14,14 @@ from kernels import reference as R
 
 TritonCall = Callable[..., Any]  # the conftest fixture: one op on the Triton path
 
-GATE_TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+# |got - want| <= atol + rtol * |want|; fp16: the output rounding (2^-10 relative) may
+# differ by an ulp when the GPU fuses multiply-adds.
+GATE_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 2e-3)}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    atol, rtol = GATE_TOL[dtype]
+    return bool(((got.float() - want.float()).abs() <= atol + rtol * want.float().abs()).all())
 
 
 def _wrap64(v: int) -> int:
@@ -80,7 +87,7 @@ def test_gate(dtype: torch.dtype, triton_call: TritonCall) -> None:
     assert torch.allclose(want[1, 1].float(), 0.5 * value[1].to(dtype).float(), atol=1e-3)
     got = triton_call("engram_gate", h.to(dtype), key.to(dtype), value.to(dtype))
     assert got.dtype == dtype
-    assert (got.float() - want.float()).abs().max() <= GATE_TOL[dtype]
+    assert _close(got, want, dtype)
 
 
 def test_gate_non_contiguous_residual(triton_call: TritonCall) -> None:
@@ -88,4 +95,4 @@ def test_gate_non_contiguous_residual(triton_call: TritonCall) -> None:
     h = torch.randn(2, 5, 32, generator=g).transpose(0, 1)  # [T=5, C=2, dim] as a view
     key, value = torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g)
     got = triton_call("engram_gate", h, key, value)
-    assert (got - R.engram_gate(h, key, value)).abs().max() <= GATE_TOL[torch.float32]
+    assert _close(got, R.engram_gate(h, key, value), torch.float32)
