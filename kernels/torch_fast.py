@@ -198,9 +198,13 @@ def indexer_topk(
         if full < nb:
             sc[:, full * block :].masked_fill_(off[:, full:], float("-inf"))
     width = min(topk, s)
-    vals, idx = sc.topk(width, dim=1)
-    kth = vals[:, -1:]
-    tie = torch.isfinite(kth.squeeze(1)) & ((sc == kth).sum(1) > (vals == kth).sum(1))
+    # One extra value tells whether an unselected entry ties with the k-th.
+    vals, idx = sc.topk(min(width + 1, s), dim=1)
+    if vals.shape[1] > width:
+        tie = torch.isfinite(vals[:, width]) & (vals[:, width] == vals[:, width - 1])
+        vals, idx = vals[:, :width], idx[:, :width]
+    else:
+        tie = torch.zeros(t, dtype=torch.bool, device=sc.device)
     if bool(tie.any()):
         rows = tie.nonzero().squeeze(1)
         key = _rank_key(sc[rows])
