@@ -220,6 +220,47 @@ def indexer_topk(
     return out
 
 
+def indexer_select(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    m: int,
+    topk: int,
+    cand_mask: torch.Tensor,
+    block: int,
+) -> torch.Tensor:
+    """``indexer_topk(indexer_scores(q, w, k, q_pos, m), topk, q_pos, m, cand_mask, block)``
+    scoring only the candidate blocks (what a later index layer of the hierarchy needs):
+    each row gathers its <= keep candidate blocks' keys instead of scoring all S."""
+    t = q.shape[0]
+    s = k.shape[0]
+    out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
+    if t == 0 or s == 0:
+        return out
+    nb = -(-s // block)
+    if cand_mask.shape != (t, nb):
+        raise ValueError(f"cand_mask {tuple(cand_mask.shape)} does not fit S={s}, block={block}")
+    kmax = int(cand_mask.sum(1).max())
+    if kmax == 0:
+        return out
+    present, blk = cand_mask.to(torch.float32).topk(kmax, dim=1)  # [T, kmax]
+    pos = (blk[:, :, None] * block + torch.arange(block, device=q.device)).flatten(1)  # [T, C]
+    vis = visible_count(q_pos, m, s)
+    ok = present.repeat_interleave(block, dim=1).bool() & (pos < vis[:, None])
+    keys = k.float()[pos.clamp(max=s - 1)]  # [T, C, Di]
+    dots = torch.relu_(torch.bmm(q.float(), keys.transpose(1, 2)))  # [T, H, C]
+    sc = torch.bmm(w.float().unsqueeze(1), dots).squeeze(1)  # [T, C]
+    key = (order_key(sc) << _POS_BITS) | ((1 << _POS_BITS) - 1 - pos)
+    key = torch.where(ok, key, torch.full_like(key, _FLOOR))
+    width = min(topk, key.shape[1])
+    top = key.topk(width, dim=1)
+    sel = torch.where(top.values != _FLOOR, pos.gather(1, top.indices), s)
+    sel = sel.sort(dim=1).values
+    out[:, :width] = torch.where(sel == s, -1, sel).to(torch.int32)
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # sparse attention
 

@@ -279,13 +279,19 @@ class Backbone:
             s0, s1 = ctx.starts[i], ctx.starts[i + 1]
             store = sg.st.glob[src]
             pos = ctx.pos[s0:s1]
-            scores = ops.indexer_scores(qi[s0:s1], wts[s0:s1], store.ik[: store.n], pos, m)
-            cand = None
-            if layer == c.candidate_source:
-                ctx.cand[i] = ops.candidate_blocks(scores, c.cand_block, c.cand_keep, pos, m)
-            elif layer > c.candidate_source:
-                cand = ctx.cand.get(i)
-            idx = ops.indexer_topk(scores, c.topk, pos, m, cand, c.cand_block)
+            keys = store.ik[: store.n]
+            cand = ctx.cand.get(i) if layer > c.candidate_source else None
+            if cand is not None:
+                # Later index layers pick inside layer 20's candidate blocks: only those
+                # blocks are scored.
+                idx = ops.indexer_select(
+                    qi[s0:s1], wts[s0:s1], keys, pos, m, c.topk, cand, c.cand_block
+                )
+            else:
+                scores = ops.indexer_scores(qi[s0:s1], wts[s0:s1], keys, pos, m)
+                if layer == c.candidate_source:
+                    ctx.cand[i] = ops.candidate_blocks(scores, c.cand_block, c.cand_keep, pos, m)
+                idx = ops.indexer_topk(scores, c.topk, pos, m, None, c.cand_block)
             if base:
                 idx = torch.where(idx >= 0, idx + base, idx)
             out.append(idx)

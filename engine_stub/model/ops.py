@@ -57,3 +57,35 @@ sparse_attention = _bind("sparse_attention")
 engram_rows = _bind("engram_rows")
 engram_gather = _bind("engram_gather")
 engram_gate = _bind("engram_gate")
+
+
+def _select_composed(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    m: int,
+    topk: int,
+    cand_mask: torch.Tensor,
+    block: int,
+) -> torch.Tensor:
+    scores = indexer_scores(q, w, k, q_pos, m)
+    return indexer_topk(scores, topk, q_pos, m, cand_mask, block)  # type: ignore[no-any-return]
+
+
+def indexer_select(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    m: int,
+    topk: int,
+    cand_mask: torch.Tensor,
+    block: int,
+) -> torch.Tensor:
+    """Top-k inside the candidate blocks (later index layers of the hierarchy): by
+    definition `indexer_topk(indexer_scores(...), ..., cand_mask, block)`; on CPU the fast
+    version scores only the candidate blocks."""
+    if q.is_cuda or _FORCE_DISPATCH:
+        return _select_composed(q, w, k, q_pos, m, topk, cand_mask, block)
+    return _fast.indexer_select(q, w, k, q_pos, m, topk, cand_mask, block)  # type: ignore[no-any-return]

@@ -88,3 +88,20 @@ def test_sparse_attention_scattered_windows_fall_back_to_gather() -> None:
     a = R.sparse_attention(q, kv, idx, gp, gs, gi, sink, 0.2)
     b = F.sparse_attention(q, kv, idx, gp, gs, gi, sink, 0.2)
     assert (a - b).abs().max().item() < 1e-5
+
+
+def test_indexer_select_equals_scores_then_topk_in_candidates() -> None:
+    g = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        t = int(torch.randint(1, 30, (1,), generator=g))
+        s = int(torch.randint(1, 200, (1,), generator=g))
+        m = 1 + trial % 2
+        # Integer-valued inputs: every score is exact, so the selections must be identical.
+        q = torch.randint(-3, 4, (t, 4, 32), generator=g).float()
+        w = torch.randint(-2, 3, (t, 4), generator=g).float()
+        k = torch.randint(-3, 4, (s, 32), generator=g).float()
+        pos = torch.randint(0, s * m, (t,), generator=g)
+        scores = R.indexer_scores(q, w, k, pos, m)
+        cand = R.candidate_blocks(scores, 4, 3, pos, m)
+        want = R.indexer_topk(scores, 16, pos, m, cand, 4)
+        assert torch.equal(F.indexer_select(q, w, k, pos, m, 16, cand, 4), want), trial
