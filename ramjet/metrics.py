@@ -3,13 +3,22 @@
 All metric objects live on a `CollectorRegistry` passed in, never the global default,
 so several routers can live in one process (tests). Latencies are router-observed:
 TTFT is from the request's arrival to the first response byte forwarded to the client.
+
+The request path reaches label children through `Children` (one per labelled metric it
+touches): `labels()` validates and locks on every call (~1.5 µs), a cached child is a
+dict hit (~0.05 µs), and a request touches about ten of them. The cache holds exactly
+the series the registry already holds, so it adds no cardinality.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+M = TypeVar("M", bound=MetricWrapperBase)
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -22,6 +31,24 @@ UPSTREAM_ERROR_KINDS = (
 """The `kind` values of `ramjet_upstream_errors_total` (`ramjet.proxy`)."""
 CANDIDATE_ERROR_KINDS = ("raised", "invalid", "slow", "skipped")
 """The `kind` values of `ramjet_candidate_errors_total` for the candidate (`ramjet.modes`)."""
+
+
+class Children(Generic[M]):
+    """The label children of one metric, cached by label values (in the metric's label
+    order): `children(*values)` is `metric.labels(*values)` without its per-call cost.
+    Series are never removed from the router's metrics, so a cached child stays valid."""
+
+    __slots__ = ("_cache", "_metric")
+
+    def __init__(self, metric: M) -> None:
+        self._metric = metric
+        self._cache: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self._metric.labels(*values)
+        return child
 
 
 class RouterMetrics:
@@ -119,6 +146,17 @@ class RouterMetrics:
         self.arrival_rate = Gauge(
             "ramjet_arrival_rate_per_second", "EWMA of the request arrival rate", registry=r
         )
+        # Cached children for the metrics touched on every request (see module docstring).
+        self.requests_of: Children[Counter] = Children(self.requests)
+        """(engine, status, policy)"""
+        self.decisions_of: Children[Counter] = Children(self.decisions)
+        """(role, policy, engine)"""
+        self.agreement_of: Children[Counter] = Children(self.agreement)
+        self.candidate_errors_of: Children[Counter] = Children(self.candidate_errors)
+        self.ttft_of: Children[Histogram] = Children(self.ttft)
+        self.duration_of: Children[Histogram] = Children(self.duration)
+        self.inflight_of: Children[Gauge] = Children(self.inflight)
+        self.inflight_prompt_tokens_of: Children[Gauge] = Children(self.inflight_prompt_tokens)
 
     def init_engines(self, engines: Iterable[str]) -> None:
         """Create each configured engine's error series at 0, so a healthy router exports

@@ -143,7 +143,7 @@ class ModeRunner:
     ) -> ModeOutcome:
         assert self.candidate is not None
         if self._clock() < self._skip_until:
-            self._metrics.candidate_errors.labels(kind="skipped").inc()
+            self._metrics.candidate_errors_of("skipped").inc()
             return ModeOutcome(live, live_role, inc, None, "skipped")
         t0 = self._timer()
         cand, err = self._try(self.candidate, request, engines, fleet)
@@ -158,9 +158,9 @@ class ModeRunner:
         else:
             self._slow_streak = 0
         if err is not None:
-            self._metrics.candidate_errors.labels(kind=err.split(":")[0]).inc()
+            self._metrics.candidate_errors_of(err.split(":")[0]).inc()
         elif cand is not None:
-            self._metrics.agreement.labels(agree=str(cand.engine == live.engine).lower()).inc()
+            self._metrics.agreement_of("true" if cand.engine == live.engine else "false").inc()
         return ModeOutcome(live, live_role, inc, cand, err, took)
 
 

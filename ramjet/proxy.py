@@ -257,8 +257,8 @@ class Proxy:
         return self._sessions[engine]
 
     def _gauge(self, e: EngineState) -> None:
-        self._metrics.inflight.labels(engine=e.id).set(e.inflight_requests)
-        self._metrics.inflight_prompt_tokens.labels(engine=e.id).set(e.inflight_prompt_tokens)
+        self._metrics.inflight_of(e.id).set(e.inflight_requests)
+        self._metrics.inflight_prompt_tokens_of(e.id).set(e.inflight_prompt_tokens)
 
     async def forward(
         self,

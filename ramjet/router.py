@@ -472,16 +472,15 @@ class Router:
         m = self.metrics
         duration = self.clock() - t0
         engine = res.engine or "none"
-        m.requests.labels(engine=engine, status=str(res.status), policy=outcome.live.policy).inc()
-        m.decisions.labels(
-            role="live", policy=outcome.live.policy, engine=outcome.live.engine
-        ).inc()
-        for role, d in (("incumbent", outcome.incumbent), ("candidate", outcome.candidate)):
-            if d is not None:
-                m.decisions.labels(role=role, policy=d.policy, engine=d.engine).inc()
+        m.requests_of(engine, str(res.status), outcome.live.policy).inc()
+        m.decisions_of("live", outcome.live.policy, outcome.live.engine).inc()
+        if outcome.incumbent is not None:
+            m.decisions_of("incumbent", outcome.incumbent.policy, outcome.incumbent.engine).inc()
+        if outcome.candidate is not None:
+            m.decisions_of("candidate", outcome.candidate.policy, outcome.candidate.engine).inc()
         if res.ttft_s is not None and res.engine is not None:
-            m.ttft.labels(engine=res.engine).observe(res.ttft_s)
-        m.duration.labels(engine=engine).observe(duration)
+            m.ttft_of(res.engine).observe(res.ttft_s)
+        m.duration_of(engine).observe(duration)
         record = DecisionRecord(
             request_id=request_id,
             time_unix=time.time(),
