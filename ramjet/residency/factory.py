@@ -39,10 +39,12 @@ class ResidencyRuntime:
         self._task = asyncio.create_task(self.store.run(), name="ramjet-residency-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
+        if self._task is not None and self.store is not None:
+            self.store.stop()
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await asyncio.shield(self._task)
             self._task = None
         if self.store is not None:
             await self.store.close()

@@ -163,6 +163,7 @@ class RedisStore:
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._recovered = False
+        self._stopping = False
         self._caps = (
             f"{self.settings.max_global_entries_per_engine},"
             f"{self.settings.max_swa_entries_per_engine},{self.settings.log_max_entries}"
@@ -317,9 +318,12 @@ class RedisStore:
     async def run(self) -> None:
         """Sync until cancelled: on every write, and at least every `sync_interval_ms`."""
         interval = self.settings.sync_interval_ms / 1000
-        while True:
+        # the flag, not only cancellation, ends the loop: on Python 3.11 a cancel that
+        # races with wait_for's own timeout can be swallowed, and the loop would go on
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self.sync_once()
@@ -521,6 +525,11 @@ class RedisStore:
             if len(page) < _PULL_PAGE:
                 return out
             start += _PULL_PAGE
+
+    def stop(self) -> None:
+        """Make `run` return at its next turn."""
+        self._stopping = True
+        self._wake.set()
 
     async def close(self) -> None:
         """Try once to flush queued writes (bounded by the link's timeout)."""

@@ -188,12 +188,14 @@ async def test_two_replicas_agree_through_redis_and_not_without(make_replicas: A
     decided = shared.agree + shared.disagree
     assert decided >= 90, (shared.agree, shared.disagree, shared.unmatched)
     assert shared.agree / decided >= 0.99, (shared.agree, shared.disagree)
+    print(f"redis: {shared.agree}/{decided} residency-driven decisions agree")
 
     # control: the same workload with each replica's own memory store
     alone = Fleet(await make_replicas("memory"))
     await run_sessions(alone, sessions=20, turns=6, think_s=0.02, jitter_s=0.05)
     assert not alone.errors, alone.errors[:5]
     decided_alone = alone.agree + alone.disagree
+    print(f"memory control: {alone.agree}/{decided_alone} agree")
     assert decided_alone == 0 or alone.agree / decided_alone < 0.9
 
 
