@@ -165,6 +165,7 @@ def engram_gather(
         dh,
         triton.next_power_of_2(nr),
         triton.next_power_of_2(dh),
+        num_warps=8 if nr * dh >= 4096 else 4,
     )
     return out
 

@@ -150,7 +150,7 @@ def sparse_attention(
     )
     half = max(16, triton.next_power_of_2(d // 2))
     block_h = 16 if half >= 128 else max(16, min(64, triton.next_power_of_2(h)))
-    block_n = 32 if half >= 128 else 64
+    block_n = 16 if half >= 128 else 64  # D=512: 16 rows keep it in 255 registers
     grid = (t, triton.cdiv(h, block_h))
     _sparse_attention_kernel[grid](
         q.contiguous(),
