@@ -259,7 +259,18 @@ class RouterServer:
 async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain for `timeouts.drain_s` and exit. SIGHUP
     reloads mode and policies from `policy_path` (`ramjet.reload`)."""
-    server = RouterServer(config, host, port, policy_path=policy_path)
+    shared = None
+    if config.store.kind == "redis":  # residency shared with other replicas (docs/redis.md)
+        from ramjet.residency.factory import build_residency
+
+        registry = CollectorRegistry()
+        shared = build_residency(config, registry)
+        await shared.start()
+        server = RouterServer(
+            config, host, port, registry=registry, residency=shared.tables, policy_path=policy_path
+        )
+    else:
+        server = RouterServer(config, host, port, policy_path=policy_path)
     await server.start()
     log.info("ramjet listening on %s (mode %s)", server.url, config.mode.kind)
     stop = asyncio.Event()
@@ -271,3 +282,5 @@ async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | N
     await stop.wait()
     log.info("draining (up to %.0fs)", config.timeouts.drain_s)
     await server.stop()
+    if shared is not None:
+        await shared.stop()
