@@ -36,8 +36,8 @@ from kernels import reference as R
 
 # Peak HBM bandwidth, bytes/s, by device-name substring (datasheet figures; first match).
 PEAK_BANDWIDTH = [
+    ("GH200", 4.0e12),  # before "H200", which it contains
     ("H200", 4.8e12),
-    ("GH200", 4.0e12),
     ("H100 PCIe", 2.0e12),
     ("H100", 3.35e12),
     ("H800", 3.35e12),
