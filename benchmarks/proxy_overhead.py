@@ -1,13 +1,19 @@
 """Proxy overhead: the router against going direct to the upstream, with nginx as the
 reference hop (and smg where it is installed), measured in one run.
 
-    .venv/bin/python benchmarks/proxy_overhead.py [--seconds 3] [--concurrency 32]
+    .venv/bin/python benchmarks/proxy_overhead.py [--seconds 3] [--concurrency 32] [--repeat 1]
 
 An upstream process answers instantly (a fixed chat completion, or 64 SSE chunks); a
 load generator keeps `concurrency` requests in flight against each target for
 `seconds`, non-streaming then streaming. Printed: requests/s, latency p50/p99, the
 added latency over direct (target minus direct, p50 and p99), requests/s as a ratio of
 direct, and the hop's CPU time per request (utime+stime of its processes from /proc).
+With `--repeat N` every cell runs N times, rounds interleaved across targets so they
+share the machine's noise alike, and each figure is the median of its N runs.
+
+The last lines put the hops' CPU per request side by side (ramjet, nginx, smg, and
+ramjet's multiple of each): on a shared machine wall-clock figures move with the
+neighbours' load, CPU time per request much less.
 Every process started here is stopped by pid before exit.
 """
 
@@ -20,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -241,6 +248,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=1, help="runs per cell; medians printed")
     ap.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.upstream:
@@ -278,29 +286,56 @@ def main() -> int:
                 notes.append("smg not installed or did not start (pip install smg): column skipped")
 
             print(f"proxy overhead: {args.concurrency} concurrent clients, {args.seconds:.0f} s per cell, "
-                  f"{os.cpu_count()} CPUs")  # fmt: skip
+                  f"{args.repeat} run(s) per cell, {os.cpu_count()} CPUs")  # fmt: skip
             header = (f"{'mode':<10} {'target':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
                       f"{'+p50 ms':>8} {'+p99 ms':>8} {'rps/dir':>8} {'p50/dir':>8} {'CPU us/req':>10}")  # fmt: skip
             print(header)
             print("-" * len(header))
+            runs: dict[tuple[bool, str], list[tuple[float, float, float, float | None]]] = {
+                (stream, name): [] for stream in (False, True) for name in targets
+            }
+            for _ in range(args.repeat):
+                for stream in (False, True):
+                    for name, (url, pids) in targets.items():
+                        c0 = cpu_seconds(pids)
+                        t0 = time.perf_counter()
+                        n, lat = asyncio.run(load(url, stream, args.seconds, args.concurrency))
+                        wall = time.perf_counter() - t0
+                        cpu = (cpu_seconds(pids) - c0) / n * 1e6 if pids else None
+                        runs[(stream, name)].append(
+                            (n / wall, pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3, cpu)
+                        )
+            cpu_by_mode: dict[str, dict[str, float]] = {}
             for stream in (False, True):
                 mode = "stream64" if stream else "json"
                 base: tuple[float, float, float] | None = None
-                for name, (url, pids) in targets.items():
-                    c0 = cpu_seconds(pids)
-                    t0 = time.perf_counter()
-                    n, lat = asyncio.run(load(url, stream, args.seconds, args.concurrency))
-                    wall = time.perf_counter() - t0
-                    cpu = cpu_seconds(pids) - c0
-                    rps, p50, p99 = n / wall, pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3
+                for name in targets:
+                    cell = runs[(stream, name)]
+                    rps, p50, p99 = (statistics.median(r[i] for r in cell) for i in range(3))
+                    cpus = [r[3] for r in cell if r[3] is not None]
                     if base is None:
                         base = (rps, p50, p99)
-                    cpu_us = f"{cpu / n * 1e6:10.0f}" if pids else f"{'-':>10}"
+                    cpu_us = f"{'-':>10}"
+                    if cpus:
+                        cpu_by_mode.setdefault(mode, {})[name] = statistics.median(cpus)
+                        cpu_us = f"{statistics.median(cpus):10.0f}"
                     print(
                         f"{mode:<10} {name:<8} {rps:8.0f} {p50:8.2f} {p99:8.2f} "
                         f"{p50 - base[1]:8.2f} {p99 - base[2]:8.2f} {rps / base[0]:8.2f} "
                         f"{p50 / base[1]:8.2f} {cpu_us}"
                     )
+            print()
+            runs_note = f" (median of {args.repeat} runs)" if args.repeat > 1 else ""
+            print(f"hop CPU us/request{runs_note}:")
+            for mode, cpus in cpu_by_mode.items():
+                line = "  ".join(f"{name} {us:6.0f}" for name, us in cpus.items())
+                mine = cpus.get("ramjet")
+                ratios = "  ".join(
+                    f"ramjet/{name} {mine / us:5.1f}x"
+                    for name, us in cpus.items()
+                    if name != "ramjet" and mine is not None and us > 0
+                )
+                print(f"  {mode:<10} {line}   {ratios}")
             for n in notes:
                 print("note:", n)
         finally:
