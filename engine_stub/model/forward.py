@@ -187,8 +187,10 @@ class Backbone:
             full_v = torch.cat((st.win[layer], new_v)) if prev_len[i] else new_v
             full_e = torch.cat((st.win_exp[layer], new_e)) if prev_len[i] else new_e
             parts.append(full_v)
-            st.win[layer] = full_v[-c.window :]
-            st.win_exp[layer] = full_e[-c.window :]
+            keep_v, keep_e = full_v[-c.window :], full_e[-c.window :]
+            if full_v.shape[0] > 2 * c.window:  # do not pin a whole chunk's rows
+                keep_v, keep_e = keep_v.clone(), keep_e.clone()
+            st.win[layer], st.win_exp[layer] = keep_v, keep_e
         win_kv = torch.cat(parts) if len(parts) > 1 else parts[0]
 
         m = c.ratio(layer)
