@@ -52,6 +52,20 @@ def fallback_pick(engines: Sequence[EngineView]) -> Decision:
     return Decision(engine=best.id, policy="fallback")
 
 
+def _offered(engine: object, engines: Sequence[EngineView]) -> bool:
+    """Whether a pick names an engine it was offered: a healthy one, or any one when none
+    is healthy. (One pass, no sets: this runs for every pick.)"""
+    seen = any_healthy = False
+    for e in engines:
+        if e.healthy:
+            if e.id == engine:
+                return True
+            any_healthy = True
+        elif e.id == engine:
+            seen = True
+    return seen and not any_healthy
+
+
 def canary_share_of(session_key: str) -> float:
     """Deterministic position of a session in [0, 1)."""
     return xxhash.xxh3_64_intdigest(session_key.encode("utf-8")) / 2.0**64
@@ -87,8 +101,7 @@ class ModeRunner:
             d = policy.pick(request, engines, fleet)
         except Exception as exc:  # contained: a policy bug never fails a request
             return None, f"raised: {type(exc).__name__}: {exc}"[:200]
-        offered = {e.id for e in engines if e.healthy} or {e.id for e in engines}
-        if not isinstance(d, Decision) or d.engine not in offered:
+        if not isinstance(d, Decision) or not _offered(d.engine, engines):
             return None, "invalid"
         return d, None
 

@@ -71,9 +71,15 @@ def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
     return {t.strip().lower() for v in headers.getall("Connection", []) for t in v.split(",")}
 
 
+_DROP_TO_ENGINE = HOP_BY_HOP | {"host", "content-length", "expect"}
+_DROP_TO_CLIENT = HOP_BY_HOP | {"content-length"}
+
+
 def upstream_request_headers(client: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
     """What the engine sees of the client's headers, plus the router's own."""
-    drop = HOP_BY_HOP | _connection_tokens(client) | {"host", "content-length", "expect"}
+    drop = _DROP_TO_ENGINE
+    if "Connection" in client:
+        drop = drop | _connection_tokens(client)
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in client.items():
         lk = k.lower()
@@ -87,7 +93,9 @@ def client_response_headers(
     upstream: CIMultiDictProxy[str],
 ) -> tuple[CIMultiDict[str], dict[str, str]]:
     """Headers for the client, and the engine's `X-Ramjet-*` headers (for accounting)."""
-    drop = HOP_BY_HOP | _connection_tokens(upstream) | {"content-length"}
+    drop = _DROP_TO_CLIENT
+    if "Connection" in upstream:
+        drop = drop | _connection_tokens(upstream)
     out: CIMultiDict[str] = CIMultiDict()
     internal: dict[str, str] = {}
     for k, v in upstream.items():
