@@ -8,12 +8,15 @@ gap, or refused a pulled frame (too old, rate limited...), the loop fetches
 `GET /ramjet/snapshot` first. Every frame goes through
 `ReportProcessor.submit_async(frame, expected_engine=engine)` (a large snapshot is
 applied in pieces that yield to the loop): a pulled frame that claims another engine is
-rejected. Errors back off exponentially with jitter
+rejected. With a shared store (`store.kind: redis`) the runtime passes
+`SharedReports.submit` as `submit` instead, so every frame is also claimed against the
+cursor all replicas share (`ramjet.reports.redis_cursors`); a snapshot that another
+replica's claim has made unnecessary is then no error. Errors back off exponentially with jitter
 (`poll.backoff_min_s` .. `poll.backoff_max_s`); a response bigger than a batch may be
 is cut off unread.
 
 Push: `POST /ramjet/reports` (mount with `add_routes(app)` on the router's app), one
-frame per request, read up to the size cap and no further; the same `submit_async`.
+frame per request, read up to the size cap and no further; the same `submit`.
 
 Fault injection (tests): `drop`, when set, is asked about every pulled frame before it
 is submitted; a frame it returns True for is discarded as if lost in transit.
@@ -28,15 +31,18 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
 
 from ramjet.reports import transport as tp
 from ramjet.reports.processor import ReportProcessor
-from ramjet.reports.verify import Reason, Rejected
+from ramjet.reports.verify import Accepted, Reason, Rejected
 from ramjet.types import EngineId
+
+SubmitFn = Callable[[bytes, EngineId | None], Awaitable[Accepted | Rejected]]
+"""The door frames go through: `ReportProcessor.submit_async` or `SharedReports.submit`."""
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +70,10 @@ class ReportIngest:
         *,
         tick_interval_s: float = 1.0,
         seed: int | None = None,
+        submit: SubmitFn | None = None,
     ) -> None:
         self.processor = processor
+        self.submit: SubmitFn = submit if submit is not None else processor.submit_async
         cfg = processor.config
         self.engines: dict[EngineId, str] = (
             dict(engines)
@@ -97,7 +105,7 @@ class ReportIngest:
         except ResponseTooLarge:
             self.processor.count_rejected(Reason.OVERSIZE)
             return web.json_response({"rejected": Reason.OVERSIZE.value}, status=413)
-        outcome = await self.processor.submit_async(frame)
+        outcome = await self.submit(frame, None)
         if isinstance(outcome, Rejected):
             status = _STATUS.get(outcome.reason, 400)
             return web.json_response({"rejected": outcome.reason.value}, status=status)
@@ -144,7 +152,8 @@ class ReportIngest:
                 backoff = min(backoff * 2, self._poll.backoff_max_s)
 
     async def fetch_snapshot(self, engine: EngineId, base: str) -> bool:
-        """Fetch and submit one snapshot; True when it was accepted."""
+        """Fetch and submit one snapshot; True when it was accepted, False when it was
+        refused as replayed but none is needed any more."""
         assert self._session is not None, "start() first"
         cap = self.processor.config.max_report_bytes
         async with self._session.get(base + tp.SNAPSHOT_PATH) as resp:
@@ -152,8 +161,10 @@ class ReportIngest:
                 raise RuntimeError(f"snapshot: HTTP {resp.status}")
             frame = await _read_limited(resp.content, cap + 1)
         self.processor.metrics.snapshots_fetched.labels(engine).inc()
-        outcome = await self.processor.submit_async(frame, expected_engine=engine)
+        outcome = await self.submit(frame, engine)
         if isinstance(outcome, Rejected):
+            if outcome.reason is Reason.REPLAYED and not self.processor.snapshot_needed(engine):
+                return False  # a newer state was accepted meanwhile (by another replica)
             raise RuntimeError(f"snapshot rejected: {outcome.reason.value} ({outcome.detail})")
         return True
 
@@ -186,7 +197,7 @@ class ReportIngest:
                 await asyncio.sleep(0)  # a full batch (~0.15 ms a frame) must not stall routing
             if self.drop is not None and self.drop(engine, frame):
                 continue
-            outcome = await self.processor.submit_async(frame, expected_engine=engine)
+            outcome = await self.submit(frame, engine)
             if not isinstance(outcome, Rejected):
                 accepted += 1
             elif outcome.reason is not Reason.REPLAYED:

@@ -18,7 +18,17 @@ the store is Redis:
    `epoch_old` and changes nothing (counted like any rejection);
 3. the winner commits through the processor inside `store.report(engine, epoch, seq)`,
    so its residency changes reach Redis as one batch that is idempotent by (engine,
-   epoch, seq) even if the claim was skipped (fail open, below).
+   epoch, seq) even if the claim was skipped (fail open, below). A snapshot is the
+   exception: it carries the seq of the engine's last report, which Redis already holds,
+   so its purge-and-replace goes as unsequenced batches (only the claim's winner sends
+   them). A snapshot over the processor's `snapshot_chunk_keys` is applied in pieces
+   that yield to the event loop, as `ReportProcessor.submit_async` does: the per-engine
+   lock that orders claim-and-commit is released first, so the engine's deltas accepted
+   meanwhile apply at once and are replayed onto the staged copy before the swap.
+
+The pulled and pushed frames of the router's report runtime go through `submit` when
+the store is Redis (`ramjet.reports.runtime.ReportsRuntime.build`), and the runtime runs
+`run()` beside its pull loops.
 
 The replicas that did not apply a report learn it from Redis: residency through the
 store's change log, and the engine's report state (cursor, gap, last report time, load,
@@ -104,6 +114,8 @@ class SharedReports:
         self.clock = processor.tables.clock
         self._keys: dict[EngineId, EngineKeys] = {}
         self._profiles: dict[EngineId, str] = {}
+        self._locks: dict[EngineId, asyncio.Lock] = {}
+        self._stopping = False
         reg = registry if registry is not None else CollectorRegistry()
         self.unclaimed = Counter(
             "ramjet_reports_unclaimed_total",
@@ -129,12 +141,50 @@ class SharedReports:
     async def submit(
         self, frame: bytes, expected_engine: EngineId | None = None
     ) -> Accepted | Rejected:
-        """Verify locally, claim in Redis, then commit (see the module docstring)."""
+        """Verify locally, claim in Redis, then commit (see the module docstring). A
+        snapshot over the processor's `snapshot_chunk_keys` is applied in pieces, as
+        `ReportProcessor.submit_async` does. Returns once applied."""
         p = self.processor
         outcome = p.verifier.check(frame, expected_engine)
         if isinstance(outcome, Rejected):
             self._count_rejected(outcome)
             return outcome
+        engine = outcome.envelope.engine_id
+        seen = p.cursor(engine)
+        lock = self._locks.get(engine)
+        if lock is None:
+            lock = self._locks[engine] = asyncio.Lock()
+        async with lock:  # one claim-and-commit per engine at a time: cursors never go back
+            if p.cursor(engine) != seen:  # another frame committed meanwhile: judge again
+                outcome = p.verifier.check(frame, expected_engine)
+                if isinstance(outcome, Rejected):
+                    self._count_rejected(outcome)
+                    return outcome
+            claimed = await self._claim(outcome)
+            if isinstance(claimed, Rejected):
+                return claimed
+            env = outcome.envelope
+            defer = p.snapshot_chunk_keys > 0
+            if env.kind == "snapshot":
+                # a snapshot carries the seq of the engine's last report, whose batch Redis
+                # holds: as a sequenced batch it would be refused as a duplicate and never
+                # reach the other replicas. The claim made it this replica's alone, so its
+                # writes go as unsequenced batches (applied in order, idempotent)
+                job = p._commit(outcome, defer=defer)
+            else:
+                with self.store.report(engine, env.epoch, env.seq):
+                    job = p._commit(outcome, defer=defer)  # the processor's commit step
+        if job is not None:
+            # outside the lock, so this engine's deltas accepted meanwhile apply at once
+            # (and are replayed onto the staged copy); the swap reaches Redis as an
+            # unsequenced replace, after the snapshot's own (claimed) batch
+            await p._apply_in_pieces(engine, job)
+        return outcome
+
+    async def _claim(self, outcome: Accepted) -> Accepted | Rejected:
+        """The shared claim; Rejected (counted) when another replica, or a replay, got
+        there first. Fails open (counted) when Redis does not answer."""
+        p = self.processor
         env = outcome.envelope
         engine = env.engine_id
         keys = self._track(engine)
@@ -155,27 +205,25 @@ class SharedReports:
             )
         except RedisUnavailable:
             self.unclaimed.labels(engine).inc()
-        else:
-            status = _text(res[0])
-            if status != "ok":
-                rejected = Rejected(
-                    Reason.EPOCH_OLD if status == "epoch_old" else Reason.REPLAYED,
-                    f"shared cursor at epoch {int(res[1])} seq {int(res[2])}",
-                    engine,
-                )
-                self._count_rejected(rejected)
-                with contextlib.suppress(RedisUnavailable):
-                    await self._absorb_one(engine)
-                return rejected
-            # another replica may have accepted reports this one has not absorbed yet:
-            # start from the shared cursor so the processor judges gaps as Redis did
-            shared = (int(res[1]), int(res[2]))
-            st = p.state(engine)
-            if shared[0] >= 0 and (st.cursor is None or shared > (st.cursor.epoch, st.cursor.seq)):
-                st.cursor = Cursor(shared[0], shared[1], int(res[3]))
-                st.gap = int(res[4]) == 1
-        with self.store.report(engine, env.epoch, env.seq):
-            p._commit(outcome)  # the processor's commit step, after our shared claim
+            return outcome
+        status = _text(res[0])
+        if status != "ok":
+            rejected = Rejected(
+                Reason.EPOCH_OLD if status == "epoch_old" else Reason.REPLAYED,
+                f"shared cursor at epoch {int(res[1])} seq {int(res[2])}",
+                engine,
+            )
+            self._count_rejected(rejected)
+            with contextlib.suppress(RedisUnavailable):
+                await self._absorb_one(engine)
+            return rejected
+        # another replica may have accepted reports this one has not absorbed yet:
+        # start from the shared cursor so the processor judges gaps as Redis did
+        shared = (int(res[1]), int(res[2]))
+        st = p.state(engine)
+        if shared[0] >= 0 and (st.cursor is None or shared > (st.cursor.epoch, st.cursor.seq)):
+            st.cursor = Cursor(shared[0], shared[1], int(res[3]))
+            st.gap = int(res[4]) == 1
         return outcome
 
     def _count_rejected(self, outcome: Rejected) -> None:
@@ -191,8 +239,10 @@ class SharedReports:
             await self._absorb_one(engine)
 
     async def run(self, interval_s: float | None = None) -> None:
+        """`sync_once` every `interval_s` (the store's sync interval) until `stop()`."""
         every = interval_s or self.store.settings.sync_interval_ms / 1000
-        while True:
+        self._stopping = False
+        while not self._stopping:
             try:
                 await self.sync_once()
             except RedisUnavailable:
@@ -200,6 +250,11 @@ class SharedReports:
             except Exception:
                 log.exception("shared report state sync failed")
             await asyncio.sleep(every)
+
+    def stop(self) -> None:
+        """End `run` at its next turn (a cancel alone can be swallowed by a timeout
+        inside a Redis call on Python 3.11)."""
+        self._stopping = True
 
     async def _absorb_one(self, engine: EngineId) -> None:
         vc = self._keys[engine].vc
@@ -218,6 +273,18 @@ class SharedReports:
             st.cursor = Cursor(epoch, seq, issued)
             st.gap = rec.get("gap") == "1"
             st.snapshot_needed = st.gap
+            moved = True
+        elif (
+            (epoch, seq) == (st.cursor.epoch, st.cursor.seq)
+            and issued > st.cursor.issued_at_ms
+            and rec.get("gap") == "0"
+            and (st.gap or st.snapshot_needed)
+            and st.applying is None
+        ):
+            # another replica applied a newer snapshot at this position: the shared
+            # residency (which reaches this replica through the store's log) is whole
+            st.cursor = Cursor(epoch, seq, issued)
+            st.gap = st.snapshot_needed = False
             moved = True
         at = now - max(0.0, wall - int(rec["at"]) / 1000)
         if st.last_report_at is None or at > st.last_report_at + 1e-3:

@@ -11,6 +11,15 @@
 
 The router builds it through `ramjet.router_reports.attach_reports`.
 
+Shared verification: when the tables sit over a `RedisStore` (`store.kind: redis`,
+several replicas), the runtime wraps the processor in `SharedReports`
+(`ramjet.reports.redis_cursors`): pulled and pushed frames go through
+`SharedReports.submit`, which claims each report against the cursor all replicas share,
+so a report is applied by one replica only and a replay is refused by all; `start()`
+also runs `SharedReports.run()`, which moves this replica's report state (cursor, gap,
+load, profile, last report time) forward to what the others accepted. Over any other
+store nothing of this exists and frames go to `ReportProcessor.submit_async`.
+
 Pull targets: `reports.engines` when it is set; otherwise every engine of the policy
 file that has an active key (an engine with a key is a reporting engine; it serves
 `/ramjet/reports` next to its API).
@@ -18,8 +27,10 @@ file that has an active key (an engine with a key is a reporting engine; it serv
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
@@ -29,6 +40,8 @@ from ramjet.reports.config import KeysConfig, ReportsConfig
 from ramjet.reports.ingest import ReportIngest
 from ramjet.reports.keys import KeyRing
 from ramjet.reports.processor import ReportProcessor
+from ramjet.reports.redis_cursors import SharedReports
+from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId
 
@@ -46,6 +59,9 @@ def pull_targets(
 class ReportsRuntime:
     processor: ReportProcessor
     ingest: ReportIngest
+    shared: SharedReports | None = None
+    """Set when the tables are shared through Redis (see the module docstring)."""
+    _sync: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -64,13 +80,26 @@ class ReportsRuntime:
         # the tick applies staleness: run it often enough that a silent engine stops
         # steering within a fraction of the TTL
         tick_s = min(1.0, reports.stale_after_s / 4)
-        return cls(processor, ReportIngest(processor, targets, tick_interval_s=tick_s))
+        if not isinstance(tables.store, RedisStore):
+            return cls(processor, ReportIngest(processor, targets, tick_interval_s=tick_s))
+        shared = SharedReports(processor, tables.store, targets, registry)
+        ingest = ReportIngest(processor, targets, tick_interval_s=tick_s, submit=shared.submit)
+        return cls(processor, ingest, shared)
 
     def add_routes(self, app: web.Application) -> None:
         self.ingest.add_routes(app)
 
     async def start(self) -> None:
+        if self.shared is not None and self._sync is None:
+            self._sync = asyncio.create_task(self.shared.run(), name="ramjet-reports-sync")
         await self.ingest.start()
 
     async def stop(self) -> None:
         await self.ingest.stop()
+        if self._sync is not None and self.shared is not None:
+            self.shared.stop()
+            self._sync.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await asyncio.shield(self._sync)
+            self._sync = None
