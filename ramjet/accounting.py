@@ -264,8 +264,9 @@ class Accounting:
             m.compared.labels(mode=mode).inc()
             m.gain_total.labels(mode=mode)  # both series exist from the first comparison
             m.loss_total.labels(mode=mode)
+            agreed = m.agreed.labels(mode=mode)  # at 0 until the first agreement: rate 0
             if inc.engine == cand.engine:
-                m.agreed.labels(mode=mode).inc()
+                agreed.inc()
             on_inc = predicted_for(cand, inc.engine, "ttft_s")
             on_cand = predicted_for(cand, cand.engine, "ttft_s")
             if on_inc is not None and on_cand is not None:

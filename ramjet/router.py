@@ -15,6 +15,10 @@
    `ramjet.router_reports`), residency from the tables.
 4. The mode runner (`ramjet.modes`) asks the policies and fixes the live pick.
 5. `ramjet.proxy` forwards; a retry goes to the least-loaded routable engine not tried.
+   As it forwards, the prompt's blocks become pending residency on the engine
+   (`ResidencySource.add_pending`) until its report confirms them or the forward fails,
+   and the engine's in-flight prompt tokens count the prompt's predicted uncached tokens
+   there (`ramjet.policy.candidates.uncached_prompt_tokens`), not the whole prompt.
 6. On the end, the routed prefix is recorded as approximate residency, metrics are
    updated and a `DecisionRecord` goes to the `DecisionSink`: `ramjet.accounting`,
    which measures it, logs it (`ramjet.decisions`), feeds the mean wait back into
@@ -49,9 +53,11 @@ from ramjet.policy.base import (
     GlobalMatch,
     ResidencyView,
 )
+from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.registry import create_policy
 from ramjet.prefix import PrefixKeys
 from ramjet.proxy import Attempt, Exchange, ForwardResult, Proxy, json_error
+from ramjet.residency.pending import PendingTicket
 from ramjet.router_reports import EngineSignals, NoSignals
 from ramjet.types import EngineId, PrefixKey
 
@@ -64,6 +70,16 @@ class ResidencySource(Protocol):
     def view(self, engine: EngineId, now: float | None = None) -> ResidencyView: ...
 
     def record_routed(self, engine: EngineId, keys: PrefixKeys, now: float) -> None: ...
+
+    def add_pending(self, engine: EngineId, keys: PrefixKeys, now: float) -> PendingTicket | None:
+        """Forwarding to `engine`: its blocks are pending there until reported."""
+        ...
+
+    def settle_pending(
+        self, ticket: PendingTicket | None, engine: EngineId | None, now: float
+    ) -> None:
+        """The forward ended on `engine` (None: failed); keep, move or drop the ticket."""
+        ...
 
 
 class _EmptyView:
@@ -85,6 +101,14 @@ class NoResidency:
         return self._VIEW
 
     def record_routed(self, engine: EngineId, keys: PrefixKeys, now: float) -> None:
+        return None
+
+    def add_pending(self, engine: EngineId, keys: PrefixKeys, now: float) -> PendingTicket | None:
+        return None
+
+    def settle_pending(
+        self, ticket: PendingTicket | None, engine: EngineId | None, now: float
+    ) -> None:
         return None
 
 
@@ -422,7 +446,9 @@ class Router:
             str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
         )
         outcome = self.modes.decide(rv, views, fleet, session_key)
-        return await self._forward(request, parsed, outcome, request_id, t0, tuple(views))
+        live = next((v for v in views if v.id == outcome.live.engine), None)
+        new = uncached_prompt_tokens(rv, live) if live is not None else parsed.prompt_tokens
+        return await self._forward(request, parsed, outcome, request_id, t0, tuple(views), new)
 
     async def _forward(
         self,
@@ -432,8 +458,12 @@ class Router:
         request_id: str,
         t0: float,
         views: tuple[EngineView, ...],
+        new_tokens: int,
     ) -> web.StreamResponse:
+        """`new_tokens`: the prompt tokens predicted uncached on the live engine, counted
+        in flight there until the first byte (a retry counts the same figure)."""
         first = self.fleet.get(outcome.live.engine)
+        pending = self.residency.add_pending(first.id, parsed.keys, self.clock())
         exchange = Exchange()
         self._exchanges.add(exchange)
         self._idle.clear()
@@ -443,7 +473,7 @@ class Router:
                 request,
                 parsed.body,
                 first,
-                parsed.prompt_tokens,
+                new_tokens,
                 lambda tried: self._choose_retry(parsed.model, tried),
                 request_id,
                 exchange,
@@ -455,6 +485,8 @@ class Router:
             res.end = "client_gone"
             raise
         finally:
+            ok = res.engine if res.status < 400 else None
+            self.residency.settle_pending(pending, ok, self.clock())
             self._exchanges.discard(exchange)
             if not self._exchanges:
                 self._idle.set()

@@ -9,7 +9,7 @@ Views. `Router._views` builds one `EngineView` per engine from the router's own 
   `reports.stale_after_s` of silence, else EXACT);
 - `profile(engine)`: the engine's last signed profile, None before one;
 - `load(engine_state)`: `EngineLoad` with the router's own in-flight requests and
-  prompt tokens, plus the engine's last signed load report (queued prompt tokens,
+  their predicted uncached prompt tokens (the router's counters), plus the engine's last signed load report (queued prompt tokens,
   running requests, HBM KV utilization). The report is older than the router's
   bookkeeping, so the policies correct one by the other
   (`ramjet.policy.candidates.outstanding_prompt_tokens`: the larger of the reported
@@ -24,7 +24,10 @@ held on by stale residency returns within those TTLs.
 
 Residency precedence: the router's own `record_routed` entries are approximate; for an
 engine that reports they are neither written nor read (`ViewMode.REPORTED`), and an
-exact entry is never overridden by an approximate one (`ramjet.residency.store`).
+exact entry is never overridden by an approximate one (`ramjet.residency.store`). For
+every engine, reporting or not, the blocks of requests the router has sent and no report
+has confirmed yet read as pending HBM residency (`ramjet.residency.pending`), beneath
+the exact entries.
 
 Wiring: `attach_reports(app, router, config, policy_path)` builds a `ReportsRuntime`
 when the policy lists engine keys (`keys.engines`) or pull targets (`reports.engines`);

@@ -34,6 +34,10 @@ class GlobalMatch:
     hbm: int = 0
     host: int = 0
     ssd: int = 0
+    pending: int = 0
+    """Of `hbm`, the tokens of requests the router has sent to the engine and no report
+    has confirmed yet (`ramjet.residency.pending`): in HBM by the time a request routed
+    now starts there, since the engine takes requests in order. Not a tier of its own."""
 
     @property
     def total(self) -> int:
@@ -71,7 +75,11 @@ class EngineLoad:
     inflight_requests: int = 0
     """Requests the router has sent and not yet seen finish."""
     inflight_prompt_tokens: int = 0
-    """Prompt tokens of the router's requests whose first token has not yet arrived."""
+    """Predicted uncached prompt tokens of the router's requests to this engine whose first
+    token has not yet arrived: for each, its prompt minus the cached match the router
+    predicted on this engine when it routed it (`candidates.uncached_prompt_tokens`).
+    Prompt work still to do there, not whole prompts: an engine that hits its cache is
+    not charged for the tokens it will not prefill."""
     queued_prompt_tokens: int | None = None
     """Engine-reported prompt tokens waiting or being prefilled; None if not reported."""
     running_requests: int | None = None

@@ -183,14 +183,18 @@ class PrefixAffinity:
     ) -> Decision:
         pool = eligible(request, engines)
         loads = [outstanding_prompt_tokens(e.load) for e in pool]
-        matches = [
-            e.residency.global_match(request.block_keys, request.block_tokens).total for e in pool
-        ]
+        found = [e.residency.global_match(request.block_keys, request.block_tokens) for e in pool]
+        matches = [m.total for m in found]
         min_load = min(loads)
         over = [self.overloaded(ld, min_load) for ld in loads]
         components: dict[EngineId, dict[str, float]] = {
-            e.id: {"match_tokens": float(m), "load_tokens": float(ld), "overloaded": float(o)}
-            for e, m, ld, o in zip(pool, matches, loads, over, strict=True)
+            e.id: {
+                "match_tokens": float(m.total),
+                "pending_tokens": float(m.pending),
+                "load_tokens": float(ld),
+                "overloaded": float(o),
+            }
+            for e, m, ld, o in zip(pool, found, loads, over, strict=True)
         }
         allowed = [i for i in range(len(pool)) if not over[i]]
         best = max(matches[i] for i in allowed)

@@ -10,6 +10,10 @@ that report is older than the router's own bookkeeping, which knows what it has 
 since. Neither underestimates the other's blind spot by much, so the larger of the two
 is the outstanding prompt work (an engine shared with other router replicas reports
 more than this router has in flight; a fresh send is in flight before any report says so).
+
+The router's in-flight figure counts each request's predicted uncached prompt tokens
+(`uncached_prompt_tokens`, fixed when it routed the request), not its whole prompt, as the
+engine's report counts the tokens it still has to prefill.
 """
 
 from __future__ import annotations
@@ -34,3 +38,15 @@ def outstanding_prompt_tokens(load: EngineLoad) -> int:
     if reported is None:
         return load.inflight_prompt_tokens
     return max(reported, load.inflight_prompt_tokens)
+
+
+def uncached_prompt_tokens(request: RequestView, engine: EngineView) -> int:
+    """The request's prompt tokens the engine would prefill: its prompt minus the longest
+    resident global-KV prefix the engine's view shows (any tier, pending included: a
+    restored or pending block is not prefilled again). A live SWA boundary lies within
+    that prefix (the cost model clips it to it), so it removes nothing more."""
+    n = max(request.prompt_tokens, 0)
+    if not request.block_keys:
+        return n
+    cached = engine.residency.global_match(request.block_keys, request.block_tokens).total
+    return n - min(cached, n)

@@ -178,6 +178,7 @@ class EngineEstimate:
             "hbm_tokens": float(self.match.hbm),
             "host_tokens": float(self.match.host),
             "ssd_tokens": float(self.match.ssd),
+            "pending_tokens": float(self.match.pending),
             "swa_tokens": float(self.swa_tokens),
             "resume_tokens": float(w.resume_tokens),
             "resume_swa": 1.0 if w.resume == "swa" else 0.0,

@@ -22,8 +22,14 @@ class ResidencyConfig(BaseModel):
     """Upper bound on any SWA expiry an engine reports."""
     approximate_ttl_s: PositiveSeconds = 300.0
     """Expiry of entries inferred from the router's own routing (no report behind them)."""
+    pending_ttl_s: PositiveSeconds = 30.0
+    """Life of a pending hold: the blocks of a request sent to an engine but not yet
+    confirmed by its report (`ramjet.residency.pending`). Long enough to cover queueing
+    and prefill plus a few report intervals; a report or a failure ends it sooner."""
     max_global_entries: Annotated[int, Field(ge=1)] = 1_000_000
     max_swa_entries: Annotated[int, Field(ge=1)] = 200_000
+    max_pending_entries: Annotated[int, Field(ge=1)] = 500_000
+    """Pending (engine, key) holds across both tables; the oldest tickets go first."""
 
     @model_validator(mode="after")
     def _check(self) -> ResidencyConfig:

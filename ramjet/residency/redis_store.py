@@ -26,6 +26,13 @@ path), built as a local mirror plus a background sync:
   Redis is unreachable the mirror keeps serving and taking writes; when the breaker
   closes again every engine is pulled in full (`ramjet_redis_resyncs_total`).
 
+Pending residency (`ramjet.residency.pending`: blocks of requests this replica has sent
+and no report has confirmed yet) is not a store entry and never reaches Redis: it lives
+seconds and changes on every request, so sharing it would put a Redis write on the request
+path or lag it by a sync interval comparable to its life, and a crashed replica would
+leave orphan holds. Each replica knows its own in-flight requests; the others learn the
+blocks from the engine's report, one report interval later.
+
 Expiry is native in Redis (each entry key carries its PXAT expiry, the bookkeeping keys a
 retention TTL); the mirror expires on its own clock. Store times are seconds of the
 caller's monotonic clock; Redis holds Unix milliseconds; `_to_wall_ms` / `_to_local`

@@ -8,13 +8,20 @@ Writers:
 - the router, after it dispatches a request: `record_routed(engine, keys, now)`. These
   entries are approximate (HBM assumed, `approximate_ttl_s`), never override an exact
   entry, and are only written and read for engines in `ViewMode.APPROXIMATE`.
+- the router, as it forwards a request: `add_pending(engine, keys, now)`, then
+  `settle_pending(ticket, engine_or_none, now)` when the forward ends. A short-lived
+  overlay (`ramjet.residency.pending`, `pending_ttl_s`) holds the request's blocks as
+  HBM and its last boundary as live SWA on that engine until a report confirms them,
+  the TTL passes, or the request fails. It is kept beside the store, never in it.
 
 Readers: `view(engine)` returns a `ResidencyView` (see `ramjet.policy.base`) fixed at
 the current time. How an engine's view reads the tables is its `ViewMode`, which the
 report processor sets from the engine's trust:
-- APPROXIMATE (default, no reports): exact and approximate entries;
-- REPORTED (the engine reports; trust exact or degraded): exact entries only;
+- APPROXIMATE (default, no reports): exact, approximate, then pending entries;
+- REPORTED (the engine reports; trust exact or degraded): exact, then pending entries;
 - SILENT (reports stopped for longer than the staleness TTL): nothing steers.
+A pending hold counts only where no live exact (or, when read, approximate) entry
+exists; `GlobalMatch.pending` says how many of the matched HBM tokens are pending.
 
 Longest match. A block key names a whole prefix, so on an engine a resident block
 implies its predecessors are resident. `global_match` binary-searches for the first
@@ -41,6 +48,7 @@ from prometheus_client.registry import Collector
 from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.prefix import PrefixKeys
 from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.pending import PendingOverlay, PendingTicket
 from ramjet.residency.store import ExactStaging, MemoryStore, ResidencyStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
@@ -70,14 +78,23 @@ def longest_prefix(n: int, present: Callable[[int], bool]) -> int:
 class EngineResidencyView:
     """One engine's residency at one instant; implements `ResidencyView`."""
 
-    __slots__ = ("_approx", "_engine", "_now", "_steer", "_store")
+    __slots__ = ("_approx", "_engine", "_now", "_pending", "_steer", "_store")
 
-    def __init__(self, store: ResidencyStore, engine: EngineId, now: float, mode: ViewMode) -> None:
+    def __init__(
+        self,
+        store: ResidencyStore,
+        engine: EngineId,
+        now: float,
+        mode: ViewMode,
+        pending: PendingOverlay | None = None,
+    ) -> None:
+        """`pending`: the overlay, already expired to `now` (None: no pending holds)."""
         self._store = store
         self._engine = engine
         self._now = now
         self._approx = mode is ViewMode.APPROXIMATE
         self._steer = mode is not ViewMode.SILENT
+        self._pending = pending
 
     def global_match(
         self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
@@ -85,23 +102,42 @@ class EngineResidencyView:
         if not self._steer or not block_keys:
             return GlobalMatch()
         get, engine, now, approx = self._store.get, self._engine, self._now, self._approx
-        bound = longest_prefix(
-            len(block_keys),
-            lambda i: get(Table.GLOBAL, engine, block_keys[i], now, approx) is not None,
-        )
+        held = self._pending.holds(Table.GLOBAL, engine) if self._pending is not None else None
+        if held is None:
+            bound = longest_prefix(
+                len(block_keys),
+                lambda i: get(Table.GLOBAL, engine, block_keys[i], now, approx) is not None,
+            )
+        else:
+            bound = longest_prefix(
+                len(block_keys),
+                lambda i: (
+                    block_keys[i] in held
+                    or get(Table.GLOBAL, engine, block_keys[i], now, approx) is not None
+                ),
+            )
         by_tier = [0, 0, 0]
+        pending = 0
         for i in range(bound):
             entry = get(Table.GLOBAL, engine, block_keys[i], now, approx)
             if entry is None:
-                break
+                if held is None or block_keys[i] not in held:
+                    break
+                pending += block_tokens[i]  # sent there, not yet reported: will be in HBM
+                continue
             by_tier[entry.tier] += block_tokens[i]
-        return GlobalMatch(by_tier[Tier.HBM], by_tier[Tier.HOST], by_tier[Tier.SSD])
+        return GlobalMatch(
+            by_tier[Tier.HBM] + pending, by_tier[Tier.HOST], by_tier[Tier.SSD], pending
+        )
 
     def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
         if not self._steer:
             return 0
+        held = self._pending.holds(Table.SWA, self._engine) if self._pending is not None else None
         for offset, key in reversed(boundary_keys):
             if self._store.get(Table.SWA, self._engine, key, self._now, self._approx):
+                return offset
+            if held is not None and key in held:
                 return offset
         return 0
 
@@ -122,6 +158,8 @@ class ResidencyTables:
             {Table.GLOBAL: self.config.max_global_entries, Table.SWA: self.config.max_swa_entries}
         )
         self.clock = clock
+        self.pending = PendingOverlay(self.config.pending_ttl_s, self.config.max_pending_entries)
+        """Requests sent and not yet reported (see `add_pending`); never in the store."""
         self._modes: dict[EngineId, ViewMode] = {}
         if registry is not None:
             registry.register(_SizeCollector(self))
@@ -136,7 +174,8 @@ class ResidencyTables:
 
     def view(self, engine: EngineId, now: float | None = None) -> ResidencyView:
         t = self.clock() if now is None else now
-        return EngineResidencyView(self.store, engine, t, self.mode(engine))
+        self.pending.expire(t)
+        return EngineResidencyView(self.store, engine, t, self.mode(engine), self.pending)
 
     def size(self, table: Table) -> int:
         return self.store.size(table)
@@ -154,6 +193,27 @@ class ResidencyTables:
             swa_ttl = min(ttl, self.config.swa_ttl_s)
             last = keys.boundaries[-1][1]
             self.store.put(Table.SWA, engine, (last,), Tier.HBM, now, now + swa_ttl, exact=False)
+
+    # -- pending: sent, not yet reported ----------------------------------------------
+
+    def add_pending(self, engine: EngineId, keys: PrefixKeys, now: float) -> PendingTicket:
+        """The router is forwarding a prompt with these keys to `engine`: hold its blocks
+        (HBM) and its last message boundary (live SWA) there as pending until a report
+        confirms them, `pending_ttl_s` passes, or `settle_pending` releases them."""
+        last = keys.boundaries[-1][1] if keys.boundaries else None
+        return self.pending.add(engine, keys.blocks, last, now)
+
+    def settle_pending(
+        self, ticket: PendingTicket | None, engine: EngineId | None, now: float
+    ) -> None:
+        """The forward ended: `engine` is where it succeeded, None if it failed. A success
+        on the ticket's engine keeps the holds (until a report or the TTL); a failure
+        releases them; a success elsewhere (a retry) moves them there."""
+        if ticket is None or engine == ticket.engine:
+            return
+        self.pending.release(ticket)
+        if engine is not None:
+            self.pending.add(engine, ticket.blocks, ticket.swa_key, now)
 
     # -- exact: from verified reports ---------------------------------------------------
 
@@ -175,20 +235,34 @@ class ResidencyTables:
     ) -> None:
         """Blocks entered (or moved to) `tier`; expiry is min(ttl_s, global_ttl_s)."""
         expires = self._global_expiry(now, ttl_s)
+        keys = self._confirm(Table.GLOBAL, engine, keys)
         self.store.put(Table.GLOBAL, engine, keys, tier, now, expires, exact=True)
 
     def evict_global(self, engine: EngineId, keys: Iterable[PrefixKey]) -> None:
-        self.store.remove(Table.GLOBAL, engine, keys)
+        self.store.remove(Table.GLOBAL, engine, self._confirm(Table.GLOBAL, engine, keys))
 
     def store_swa(
         self, engine: EngineId, keys: Iterable[PrefixKey], now: float, ttl_s: float | None = None
     ) -> None:
         """SWA state pooled at these boundary keys; expiry min(ttl_s, swa_max_ttl_s)."""
         expires = self._swa_expiry(now, ttl_s)
+        keys = self._confirm(Table.SWA, engine, keys)
         self.store.put(Table.SWA, engine, keys, Tier.HBM, now, expires, exact=True)
 
     def expire_swa(self, engine: EngineId, keys: Iterable[PrefixKey]) -> None:
-        self.store.remove(Table.SWA, engine, keys)
+        self.store.remove(Table.SWA, engine, self._confirm(Table.SWA, engine, keys))
+
+    def _confirm(
+        self, table: Table, engine: EngineId, keys: Iterable[PrefixKey]
+    ) -> Iterable[PrefixKey]:
+        """A report names these keys: end their pending holds (the report speaks for them
+        now). Returns the keys, materialized if they were a one-shot iterator."""
+        if self.pending.holds(table, engine) is None:
+            return keys
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)
+        self.pending.confirm(table, engine, keys)
+        return keys
 
     def replace_engine(
         self,
@@ -215,6 +289,7 @@ class ResidencyTables:
     def purge_engine(self, engine: EngineId) -> None:
         """Forget all the engine's residency (it restarted: a new epoch)."""
         self.store.purge(engine)
+        self.pending.purge(engine)
 
     def expire(self, now: float | None = None) -> int:
         return self.store.expire(self.clock() if now is None else now)
@@ -262,13 +337,18 @@ class SnapshotStaging:
         self._add(Table.SWA, keys, Tier.HBM, self._expires(Table.SWA, ttl_s))
 
     def commit(self) -> None:
+        tables, engine, now = self._tables, self._engine, self._now
         if self._staged is not None:
             for staging in self._staged.values():
                 staging.commit()
-            return
-        store = self._tables.store
-        for table, entries in self._collected.items():
-            store.replace_exact(table, self._engine, entries, self._now)
+        else:
+            for table, entries in self._collected.items():
+                tables.store.replace_exact(table, engine, entries, now)
+        # holds on keys the snapshot lists are confirmed; the others wait for a delta
+        get = tables.store.get
+        tables.pending.confirm_present(
+            engine, lambda table, key: get(table, engine, key, now, False) is not None
+        )
 
 
 class _SizeCollector(Collector):
@@ -284,3 +364,8 @@ class _SizeCollector(Collector):
         for table in Table:
             fam.add_metric([table.value], float(self._tables.size(table)))
         yield fam
+        yield GaugeMetricFamily(
+            "ramjet_residency_pending_entries",
+            "Pending (engine, key) holds: requests sent, not yet confirmed by a report",
+            value=float(self._tables.pending.size()),
+        )

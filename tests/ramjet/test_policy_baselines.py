@@ -173,6 +173,7 @@ def test_prefix_affinity_components() -> None:
     decision = PrefixAffinity(AFF).pick(request(), engines, FLEET)
     assert decision.components["a"] == {
         "match_tokens": 4096.0,
+        "pending_tokens": 0.0,
         "load_tokens": 30_000.0,
         "overloaded": 1.0,
     }
