@@ -1,7 +1,7 @@
 """Reference-model step costs on this machine: prefill tokens/s at 512, 2k and 8k tokens of
 context, decode step time (batch 1 and 4 at 2k context), DSpark verify step, and the cost
 of a 128-token SWA replay. Baseline measured in the same run: the same 512-token prefill
-through the plain torch reference ops (`kernels.reference`, ENGINE_MODEL_OPS=dispatch).
+through the plain torch reference ops (`kernels.dispatch.use_backend("reference")`).
 
     .venv/bin/python benchmarks/model_step.py [--threads 1] [--quick]
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 import torch  # noqa: E402
 
 from engine_stub.model import MiniV4, ModelConfig  # noqa: E402
+from kernels import dispatch  # noqa: E402
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -43,15 +43,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="skip the 8k point")
-    ap.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = MiniV4(ModelConfig.tiny(window=128), seed=0)
     prefill_rate(model, 256)  # warm up
-    if args.baseline_only:
-        rate, _, _ = prefill_rate(model, 512)
-        print(f"{rate:.1f}")
-        return 0
 
     load = os.getloadavg()[0]
     print(
@@ -104,15 +99,9 @@ def main() -> int:
     rp = time.perf_counter() - t0
     print(f"replay 128 tokens @{n}: {rp * 1e3:.1f} ms")
 
-    env = dict(os.environ, ENGINE_MODEL_OPS="dispatch")
-    base = subprocess.run(
-        [sys.executable, __file__, "--baseline-only", "--threads", str(args.threads)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    b = float(base.stdout.strip().splitlines()[-1])
+    with dispatch.use_backend("reference"):
+        prefill_rate(model, 256)  # warm up
+        b, _, _ = prefill_rate(model, 512)
     print(f"baseline (reference ops) prefill 512: {b:.0f} tokens/s; speedup {rates[512] / b:.1f}x")
     return 0
 

@@ -1,10 +1,18 @@
-"""The one entry point the engine uses for every kernel op: Triton or torch reference.
+"""The one entry point for every kernel op: the engine (``engine_stub.model``) calls the
+ops only through this module.
 
-Choice, per call: the Triton kernel when any tensor argument is on CUDA, or when the
+Backends:
+
+* ``"triton"``: the Triton kernels (compiled on CUDA, or the interpreter on CPU).
+* ``"torch_fast"``: ``kernels.torch_fast``, the same results as the reference computed
+  faster on CPU (what the engine serves with on CPU).
+* ``"reference"``: ``kernels.reference``, plain torch, the ground truth (tests, baselines).
+
+Choice, per call (``"auto"``): Triton when any tensor argument is on CUDA, or when the
 environment has ``TRITON_INTERPRET=1`` (then the Triton interpreter runs the kernels on
-CPU); the torch reference (``kernels.reference``) otherwise. ``use_backend("triton" |
-"torch" | "auto")`` overrides the choice inside a ``with`` block (tests compare both
-paths this way).
+CPU); ``torch_fast`` otherwise. ``use_backend(name)`` overrides the choice for calls in
+this thread inside a ``with`` block (tests compare paths this way). ``TRITON_INTERPRET``
+is the only environment variable read, at each call.
 
 Triton decides when it is first imported whether ``@triton.jit`` compiles or interprets
 (its own ``tl`` library is decorated then), and reads ``TRITON_INTERPRET`` again at each
@@ -29,15 +37,17 @@ from typing import Any
 
 import torch
 
-from kernels import reference as ref
-from kernels.reference import engram_hash_params, engram_table_rows
+from kernels import reference, torch_fast
+from kernels.reference import engram_hash_params, engram_primes, engram_table_rows
 
 __all__ = [
+    "BACKENDS",
     "active_backend",
     "candidate_blocks",
     "engram_gate",
     "engram_gather",
     "engram_hash_params",
+    "engram_primes",
     "engram_rows",
     "engram_table_rows",
     "fp4_dequantize",
@@ -48,6 +58,7 @@ __all__ = [
     "fp8_qdq",
     "fp8_quantize",
     "indexer_scores",
+    "indexer_select",
     "indexer_topk",
     "load_kernels",
     "sparse_attention",
@@ -55,7 +66,8 @@ __all__ = [
     "use_backend",
 ]
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch_fast", "reference")
+_TORCH_BACKENDS: dict[str, ModuleType] = {"torch_fast": torch_fast, "reference": reference}
 KERNEL_MODULES = (  # dependencies first: a reload must rebind the helpers
     "kernels.numerics",
     "kernels.fp4",
@@ -73,7 +85,8 @@ def _override() -> str:
 
 @contextlib.contextmanager
 def use_backend(backend: str) -> Iterator[None]:
-    """Force ``"triton"`` or ``"torch"`` (or ``"auto"``) for calls in this thread."""
+    """Force a backend of ``BACKENDS`` (``"auto"``: the default choice) for calls in this
+    thread."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     previous = _override()
@@ -89,12 +102,12 @@ def _interpret_env() -> bool:
 
 
 def active_backend(*tensors: torch.Tensor | None) -> str:
-    """ "triton" or "torch" for a call with these tensor arguments."""
+    """ "triton", "torch_fast" or "reference" for a call with these tensor arguments."""
     forced = _override()
     if forced != "auto":
         return forced
     on_cuda = any(t is not None and t.is_cuda for t in tensors)
-    return "triton" if on_cuda or _interpret_env() else "torch"
+    return "triton" if on_cuda or _interpret_env() else "torch_fast"
 
 
 def triton_interpreted() -> bool:
@@ -126,10 +139,11 @@ def _kernel(module: str, name: str, tensors: tuple[torch.Tensor | None, ...]) ->
 
 
 def _route(module: str, name: str, *tensors: torch.Tensor | None) -> Callable[..., Any]:
-    if active_backend(*tensors) == "torch":
-        fn: Callable[..., Any] = getattr(ref, name)
-        return fn
-    return _kernel(module, name, tensors)
+    backend = active_backend(*tensors)
+    if backend == "triton":
+        return _kernel(module, name, tensors)
+    fn: Callable[..., Any] = getattr(_TORCH_BACKENDS[backend], name)
+    return fn
 
 
 # --------------------------------------------------------------------------------------
@@ -208,6 +222,28 @@ def indexer_topk(
     """scores [T, S] fp32, q_pos [T], cand_mask [T, NB] bool | None -> idx [T, topk] int32."""
     fn = _route("kernels.indexer", "indexer_topk", scores)
     return fn(scores, topk, q_pos, m, cand_mask, block)  # type: ignore[no-any-return]
+
+
+def indexer_select(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor,
+    m: int,
+    topk: int,
+    cand_mask: torch.Tensor,
+    block: int,
+) -> torch.Tensor:
+    """Top-k inside the candidate blocks (later index layers of the hierarchy), by
+    definition ``indexer_topk(indexer_scores(q, w, k, q_pos, m), topk, q_pos, m, cand_mask,
+    block)``: composed from the two kernels on the Triton path; torch_fast scores only the
+    candidate blocks. -> idx [T, topk] int32."""
+    backend = active_backend(q, k)
+    if backend == "triton":
+        scores = indexer_scores(q, w, k, q_pos, m)
+        return indexer_topk(scores, topk, q_pos, m, cand_mask, block)
+    fn: Callable[..., torch.Tensor] = _TORCH_BACKENDS[backend].indexer_select
+    return fn(q, w, k, q_pos, m, topk, cand_mask, block)
 
 
 # --------------------------------------------------------------------------------------

@@ -295,6 +295,22 @@ def indexer_topk(
     return out
 
 
+def indexer_select(
+    q: torch.Tensor,  # [T, H, Di]
+    w: torch.Tensor,  # [T, H]
+    k: torch.Tensor,  # [S, Di]
+    q_pos: torch.Tensor,  # [T] int64
+    m: int,
+    topk: int,
+    cand_mask: torch.Tensor,  # [T, ceil(S/block)] bool
+    block: int,
+) -> torch.Tensor:
+    """Top-k inside the candidate blocks (later index layers of the hierarchy), by
+    definition the top-k of the scores under the mask. -> idx [T, topk] int32."""
+    scores = indexer_scores(q, w, k, q_pos, m)
+    return indexer_topk(scores, topk, q_pos, m, cand_mask, block)
+
+
 # --------------------------------------------------------------------------------------
 # sparse attention with a per-head sink
 
@@ -420,43 +436,69 @@ def engram_gate(
 # Engram hash parameters
 
 
-def _is_prime(n: int) -> bool:
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin (exact for n < 3.3e24)."""
     if n < 2:
         return False
-    f = 2
-    while f * f <= n:
-        if n % f == 0:
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        r += 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = pow(x, 2, n)
+            if x == n - 1:
+                break
+        else:
             return False
-        f += 1
     return True
 
 
+def engram_primes(prime_floor: int, heads: int = ENGRAM_HEADS, module: int = 0) -> torch.Tensor:
+    """[3, heads] int64, (order, head) order: Engram module ``module``'s primes, the
+    ``3*heads`` consecutive primes that follow the ``module * 3*heads`` first primes
+    ``>= prime_floor``. Distinct within and across modules, and a function of these numbers
+    alone, so the table size is known from a config without any weights."""
+    if prime_floor < 2 or heads < 1 or module < 0:
+        raise ValueError(
+            f"need prime_floor >= 2, heads >= 1, module >= 0; got {prime_floor}, {heads}, {module}"
+        )
+    per = ENGRAM_ORDERS * heads
+    found: list[int] = []
+    skip, n = module * per, prime_floor
+    while len(found) < per:
+        if is_prime(n):
+            if skip:
+                skip -= 1
+            else:
+                found.append(n)
+        n += 1
+    return torch.tensor(found, dtype=torch.int64).view(ENGRAM_ORDERS, heads)
+
+
 def engram_hash_params(
-    seed: int, prime_floor: int = 1000, heads: int = ENGRAM_HEADS
+    seed: int, prime_floor: int = 1000, heads: int = ENGRAM_HEADS, module: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (mult [4] int64 odd, primes [3, heads] int64 distinct, offsets [3, heads] int64).
 
-    Multipliers are odd 63-bit values from ``random.Random(seed)`` (products wrap in
-    int64). Primes are the ``3*heads`` consecutive primes from a seeded start in
-    ``[prime_floor, 2*prime_floor)``, assigned in (order, head) order; offsets are the
-    exclusive cumulative sum, so the table has ``engram_table_rows(primes)`` rows.
+    Multipliers are odd 63-bit values from ``random.Random(seed)`` (module ``i`` takes
+    draws ``4i .. 4i+3``; products wrap in int64). Primes: ``engram_primes(prime_floor,
+    heads, module)``, independent of the seed; offsets are their exclusive cumulative sum,
+    so the module's table has ``engram_table_rows(primes)`` rows.
     """
-    if prime_floor < 2:
-        raise ValueError("prime_floor must be >= 2")
+    primes = engram_primes(prime_floor, heads, module)
     rng = random.Random(seed)
-    mult = [rng.getrandbits(62) | 1 for _ in range(4)]
-    p, found = prime_floor + rng.randrange(prime_floor), []
-    while len(found) < ENGRAM_ORDERS * heads:
-        if _is_prime(p):
-            found.append(p)
-        p += 1
-    primes = torch.tensor(found, dtype=torch.int64)
-    offsets = torch.cumsum(primes, 0) - primes
-    return (
-        torch.tensor(mult, dtype=torch.int64),
-        primes.view(ENGRAM_ORDERS, heads),
-        offsets.view(ENGRAM_ORDERS, heads),
-    )
+    draws = [rng.getrandbits(62) | 1 for _ in range(4 * (module + 1))]
+    flat = primes.flatten()
+    offsets = torch.cumsum(flat, 0) - flat
+    return torch.tensor(draws[-4:], dtype=torch.int64), primes, offsets.view_as(primes)
 
 
 def engram_table_rows(primes: torch.Tensor) -> int:

@@ -168,6 +168,13 @@ class ModelConfig:
         """One FP8 window slot: head_dim bytes + one exponent byte per fp8_block."""
         return self.head_dim + self.head_dim // self.fp8_block
 
+    @property
+    def engram_prime_floor(self) -> int:
+        """Engram's primes are the consecutive primes above engram_prime_base (each module
+        takes the next 3 x engram_heads): the floor `kernels.dispatch.engram_primes`
+        counts from."""
+        return self.engram_prime_base + 1
+
     def global_bytes(self, n_tokens: int) -> int:
         """Bytes of global state for `n_tokens` (a multiple of every ratio)."""
         per = self.kv_entry_bytes + self.index_entry_bytes

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
+from kernels import dispatch as ops
+
 from .config import ModelConfig
 from .weights import Weights, apply_rope, rmsnorm, rope_rot
 

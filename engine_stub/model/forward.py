@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops
+from kernels import dispatch as ops
+
 from .config import ModelConfig
 from .state import SeqState
 from .weights import AttnWeights, BlockWeights, Weights, apply_rope, rmsnorm, rope_rot

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kernels.dispatch import engram_primes, engram_table_rows
+
 from .config import ModelConfig
-from .primes import engram_primes
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,11 @@ class MemoryModel:
 def memory_model(cfg: ModelConfig) -> MemoryModel:
     per_entry = cfg.kv_entry_bytes + cfg.index_entry_bytes
     per_token = sum(per_entry / cfg.ratio(f) for f in cfg.full_layers)
-    params = sum(sum(p) * cfg.engram_dim for p in engram_primes(cfg))
+    rows = sum(
+        engram_table_rows(engram_primes(cfg.engram_prime_floor, cfg.engram_heads, module))
+        for module in range(len(cfg.engram_layers))
+    )
+    params = rows * cfg.engram_dim
     return MemoryModel(
         global_kv_bytes_per_token=per_token,
         global_kv_bytes_per_block=cfg.global_bytes(cfg.block_tokens),

@@ -21,7 +21,8 @@ import struct
 import numpy as np
 import torch
 
-from . import ops
+from kernels import dispatch as ops
+
 from .config import ModelConfig
 from .state import SeqState
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
+from kernels import dispatch as ops
+from kernels.dispatch import engram_hash_params, engram_table_rows
+
 from .config import ModelConfig
-from .primes import engram_primes
 
 
 def rmsnorm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -175,15 +176,12 @@ class Weights:
             bw.attn.fuse()
             bw.w13 = torch.cat((bw.w1, bw.w3), dim=1).contiguous()
         self.engram: dict[int, EngramWeights] = {}
-        all_primes = engram_primes(c)
         for i, layer in enumerate(c.engram_layers):
-            primes = torch.tensor(all_primes[i], dtype=torch.int64).view(3, c.engram_heads)
-            flat = primes.flatten()
-            offsets = (torch.cumsum(flat, 0) - flat).view(3, c.engram_heads)
-            rows = int(flat.sum())
-            vals = rnd(rows, c.engram_dim)
+            mult, primes, offsets = engram_hash_params(
+                seed, c.engram_prime_floor, c.engram_heads, module=i
+            )
+            vals = rnd(engram_table_rows(primes), c.engram_dim)
             table, exp = ops.fp8_quantize(vals, 32)
-            mult = torch.randint(0, 2**30, (4,), generator=g, dtype=torch.int64) * 2 + 1
             width = 3 * c.engram_heads * c.engram_dim
             self.engram[layer] = EngramWeights(
                 table=table,

@@ -3,6 +3,9 @@ selections (ties included), fp32-rounding equality for scores and attention."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -105,3 +108,30 @@ def test_indexer_select_equals_scores_then_topk_in_candidates() -> None:
         cand = R.candidate_blocks(scores, 4, 3, pos, m)
         want = R.indexer_topk(scores, 16, pos, m, cand, 4)
         assert torch.equal(F.indexer_select(q, w, k, pos, m, 16, cand, 4), want), trial
+        assert torch.equal(R.indexer_select(q, w, k, pos, m, 16, cand, 4), want), trial
+
+
+def test_memo_works_through_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model reaches torch_fast through kernels.dispatch (CPU default) and the same
+    tensors arrive: the window plan is derived once per forward pass, and each index
+    layer's selected global KV is gathered once, not once per layer reusing it."""
+    from engine_stub.model import MiniV4, ModelConfig
+
+    cfg = ModelConfig.tiny(window=8)
+    model = MiniV4(cfg, seed=0)
+    calls = {"plan": 0, "glob": 0}
+
+    def counted(key: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any) -> Any:
+            calls[key] += 1
+            return real(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(F, "_window_plan", counted("plan", F._window_plan))
+    monkeypatch.setattr(F, "_gather_fp4", counted("glob", F._gather_fp4))
+    st = model.new_state()
+    model.prefill(st, list(b"the memo: one plan per pass, one gather per index layer"))
+    model.decode_batch([st], [int(st.last_logits.argmax())])  # type: ignore[union-attr]
+    index_layers = len(cfg.full_layers) + len(cfg.reindex_layers)
+    assert calls == {"plan": 2, "glob": 2 * index_layers}

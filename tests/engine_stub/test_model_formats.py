@@ -1,11 +1,11 @@
-"""FP4 / FP8 formats as the model uses them (through engine_stub.model.ops), against
+"""FP4 / FP8 formats as the model uses them (through kernels.dispatch, on CPU the torch_fast backend), against
 hand-computed values: ties to the even code, saturation, packing order, pow2 scales."""
 
 from __future__ import annotations
 
 import torch
 
-from engine_stub.model import ops
+from kernels import dispatch as ops
 
 NAN_FREE = torch.float32
 

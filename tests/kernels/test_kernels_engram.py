@@ -5,6 +5,7 @@ hash parameters (odd multipliers, distinct primes, cumulative offsets)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from math import isqrt
 from typing import Any
 
 import pytest
@@ -46,10 +47,28 @@ def test_hash_params() -> None:
     mult, primes, offsets = R.engram_hash_params(seed=5, prime_floor=1000)
     assert mult.shape == (4,) and bool((mult % 2 == 1).all())
     flat = primes.flatten().tolist()
-    assert len(set(flat)) == 24 and all(R._is_prime(p) and p >= 1000 for p in flat)
+    assert len(set(flat)) == 24 and all(R.is_prime(p) and p >= 1000 for p in flat)
     assert offsets.flatten().tolist() == [sum(flat[:i]) for i in range(24)]
     assert R.engram_table_rows(primes) == sum(flat)
-    assert not torch.equal(R.engram_hash_params(seed=6)[0], mult)
+    other = R.engram_hash_params(seed=6)
+    assert not torch.equal(other[0], mult)
+    # the primes (so the table size) depend on the floor and heads only, not on the seed
+    assert torch.equal(other[1], primes) and torch.equal(other[2], offsets)
+
+
+def test_hash_primes_consecutive_across_modules() -> None:
+    """Module i's primes are the 24 primes following module i-1's: no prime is skipped or
+    repeated, and a trial-division count agrees with the Miller-Rabin test."""
+    floor = 1000
+    first, second = (R.engram_primes(floor, 8, module=i).flatten().tolist() for i in (0, 1))
+    top = second[-1]
+    every = [n for n in range(floor, top + 1) if all(n % f for f in range(2, isqrt(n) + 1))]
+    assert first + second == every
+    assert R.engram_hash_params(3, floor, 8, module=1)[1].flatten().tolist() == second
+    m0, m1 = R.engram_hash_params(3, floor, 8)[0], R.engram_hash_params(3, floor, 8, module=1)[0]
+    assert not torch.equal(m0, m1) and bool((m1 % 2 == 1).all())
+    with pytest.raises(ValueError, match="prime_floor"):
+        R.engram_primes(1)
 
 
 @pytest.mark.parametrize("t", [1, 37])
