@@ -74,7 +74,8 @@ def fp4_dequantize(
     pair, _ = _luts(packed.device)
     vals = pair[packed.long()].flatten(-2)  # [..., D]
     s = scale.view(torch.float8_e4m3fn).float()
-    out = vals.view(*vals.shape[:-1], -1, ref.FP4_SCALE_BLOCK) * s.unsqueeze(-1)
+    # the block count from the scales, not -1: a view of 0 rows cannot infer it
+    out = vals.view(*vals.shape[:-1], s.shape[-1], ref.FP4_SCALE_BLOCK) * s.unsqueeze(-1)
     return out.flatten(-2).to(dtype)
 
 
@@ -83,7 +84,7 @@ def fp4_pow2_dequantize(
 ) -> torch.Tensor:
     pair, _ = _luts(packed.device)
     vals = pair[packed.long()].flatten(-2)
-    out = vals.view(*vals.shape[:-1], -1, block) * _pow2(exp).unsqueeze(-1)
+    out = vals.view(*vals.shape[:-1], exp.shape[-1], block) * _pow2(exp).unsqueeze(-1)
     return out.flatten(-2).to(dtype)
 
 
@@ -91,7 +92,7 @@ def fp8_dequantize(
     bits: torch.Tensor, exp: torch.Tensor, block: int = 32, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     v = bits.view(torch.float8_e4m3fn).float()
-    out = torch.ldexp(v.view(*v.shape[:-1], -1, block), exp.float().unsqueeze(-1))
+    out = torch.ldexp(v.view(*v.shape[:-1], exp.shape[-1], block), exp.float().unsqueeze(-1))
     return out.flatten(-2).to(dtype)
 
 
