@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.numerics import e4m3_decode, pow2
-from kernels.reference import ENGRAM_CONTEXT, ENGRAM_ORDERS
+from kernels.reference import ENGRAM_CONTEXT, ENGRAM_ORDERS, check_index
 
 __all__ = ["engram_gate", "engram_gather", "engram_rows"]
 
@@ -154,8 +154,7 @@ def engram_gather(
     if t == 0 or nr == 0:
         return out
     rl = rows.long().contiguous()
-    if bool(((rl < 0) | (rl >= r)).any()):
-        raise IndexError(f"Engram row out of range [0, {r})")
+    check_index(rl, r, "Engram row")
     _gather_kernel[(t,)](
         table.contiguous(),
         exp.contiguous(),

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.numerics import device_fn
+from kernels.reference import check_topk_args
 
 __all__ = ["candidate_blocks", "indexer_scores", "indexer_topk"]
 
@@ -304,14 +305,11 @@ def indexer_topk(
 ) -> torch.Tensor:
     """-> idx [T, topk] int32 (see ``kernels.reference.indexer_topk``)."""
     _check_m(m)
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
     t, s = scores.shape
+    check_topk_args(topk, cand_mask, t, s, block)
     out = torch.empty(t, topk, dtype=torch.int32, device=scores.device)
     if t == 0:
         return out
-    if cand_mask is not None and cand_mask.shape != (t, -(-s // block)):
-        raise ValueError(f"cand_mask {tuple(cand_mask.shape)} does not fit S={s}, block={block}")
     cand = cand_mask.to(torch.uint8).contiguous() if cand_mask is not None else out
     nbc = cand_mask.shape[1] if cand_mask is not None else 1
     chunk = min(SELECT_BLOCK, triton.next_power_of_2(max(s, topk, 1)))

@@ -189,6 +189,20 @@ def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 # CSA2 indexer and hierarchical top-k
 
 
+def check_index(idx: torch.Tensor, rows: int, what: str, lowest: int = 0) -> None:
+    """IndexError unless every entry of ``idx`` is in ``[lowest, rows)`` (-1: empty slot)."""
+    if bool(((idx < lowest) | (idx >= rows)).any()):
+        raise IndexError(f"{what} out of range [{lowest}, {rows})")
+
+
+def check_topk_args(topk: int, cand_mask: torch.Tensor | None, t: int, s: int, block: int) -> None:
+    """ValueError unless topk >= 1 and cand_mask (if given) is [T, ceil(S/block)]."""
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if cand_mask is not None and cand_mask.shape != (t, -(-s // block)):
+        raise ValueError(f"cand_mask {tuple(cand_mask.shape)} does not fit S={s}, block={block}")
+
+
 def visible_count(q_pos: torch.Tensor, m: int, s: int) -> torch.Tensor:
     """Compressed entries visible to each query: min((q_pos + 1) // m, S), int64 [T]."""
     if m < 1:
@@ -233,6 +247,29 @@ def _top_positions(key: torch.Tensor, eligible: torch.Tensor, n: torch.Tensor) -
     return eligible & (rank < n[:, None])
 
 
+def block_maxima(
+    scores: torch.Tensor, block: int, keep: int, q_pos: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What candidate_blocks ranks, for scores [T, S]: (bmax [T, NB] fp32, each block's max
+    visible score; forced [T, NB] bool, the newest visible block; eligible [T, NB] bool, the
+    other blocks holding a visible position), NB = ceil(S/block)."""
+    if block < 1 or keep < 1:
+        raise ValueError(f"block and keep must be >= 1, got {block}, {keep}")
+    t, s = scores.shape
+    nb = -(-s // block)
+    vis = visible_count(q_pos, m, s)
+    pos = torch.arange(nb * block, device=scores.device)
+    padded = torch.full((t, nb * block), float("-inf"), device=scores.device)
+    padded[:, :s] = scores.float()
+    padded.masked_fill_(pos[None, :] >= vis[:, None], float("-inf"))
+    bmax = padded.view(t, nb, block).amax(-1)
+    bidx = torch.arange(nb, device=scores.device)[None, :]
+    newest = (vis - 1).div(block, rounding_mode="floor")[:, None]  # -1 when nothing visible
+    forced = (bidx == newest) & (vis[:, None] > 0)
+    eligible = (bidx < -(-vis[:, None] // block)) & ~forced
+    return bmax, forced, eligible
+
+
 def candidate_blocks(
     scores: torch.Tensor,  # [T, S] fp32, -inf where hidden
     block: int,
@@ -242,21 +279,9 @@ def candidate_blocks(
 ) -> torch.Tensor:
     """cand_mask [T, NB] bool, NB = ceil(S/block): the newest visible block plus the best
     ``keep - 1`` other visible blocks by their max score (ties: lower block index)."""
-    if block < 1 or keep < 1:
-        raise ValueError(f"block and keep must be >= 1, got {block}, {keep}")
-    t, s = scores.shape
-    nb = -(-s // block)
-    vis = visible_count(q_pos, m, s)
-    pos = torch.arange(nb * block, device=scores.device)
-    padded = torch.full((t, nb * block), float("-inf"), device=scores.device)
-    padded[:, :s] = scores.float()
-    padded = padded.masked_fill(pos[None, :] >= vis[:, None], float("-inf"))
-    bmax = padded.view(t, nb, block).amax(-1)  # [T, NB]
-    bidx = torch.arange(nb, device=scores.device)[None, :]
-    newest = (vis - 1).div(block, rounding_mode="floor")[:, None]  # -1 when nothing visible
-    forced = (bidx == newest) & (vis[:, None] > 0)
-    eligible = (bidx < -(-vis[:, None] // block)) & ~forced
-    picked = _top_positions(order_key(bmax), eligible, torch.full_like(vis, keep - 1))
+    bmax, forced, eligible = block_maxima(scores, block, keep, q_pos, m)
+    keep_other = torch.full((scores.shape[0],), keep - 1, device=scores.device)
+    picked = _top_positions(order_key(bmax), eligible, keep_other)
     return forced | picked
 
 
@@ -270,17 +295,12 @@ def indexer_topk(
 ) -> torch.Tensor:
     """idx [T, topk] int32: the best min(topk, eligible) visible positions (inside the
     candidate mask if given; ties: lower position), ascending, then -1 padding."""
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
     t, s = scores.shape
+    check_topk_args(topk, cand_mask, t, s, block)
     vis = visible_count(q_pos, m, s)
     pos = torch.arange(s, device=scores.device)
     eligible = pos[None, :] < vis[:, None]
     if cand_mask is not None:
-        if cand_mask.shape != (t, -(-s // block)):
-            raise ValueError(
-                f"cand_mask {tuple(cand_mask.shape)} does not fit S={s}, block={block}"
-            )
         eligible = eligible & cand_mask[:, pos // block].bool()
     n = eligible.sum(1).clamp(max=topk)
     chosen = _top_positions(order_key(scores), eligible, n)
@@ -326,8 +346,7 @@ def _gather_kv(
     parts, valid = [], []
     for idx, rows in ((win_idx, win_kv.shape[0]), (glob_idx, glob_packed.shape[0])):
         idx = idx.long()
-        if bool(((idx < -1) | (idx >= rows)).any()):
-            raise IndexError(f"KV index out of range [-1, {rows})")
+        check_index(idx, rows, "KV index", lowest=-1)
         valid.append(idx >= 0)
     wi, gi = win_idx.long().clamp(min=0), glob_idx.long().clamp(min=0)
     d = win_kv.shape[1]
@@ -407,8 +426,7 @@ def engram_gather(
 ) -> torch.Tensor:
     """-> [T, 24*Dh] fp32: the dequantized rows, concatenated in column order."""
     r = rows.long()
-    if bool(((r < 0) | (r >= table.shape[0])).any()):
-        raise IndexError(f"Engram row out of range [0, {table.shape[0]})")
+    check_index(r, table.shape[0], "Engram row")
     return fp8_dequantize(table[r], exp[r]).flatten(1)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kernels import reference as ref
-from kernels.reference import order_key, visible_count
+from kernels.reference import block_maxima, check_index, check_topk_args, order_key, visible_count
 
 # E2M1 value of each byte's two nibbles: _FP4_PAIR[b] = (value of b & 15, value of b >> 4).
 _CODES = torch.arange(16, dtype=torch.int32)
@@ -128,13 +128,22 @@ def indexer_scores(
     return _mask_invisible(scores, q_pos, m)
 
 
-def _rank_key(x: torch.Tensor) -> torch.Tensor:
-    """int64 key: score order first, then the lower index on ties (the reference's rule)."""
-    n = x.shape[-1]
-    if n >= 1 << _POS_BITS:
-        raise ValueError("too many positions for the ranking key")
-    idx = torch.arange(n, device=x.device)
-    return (order_key(x) << _POS_BITS) | ((1 << _POS_BITS) - 1 - idx)
+def _rank_key(x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 key: score order first, then the lower position on ties (the reference's
+    rule); ``pos`` (x's shape, < 2^26) defaults to the column index."""
+    if pos is None:
+        n = x.shape[-1]
+        if n >= 1 << _POS_BITS:
+            raise ValueError("too many positions for the ranking key")
+        pos = torch.arange(n, device=x.device)
+    return (order_key(x) << _POS_BITS) | ((1 << _POS_BITS) - 1 - pos)
+
+
+def _fill_sorted(out: torch.Tensor, sel: torch.Tensor, s: int) -> torch.Tensor:
+    """out[:, :width] = the selected positions ascending, ``s`` (nothing) becoming -1."""
+    sel = sel.sort(dim=1).values
+    out[:, : sel.shape[1]] = torch.where(sel == s, -1, sel).to(torch.int32)
+    return out
 
 
 _FLOOR = -(1 << 62)
@@ -143,24 +152,11 @@ _FLOOR = -(1 << 62)
 def candidate_blocks(
     scores: torch.Tensor, block: int, keep: int, q_pos: torch.Tensor, m: int
 ) -> torch.Tensor:
-    if block < 1 or keep < 1:
-        raise ValueError(f"block and keep must be >= 1, got {block}, {keep}")
-    t, s = scores.shape
-    nb = -(-s // block)
-    vis = visible_count(q_pos, m, s)
-    padded = torch.full((t, nb * block), float("-inf"), device=scores.device)
-    padded[:, :s] = scores.float()
-    pos = torch.arange(nb * block, device=scores.device)
-    padded.masked_fill_(pos[None, :] >= vis[:, None], float("-inf"))
-    bmax = padded.view(t, nb, block).amax(-1)
-    bidx = torch.arange(nb, device=scores.device)[None, :]
-    newest = (vis - 1).div(block, rounding_mode="floor")[:, None]
-    forced = (bidx == newest) & (vis[:, None] > 0)
-    eligible = (bidx < -(-vis[:, None] // block)) & ~forced
+    bmax, forced, eligible = block_maxima(scores, block, keep, q_pos, m)
     out = forced.clone()
-    k = min(keep - 1, nb)
+    k = min(keep - 1, bmax.shape[1])
     if k > 0:
-        key = torch.where(eligible, _rank_key(bmax), torch.full_like(bidx, _FLOOR))
+        key = torch.where(eligible, _rank_key(bmax), _FLOOR)
         top = key.topk(k, dim=1)
         out.scatter_(1, top.indices, top.values != _FLOOR)
         out |= forced
@@ -177,19 +173,14 @@ def indexer_topk(
 ) -> torch.Tensor:
     """Float ``topk`` on the eligible scores; the few rows whose k-th value ties with an
     unselected eligible entry are redone with exact ranking keys (lower position wins)."""
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
     t, s = scores.shape
+    check_topk_args(topk, cand_mask, t, s, block)
     out = torch.full((t, topk), -1, dtype=torch.int32, device=scores.device)
     if s == 0 or t == 0:
         return out
     sc = _mask_invisible(scores.float().clone(), q_pos, m)
     if cand_mask is not None:
-        nb = -(-s // block)
-        if cand_mask.shape != (t, nb):
-            raise ValueError(
-                f"cand_mask {tuple(cand_mask.shape)} does not fit S={s}, block={block}"
-            )
+        nb = cand_mask.shape[1]
         full = s // block
         off = ~cand_mask.bool()
         if full:
@@ -209,16 +200,14 @@ def indexer_topk(
     if bool(tie.any()):
         rows = tie.nonzero().squeeze(1)
         key = _rank_key(sc[rows])
-        key = torch.where(torch.isfinite(sc[rows]), key, torch.full_like(key, _FLOOR))
+        key = torch.where(torch.isfinite(sc[rows]), key, _FLOOR)
         idx[rows] = key.topk(width, dim=1).indices
     sel = torch.where(torch.isfinite(vals) | tie[:, None], idx, s)
     if bool(tie.any()):
         rows = tie.nonzero().squeeze(1)
         ok = torch.isfinite(sc[rows].gather(1, idx[rows]))
         sel[rows] = torch.where(ok, idx[rows], s)
-    sel = sel.sort(dim=1).values
-    out[:, :width] = torch.where(sel == s, -1, sel).to(torch.int32)
-    return out
+    return _fill_sorted(out, sel, s)
 
 
 def indexer_select(
@@ -236,12 +225,10 @@ def indexer_select(
     each row gathers its <= keep candidate blocks' keys instead of scoring all S."""
     t = q.shape[0]
     s = k.shape[0]
+    check_topk_args(topk, cand_mask, t, s, block)
     out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
     if t == 0 or s == 0:
         return out
-    nb = -(-s // block)
-    if cand_mask.shape != (t, nb):
-        raise ValueError(f"cand_mask {tuple(cand_mask.shape)} does not fit S={s}, block={block}")
     kmax = int(cand_mask.sum(1).max())
     if kmax == 0:
         return out
@@ -252,14 +239,10 @@ def indexer_select(
     keys = k.float()[pos.clamp(max=s - 1)]  # [T, C, Di]
     dots = torch.relu_(torch.bmm(q.float(), keys.transpose(1, 2)))  # [T, H, C]
     sc = torch.bmm(w.float().unsqueeze(1), dots).squeeze(1)  # [T, C]
-    key = (order_key(sc) << _POS_BITS) | ((1 << _POS_BITS) - 1 - pos)
-    key = torch.where(ok, key, torch.full_like(key, _FLOOR))
-    width = min(topk, key.shape[1])
-    top = key.topk(width, dim=1)
+    key = torch.where(ok, _rank_key(sc, pos), _FLOOR)
+    top = key.topk(min(topk, key.shape[1]), dim=1)
     sel = torch.where(top.values != _FLOOR, pos.gather(1, top.indices), s)
-    sel = sel.sort(dim=1).values
-    out[:, :width] = torch.where(sel == s, -1, sel).to(torch.int32)
-    return out
+    return _fill_sorted(out, sel, s)
 
 
 # --------------------------------------------------------------------------------------
@@ -363,8 +346,7 @@ def _band_scores(
 
 
 def _gather_fp4(packed: torch.Tensor, scale: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
-    if bool(((gi < -1) | (gi >= packed.shape[0])).any()):
-        raise IndexError(f"KV index out of range [-1, {packed.shape[0]})")
+    check_index(gi, packed.shape[0], "KV index", lowest=-1)
     gsel = gi.clamp(min=0)
     return fp4_dequantize(packed[gsel], scale[gsel])
 
@@ -478,6 +460,5 @@ engram_gate = ref.engram_gate
 
 def engram_gather(table: torch.Tensor, exp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     r = rows.long()
-    if bool(((r < 0) | (r >= table.shape[0])).any()):
-        raise IndexError(f"Engram row out of range [0, {table.shape[0]})")
+    check_index(r, table.shape[0], "Engram row")
     return fp8_dequantize(table[r], exp[r]).flatten(1)
