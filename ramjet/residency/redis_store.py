@@ -72,18 +72,6 @@ def _kind(table: Table, exact: bool) -> str:
     return _TABLE_CODE[table] + ("x" if exact else "a")
 
 
-class _Mirror(MemoryStore):
-    """The local copy: a `MemoryStore` that can also list one engine's entries (to seed
-    Redis from it)."""
-
-    def entries(self, table: Table, engine: EngineId, exact: bool) -> list[tuple[PrefixKey, Entry]]:
-        m = self._maps[table][exact].get(engine)
-        return list(m.items()) if m else []
-
-    def holds(self, engine: EngineId) -> bool:
-        return any(self._maps[t][x].get(engine) for t in Table for x in (True, False))
-
-
 @dataclass
 class _Batch:
     engine: EngineId
@@ -153,7 +141,7 @@ class RedisStore:
     ) -> None:
         self.link = link
         self.settings: RedisSettings = link.settings
-        self.local = _Mirror(
+        self.local = MemoryStore(
             {Table.GLOBAL: residency.max_global_entries, Table.SWA: residency.max_swa_entries}
         )
         longest = max(residency.global_ttl_s, residency.swa_max_ttl_s, residency.approximate_ttl_s)
@@ -211,9 +199,7 @@ class RedisStore:
             yield
         finally:
             self._open = None
-        cur = self._cursor.get(engine)
-        if cur is None or (batch.epoch, batch.seq) > cur:
-            self._cursor[engine] = (batch.epoch, batch.seq)
+        self._note_cursor(engine, batch.epoch, batch.seq)
         self._enqueue(batch)
 
     def _op(self, engine: EngineId, op: list[Any]) -> None:
@@ -250,17 +236,26 @@ class RedisStore:
     ) -> None:
         keys = list(keys)
         self.local.put(table, engine, keys, tier, now, expires_at, exact)
-        self._op(
-            engine,
-            [
-                "p",
-                _kind(table, exact),
-                int(tier),
-                self._to_wall_ms(now),
-                self._to_wall_ms(expires_at),
-                [key16(k) for k in keys],
-            ],
-        )
+        self._op(engine, self._put_op(table, exact, tier, now, expires_at, keys))
+
+    def _put_op(
+        self,
+        table: Table,
+        exact: bool,
+        tier: Tier,
+        confirmed_at: float,
+        expires_at: float,
+        keys: Iterable[PrefixKey],
+    ) -> list[Any]:
+        """The logged form of a `put` (times in wall ms, keys in `key16`)."""
+        return [
+            "p",
+            _kind(table, exact),
+            int(tier),
+            self._to_wall_ms(confirmed_at),
+            self._to_wall_ms(expires_at),
+            [key16(k) for k in keys],
+        ]
 
     def remove(self, table: Table, engine: EngineId, keys: Iterable[PrefixKey]) -> None:
         keys = list(keys)
@@ -395,14 +390,7 @@ class RedisStore:
             for exact in (True, False):
                 for key, e in self.local.entries(table, engine, exact):
                     ops.append(
-                        [
-                            "p",
-                            _kind(table, exact),
-                            int(e.tier),
-                            self._to_wall_ms(e.confirmed_at),
-                            self._to_wall_ms(e.expires_at),
-                            [key16(key)],
-                        ]
+                        self._put_op(table, exact, e.tier, e.confirmed_at, e.expires_at, (key,))
                     )
         epoch, seq = self._cursor.get(engine, (-1, -1))
         seed = _Batch(engine, "seed", epoch, seq, ops)
@@ -455,14 +443,14 @@ class RedisStore:
                 local.put(
                     _CODE_TABLE[kind[0]],
                     engine,
-                    [PrefixKey(int(k, 16)) for k in op[5]],
+                    _keys_from16(op[5]),
                     Tier(op[2]),
                     self._to_local(op[3]),
                     self._to_local(op[4]),
                     kind[1] == "x",
                 )
             elif code == "r":
-                local.remove(_CODE_TABLE[op[1]], engine, [PrefixKey(int(k, 16)) for k in op[2]])
+                local.remove(_CODE_TABLE[op[1]], engine, _keys_from16(op[2]))
             elif code == "R":
                 local.replace_exact(
                     _CODE_TABLE[op[1]],
@@ -473,19 +461,17 @@ class RedisStore:
             elif code == "P":
                 local.purge(engine)
         for kind, evicted in json.loads(f.get("x", "[]")):
-            local.remove(_CODE_TABLE[kind[0]], engine, [PrefixKey(int(k, 16)) for k in evicted])
+            local.remove(_CODE_TABLE[kind[0]], engine, _keys_from16(evicted))
         self.metrics.applied.inc()
 
     async def _pull(self, engine: EngineId, reason: str) -> None:
         """Replace the mirror's copy of `engine` with Redis's (index zsets + MGET)."""
         keys = self._keys[engine]
-        res = await self.link.script(TAIL, [keys.st, keys.log], ["", 0])
-        gen, epoch, seq, last_id = int(res[0]), int(res[1]), int(res[2]), _text(res[4])
+        gen, epoch, seq, last_id = await self._head(keys)
         if gen < 0:  # nothing in Redis for this engine
             if self.local.holds(engine) or engine in self._cursor:
                 await self._seed(engine)
-                res = await self.link.script(TAIL, [keys.st, keys.log], ["", 0])
-                gen, epoch, seq, last_id = int(res[0]), int(res[1]), int(res[2]), _text(res[4])
+                gen, epoch, seq, last_id = await self._head(keys)
             if gen < 0:
                 self._tails[engine] = _Tail(synced=True, last_id="0-0", gen=0)
                 return
@@ -513,6 +499,11 @@ class RedisStore:
         if epoch >= 0:
             self._note_cursor(engine, epoch, seq)
         self.metrics.resyncs.labels("pull", reason).inc()
+
+    async def _head(self, keys: EngineKeys) -> tuple[int, int, int, str]:
+        """(gen, epoch, seq, last log id) of one engine in Redis; gen < 0: none there."""
+        res = await self.link.script(TAIL, [keys.st, keys.log], ["", 0])
+        return int(res[0]), int(res[1]), int(res[2]), _text(res[4])
 
     async def _dump(self, keys: EngineKeys, kind: str) -> list[tuple[str, int, bytes | None]]:
         idx = keys.index(kind)
@@ -543,6 +534,11 @@ class RedisStore:
         with contextlib.suppress(RedisUnavailable):
             async with self._lock:
                 await self._flush()
+
+
+def _keys_from16(hex_keys: Iterable[str]) -> list[PrefixKey]:
+    """Prefix keys from their `key16` spelling (16 hex digits) in Redis."""
+    return [PrefixKey(int(k, 16)) for k in hex_keys]
 
 
 def _text(v: Any) -> str:

@@ -244,6 +244,10 @@ class MemoryStore:
         m = self._maps[table][exact].get(engine)
         return list(m.items()) if m else []
 
+    def holds(self, engine: EngineId) -> bool:
+        """Whether the engine has any entry (live or not yet swept) in either table."""
+        return any(self._maps[t][x].get(engine) for t in Table for x in (True, False))
+
     def _swap_exact(self, table: Table, engine: EngineId, new: _Map) -> None:
         by_engine = self._maps[table][True]
         old = by_engine.pop(engine, None)
