@@ -27,9 +27,9 @@ import time
 from typing import Any, Protocol
 
 from engine_stub.kvstore import GlobalKVStore
-from engine_stub.request import PromptWork
 from engine_stub.swa_pool import SWAPool
 from ramjet.prefix import PrefixKeys
+from ramjet.prompt_work import PromptWork
 
 
 class CacheableModel(Protocol):

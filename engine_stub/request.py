@@ -1,6 +1,6 @@
 """One generation request inside the engine: its prompt (tokens and router keys), its
-sampling parameters, what restoring its prompt cost (`PromptWork`), and the channel its
-tokens flow back through.
+sampling parameters, what restoring its prompt cost (`ramjet.prompt_work.PromptWork`, the
+`usage.prompt_work` schema the router reads), and the channel its tokens flow back through.
 
 Threads. The server creates a `Request` on the event loop and hands it to the scheduler;
 the scheduler's worker thread fills `work`, appends tokens and finally marks it done,
@@ -20,46 +20,9 @@ from typing import Any
 import torch
 
 from ramjet.prefix import PrefixKeys
+from ramjet.prompt_work import PromptWork
 
 _ids = itertools.count(1)
-
-
-@dataclass(slots=True)
-class PromptWork:
-    """Where the prompt's tokens came from and what it cost (usage.prompt_work)."""
-
-    hbm_tokens: int = 0
-    host_tokens: int = 0
-    ssd_tokens: int = 0
-    swa_tokens: int = 0
-    """Tokens past the last full block resumed from pooled SWA state (no block key)."""
-    replayed_tokens: int = 0
-    prefilled_tokens: int = 0
-    queue_ms: float = 0.0
-    restore_ms: float = 0.0
-    restore_io_ms: float = 0.0
-    """Of restore_ms: copying blocks out of their tiers (host copy, SSD file reads)."""
-    prefill_ms: float = 0.0
-    epoch: int = 0
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.hbm_tokens + self.host_tokens + self.ssd_tokens + self.swa_tokens
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "hbm_tokens": self.hbm_tokens,
-            "host_tokens": self.host_tokens,
-            "ssd_tokens": self.ssd_tokens,
-            "swa_tokens": self.swa_tokens,
-            "replayed_tokens": self.replayed_tokens,
-            "prefilled_tokens": self.prefilled_tokens,
-            "queue_ms": round(self.queue_ms, 3),
-            "restore_ms": round(self.restore_ms, 3),
-            "restore_io_ms": round(self.restore_io_ms, 4),
-            "prefill_ms": round(self.prefill_ms, 3),
-            "epoch": self.epoch,
-        }
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ramjet.policy.base import Decision
+from ramjet.prompt_work import COUNT_FIELDS, TTFT_MS_FIELDS, PromptWork
 
 if TYPE_CHECKING:  # the router imports the accounting, which imports this module
     from ramjet.router import DecisionRecord
@@ -53,46 +54,20 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 _USAGE_KEY = b'"usage"'
 _DECODER = json.JSONDecoder()
-_INT_FIELDS = (
-    "hbm_tokens",
-    "host_tokens",
-    "ssd_tokens",
-    "swa_tokens",
-    "replayed_tokens",
-    "prefilled_tokens",
-    "epoch",
-)
-_MS_FIELDS = ("queue_ms", "restore_ms", "prefill_ms")
+_INT_FIELDS = COUNT_FIELDS
+_MS_FIELDS = TTFT_MS_FIELDS  # restore_io_ms (a part of restore_ms) is not read
 
 
-@dataclass(frozen=True, slots=True)
-class RealizedWork:
-    """The engine's own account of a prompt (`usage.prompt_work`), tokens and ms."""
+@dataclass(slots=True)
+class RealizedWork(PromptWork):
+    """The engine's own account of a prompt (`usage.prompt_work`, the schema in
+    `ramjet.prompt_work`), with `usage.prompt_tokens`."""
 
-    hbm_tokens: int = 0
-    host_tokens: int = 0
-    ssd_tokens: int = 0
-    swa_tokens: int = 0
-    replayed_tokens: int = 0
-    prefilled_tokens: int = 0
-    queue_ms: float = 0.0
-    restore_ms: float = 0.0
-    prefill_ms: float = 0.0
-    epoch: int = 0
     prompt_tokens: int | None = None
     """usage.prompt_tokens, when present."""
 
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens the engine did not compute from scratch (all tiers and SWA)."""
-        return self.hbm_tokens + self.host_tokens + self.ssd_tokens + self.swa_tokens
-
-    @property
-    def engine_ttft_s(self) -> float:
-        """Arrival at the engine to its first token: queue + restore + prefill."""
-        return (self.queue_ms + self.restore_ms + self.prefill_ms) / 1e3
-
     def to_json(self) -> dict[str, Any]:
+        """The decision line's `realized` object (the fields the router reads)."""
         out: dict[str, Any] = {f: getattr(self, f) for f in _INT_FIELDS + _MS_FIELDS}
         out["cached_tokens"] = self.cached_tokens
         if self.prompt_tokens is not None:
