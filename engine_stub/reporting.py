@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import threading
 import time
@@ -29,6 +28,7 @@ from engine_stub.engine import Engine
 from engine_stub.events import CacheEvent
 from ramjet.reports.bodies import DeltaBuilder, LoadBody, SwaStates, TierKeys
 from ramjet.reports.publisher import ReportPublisher
+from ramjet.tasks import cancel_and_wait
 from ramjet.types import EngineId, PrefixKey
 
 log = logging.getLogger("engine_stub.reports")
@@ -160,9 +160,7 @@ def attach_reports(
             publisher.publish_profile(engine.profile)
         task = asyncio.create_task(reporter._flusher())
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait((task,))
         reporter.flush()
         await publisher.stop()
 

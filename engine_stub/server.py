@@ -18,7 +18,6 @@ which frees its scheduler slot at the next step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import time
@@ -34,6 +33,7 @@ from engine_stub.engine import Engine
 from engine_stub.request import Request, SamplingParams
 from engine_stub.scheduler import QueueFull
 from ramjet.prefix import PromptError, Rendered, compute_keys, render_chat, render_completion
+from ramjet.tasks import cancel_and_wait
 
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("engine", Engine)
 
@@ -377,9 +377,7 @@ def build_app(
     async def background(app: web.Application) -> Any:
         task = asyncio.create_task(_sweeper(engine, period))
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait((task,))
 
     app.cleanup_ctx.append(background)
     return app

@@ -28,7 +28,6 @@ router's own load signal; `Ticket` makes their release idempotent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import math
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from ramjet.config import EngineConfig, HealthConfig, RetryConfig
+from ramjet.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,5 @@ class HealthProber:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait((self._task,))
             self._task = None

@@ -28,7 +28,6 @@ them and closes the HTTP session.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,6 +38,7 @@ from aiohttp import web
 from ramjet.reports import transport as tp
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.verify import Accepted, Reason, Rejected
+from ramjet.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 SubmitFn = Callable[[bytes, EngineId | None], Awaitable[Accepted | Rejected]]
@@ -124,11 +124,7 @@ class ReportIngest:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(tasks)
         if self._session is not None:
             await self._session.close()
             self._session = None

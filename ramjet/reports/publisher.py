@@ -54,6 +54,7 @@ from ramjet.reports.bodies import (
     profile_body,
 )
 from ramjet.reports.envelope import Envelope, ReportKind, sign
+from ramjet.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
@@ -274,11 +275,7 @@ class ReportPublisher:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(tasks)
 
     async def _load_loop(self) -> None:
         assert self._load is not None

@@ -28,7 +28,6 @@ file that has an active key (an engine with a key is a reporting engine; it serv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.redis_cursors import SharedReports
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.tables import ResidencyTables
+from ramjet.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 
@@ -98,8 +98,5 @@ class ReportsRuntime:
         await self.ingest.stop()
         if self._sync is not None and self.shared is not None:
             self.shared.stop()
-            self._sync.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await asyncio.shield(self._sync)
+            await cancel_and_wait((self._sync,), timeout_s=2.0)
             self._sync = None

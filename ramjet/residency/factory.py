@@ -21,6 +21,7 @@ from ramjet.config import PolicyConfig
 from ramjet.redis_link import RedisLink, RedisUnavailable
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.tables import ResidencyTables
+from ramjet.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 
@@ -41,10 +42,7 @@ class ResidencyRuntime:
     async def stop(self) -> None:
         if self._task is not None and self.store is not None:
             self.store.stop()
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await asyncio.shield(self._task)
+            await cancel_and_wait((self._task,), timeout_s=2.0)
             self._task = None
         if self.store is not None:
             await self.store.close()

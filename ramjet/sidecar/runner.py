@@ -21,7 +21,6 @@ publisher -> sidecar.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -40,6 +39,7 @@ from ramjet.sidecar.scrape import LoadScraper
 from ramjet.sidecar.stream import EventStream
 from ramjet.sidecar.tracker import MEDIA, ResidencyTracker
 from ramjet.sidecar.wire import Message
+from ramjet.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
@@ -172,11 +172,7 @@ class Sidecar:
             self._tasks.append(asyncio.create_task(self._probe()))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         self.stream.stop()
         if self._thread is not None:
