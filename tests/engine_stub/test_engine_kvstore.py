@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,15 +11,10 @@ from engine_stub.events import CacheEvent, CacheEvents
 from engine_stub.kvstore import GlobalKVStore
 from ramjet.types import PrefixKey, Tier
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from manual_clock import ManualClock
+
 B = 4  # tokens per block in these tests
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(
@@ -27,7 +23,7 @@ def make(
     events = CacheEvents()
     seen: list[CacheEvent] = []
     events.subscribe(seen.append)
-    clock = Clock(start)
+    clock = ManualClock(start)
     store = GlobalKVStore(
         block_tokens=B,
         capacity_tokens=caps,

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from engine_stub.events import CacheEvent, CacheEvents
 from engine_stub.swa_pool import SWAPool, default_cap_bytes
 from ramjet.types import PrefixKey
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 50.0
-
-    def __call__(self) -> float:
-        return self.t
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from manual_clock import ManualClock
 
 
 def make(cap: int, ttl: float = 60.0):
     events = CacheEvents()
     seen: list[CacheEvent] = []
     events.subscribe(seen.append)
-    clock = Clock()
+    clock = ManualClock(50.0)
     return SWAPool(cap_bytes=cap, ttl_s=ttl, events=events, clock=clock), seen, clock
 
 

@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import socket
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from ramjet.redis_link import Breaker, RedisLink, RedisSettings, RedisUnavailable, StoreConfig
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from manual_clock import ManualClock
 
 
 def test_opens_after_consecutive_failures_and_probes_once() -> None:
-    c = Clock()
+    c = ManualClock(100.0)
     b = Breaker(failures=3, open_s=1.0, max_open_s=4.0, clock=c)
     assert b.allow()
     assert not b.failure() and not b.failure()
@@ -42,7 +39,7 @@ def test_opens_after_consecutive_failures_and_probes_once() -> None:
 
 
 def test_a_lost_probe_does_not_wedge_the_breaker() -> None:
-    c = Clock()
+    c = ManualClock(100.0)
     b = Breaker(failures=1, open_s=0.5, max_open_s=5.0, clock=c)
     b.failure()
     c.t += 0.5
@@ -53,7 +50,7 @@ def test_a_lost_probe_does_not_wedge_the_breaker() -> None:
 
 
 def test_open_period_is_capped() -> None:
-    c = Clock()
+    c = ManualClock(100.0)
     b = Breaker(failures=1, open_s=1.0, max_open_s=3.0, clock=c)
     b.failure()
     for _ in range(5):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -14,20 +17,15 @@ from ramjet.residency.store import Table
 from ramjet.residency.tables import ResidencyTables, ViewMode
 from ramjet.types import EngineId, PrefixKey, Tier
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from manual_clock import ManualClock
+
 E0 = EngineId("e0")
 E1 = EngineId("e1")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def make(**cfg: object) -> tuple[ResidencyTables, Clock]:
-    clock = Clock()
+def make(**cfg: object) -> tuple[ResidencyTables, ManualClock]:
+    clock = ManualClock()
     return ResidencyTables(ResidencyConfig.model_validate(cfg), clock=clock), clock
 
 
@@ -62,7 +60,7 @@ def test_pending_is_visible_at_once_as_hbm_and_live_swa(mode: ViewMode) -> None:
 
 def test_pending_never_enters_the_store_or_its_gauge() -> None:
     reg = CollectorRegistry()
-    clock = Clock()
+    clock = ManualClock()
     tables = ResidencyTables(ResidencyConfig(), clock=clock, registry=reg)
     tables.add_pending(E0, KEYS, clock.t)
     assert tables.size(Table.GLOBAL) == 0 and tables.size(Table.SWA) == 0

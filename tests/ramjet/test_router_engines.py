@@ -3,20 +3,18 @@ share cap, panic, backpressure, and that 4xx never penalises."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from ramjet.config import EngineConfig, HealthConfig, RetryConfig
 from ramjet.engines import Fleet, Outcome, Ticket, classify_status
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from manual_clock import ManualClock
 
 
-def _fleet(n: int = 2, **health: float) -> tuple[Fleet, Clock, list[tuple[str, float]]]:
-    clock = Clock()
+def _fleet(n: int = 2, **health: float) -> tuple[Fleet, ManualClock, list[tuple[str, float]]]:
+    clock = ManualClock()
     ejected: list[tuple[str, float]] = []
     cfgs = [EngineConfig(id=f"e{i}", url=f"http://127.0.0.1:{9000 + i}") for i in range(n)]
     h = HealthConfig(consecutive_failures=3, ejection_base_s=10, ejection_max_s=35, **health)  # type: ignore[arg-type]
