@@ -7,7 +7,10 @@
    (`render_chat` + `compute_keys`, part of parse), lookups (both engines' residency
    views: `global_match` + `swa_match` on populated `ResidencyTables`), and scoring (the
    `tier_aware` pick minus its lookups), plus the incumbent's (`prefix_affinity`) pick
-   as the baseline measured in the same run.
+   as the baseline measured in the same run; and `decision`, the whole decision after
+   parsing as the router makes it in observe mode (fresh views, both picks sharing their
+   lookups, the live engine's uncached tokens), with its ratio to parse. Every timed
+   call gets fresh views: a view keeps its lookups for one request.
 2. A real router process (`python -m ramjet serve`) in front of two in-process fake
    upstreams, `--requests` sequential 4 KB and 100 KB requests, incumbent alone vs observe
    mode with the candidate: the router process's CPU time per request (utime + stime from
@@ -42,6 +45,7 @@ from prefix_keys import make_body
 from ramjet.parsing import ParseLimits, parse_request, to_request_view
 from ramjet.policy.base import EngineLoad, EngineView, FleetStats
 from ramjet.policy.baselines import PrefixAffinity
+from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.tier_aware import TierAware
 from ramjet.prefix import compute_keys, key_seed, render_chat
 from ramjet.residency.tables import ResidencyTables
@@ -79,18 +83,29 @@ def decision_breakdown(size: int, repeats: int) -> dict[str, float]:
         boundaries=parsed.keys.boundaries[:1],
     )
     tables.record_routed(EngineId("e1"), half, now)
-    views = [
-        EngineView(EngineId(e), True, EngineLoad(inflight_requests=1, inflight_prompt_tokens=500), tables.view(EngineId(e), now))
-        for e in ("e0", "e1")
-    ]  # fmt: skip
+    load = EngineLoad(inflight_requests=1, inflight_prompt_tokens=500)
+
+    def fresh_views() -> list[EngineView]:
+        # as the router does per request: a view answers for one request and one instant
+        # (and keeps its lookups for the other policies), so every timed call gets new ones
+        return [EngineView(EngineId(e), True, load, tables.view(EngineId(e), now)) for e in ("e0", "e1")]  # fmt: skip
+
     fleet = FleetStats(now_s=now, arrival_rate_per_s=20.0, mean_wait_s=0.05)
     cand, inc = TierAware(), PrefixAffinity()
     seed = key_seed(parsed.model)
 
     def lookups() -> None:
-        for v in views:
+        for v in fresh_views():
             v.residency.global_match(rv.block_keys, rv.block_tokens)
             v.residency.swa_match(rv.boundary_keys)
+
+    def decision() -> None:
+        # the router's whole decision after parsing: views, both picks (observe mode) and
+        # the live engine's predicted uncached tokens
+        views = fresh_views()
+        live = inc.pick(rv, views, fleet)
+        cand.pick(rv, views, fleet)
+        uncached_prompt_tokens(rv, next(v for v in views if v.id == live.engine))
 
     out = {
         "parse": median_s(lambda: parse_request(PATH, body, headers, LIMITS), repeats),
@@ -98,8 +113,9 @@ def decision_breakdown(size: int, repeats: int) -> dict[str, float]:
             lambda: compute_keys(render_chat(obj["messages"], obj.get("tools")), seed), repeats
         ),
         "lookups": median_s(lookups, repeats * 4),
-        "candidate_pick": median_s(lambda: cand.pick(rv, views, fleet), repeats * 4),
-        "incumbent_pick": median_s(lambda: inc.pick(rv, views, fleet), repeats * 4),
+        "candidate_pick": median_s(lambda: cand.pick(rv, fresh_views(), fleet), repeats * 4),
+        "incumbent_pick": median_s(lambda: inc.pick(rv, fresh_views(), fleet), repeats * 4),
+        "decision": median_s(decision, repeats * 4),
     }
     out["scoring"] = max(out["candidate_pick"] - out["lookups"], 0.0)
     out["blocks"] = float(len(rv.block_keys))
@@ -196,11 +212,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--no-router", action="store_true", help="skip the router CPU share (2.)")
     args = ap.parse_args()
     picks: dict[str, float] = {}
     print("decision time, median (ms):")
     print(f"{'body':>7} {'blocks':>7} {'parse':>9} {'(keys)':>9} {'lookups':>9} {'scoring':>9} "
-          f"{'cand pick':>9} {'inc pick':>9} {'cand/inc':>8}")  # fmt: skip
+          f"{'cand pick':>9} {'inc pick':>9} {'cand/inc':>8} {'decision':>9} {'dec/parse':>9}")  # fmt: skip
     for label, size in SIZES:
         r = decision_breakdown(
             size, args.repeats if size < (1 << 20) else max(args.repeats // 3, 3)
@@ -211,7 +228,10 @@ def main() -> int:
             f"{label:>7} {int(r['blocks']):>7} {ms['parse']:9.3f} {ms['keys']:9.3f} "
             f"{ms['lookups']:9.3f} {ms['scoring']:9.3f} {ms['candidate_pick']:9.3f} "
             f"{ms['incumbent_pick']:9.3f} {r['candidate_pick'] / r['incumbent_pick']:8.2f}"
+            f" {ms['decision']:9.3f} {r['decision'] / r['parse']:9.2f}"
         )
+    if args.no_router:
+        return 0
     print(f"\nrouter process CPU per request, {args.requests} sequential requests (ms):")
     print("(CPU clock ticks are 10 ms: the measured share is +-0.01/requests s per request;")
     print(" 'pick/CPU' is the candidate's median pick time over the observe router's CPU.)")

@@ -38,6 +38,11 @@ class GlobalMatch:
     """Of `hbm`, the tokens of requests the router has sent to the engine and no report
     has confirmed yet (`ramjet.residency.pending`): in HBM by the time a request routed
     now starts there, since the engine takes requests in order. Not a tier of its own."""
+    blocks: int | None = field(default=None, compare=False)
+    """How many leading blocks matched (pending included); None when the view does not
+    count them. The cost model uses it to find the block after the match (see
+    `ramjet.policy.cost`, SWA resume past g). Not compared: two matches of the same
+    tokens are equal whether or not a view counted the blocks."""
 
     @property
     def total(self) -> int:
@@ -57,6 +62,9 @@ class ResidencyView(Protocol):
 
         `block_tokens[i]` is the number of tokens block i covers. The match stops at the
         first block that is not resident (a resident block implies its predecessors).
+        A view answers for one instant and one request: it may keep the answer for the
+        same `block_keys` object, so the incumbent, the candidate and the router's
+        in-flight figure share one lookup per engine (`EngineResidencyView` does).
         """
         ...
 

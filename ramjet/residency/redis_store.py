@@ -48,7 +48,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +167,7 @@ class RedisStore:
         # lookups are the hot path (a 1M-token prompt is ~4k of them per engine): bind
         # the mirror's method directly instead of forwarding through `get` below
         self.get = self.local.get  # type: ignore[method-assign]
+        self.get_many = self.local.get_many  # type: ignore[method-assign]
         for engine in engines:
             self._track(engine)
 
@@ -266,6 +267,16 @@ class RedisStore:
         self, table: Table, engine: EngineId, key: PrefixKey, now: float, approximate: bool
     ) -> Entry | None:
         return self.local.get(table, engine, key, now, approximate)
+
+    def get_many(
+        self,
+        table: Table,
+        engine: EngineId,
+        keys: Sequence[PrefixKey],
+        now: float,
+        approximate: bool,
+    ) -> list[Entry | None]:
+        return self.local.get_many(table, engine, keys, now, approximate)
 
     def replace_exact(
         self,

@@ -30,6 +30,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from operator import attrgetter
 from typing import NamedTuple, Protocol
 
 from ramjet.types import EngineId, PrefixKey, Tier
@@ -94,6 +95,18 @@ class ResidencyStore(Protocol):
         """The live entry, exact first, approximate only if `approximate`."""
         ...
 
+    def get_many(
+        self,
+        table: Table,
+        engine: EngineId,
+        keys: Sequence[PrefixKey],
+        now: float,
+        approximate: bool,
+    ) -> list[Entry | None]:
+        """`get` of each key, in order. On the request path (a prompt's matched blocks):
+        an implementation answers in C-level passes, not one Python call per key."""
+        ...
+
     def replace_exact(
         self,
         table: Table,
@@ -119,6 +132,8 @@ class ResidencyStore(Protocol):
 
 
 _Map = OrderedDict[PrefixKey, Entry]
+_EXPIRES = attrgetter("expires_at")
+_INF = float("inf")
 
 
 class MemoryStore:
@@ -220,6 +235,30 @@ class MemoryStore:
             if entry is not None and entry.expires_at > now:
                 return entry
         return None
+
+    def get_many(
+        self,
+        table: Table,
+        engine: EngineId,
+        keys: Sequence[PrefixKey],
+        now: float,
+        approximate: bool,
+    ) -> list[Entry | None]:
+        # One kind of entry for the engine (the usual case: an engine's view reads exact
+        # entries or, without reports, approximate ones): one dict lookup per key in C,
+        # one C pass for the earliest expiry. Both kinds, or an expired entry found: key
+        # by key, with `get`'s precedence.
+        ex = self._maps[table][True].get(engine)
+        ap = self._maps[table][False].get(engine) if approximate else None
+        if ex and ap:
+            return [self.get(table, engine, k, now, approximate) for k in keys]
+        m = ex or ap
+        if not m:
+            return [None] * len(keys)
+        found = list(map(m.get, keys))
+        if min(map(_EXPIRES, filter(None, found)), default=_INF) > now:
+            return found
+        return [e if e is not None and e.expires_at > now else None for e in found]
 
     def replace_exact(
         self,

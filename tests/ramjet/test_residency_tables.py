@@ -8,10 +8,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from ramjet.policy.base import GlobalMatch
-from ramjet.prefix import compute_keys, key_seed, render_chat
+from ramjet.prefix import PrefixKeys, compute_keys, key_seed, longest_prefix, render_chat
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.store import Table
-from ramjet.residency.tables import ResidencyTables, ViewMode, longest_prefix
+from ramjet.residency.tables import ResidencyTables, ViewMode
 from ramjet.types import EngineId, PrefixKey, Tier
 
 E0 = EngineId("e0")
@@ -38,7 +38,7 @@ def test_longest_prefix_bounds_the_first_hole_on_any_predicate() -> None:
     for _ in range(500):
         n = rng.randrange(0, 30)
         present = [rng.random() < 0.8 for _ in range(n)]
-        bound = longest_prefix(n, present.__getitem__)
+        bound = longest_prefix(range(n), present.__getitem__)
         first_hole = next((i for i, p in enumerate(present) if not p), n)
         assert bound == n or not present[bound]
         assert bound >= first_hole
@@ -72,6 +72,97 @@ def test_global_match_equals_linear_scan_on_random_tables() -> None:
                 break
             want[held[k]] += n
         assert tables.view(E0).global_match(KEYS, TOKENS).by_tier() == tuple(want)
+
+
+def _linear_match(tables: ResidencyTables, mode: ViewMode, tokens: list[int]) -> GlobalMatch:
+    """The reference: one `get` per block, stopping at the first block neither stored
+    nor pending."""
+    now, approx = tables.clock(), mode is ViewMode.APPROXIMATE
+    held = tables.pending.holds(Table.GLOBAL, E0) or {}
+    by_tier, pending = [0, 0, 0], 0
+    for k, n in zip(KEYS, tokens, strict=True):
+        entry = tables.store.get(Table.GLOBAL, E0, k, now, approx)
+        if entry is None:
+            if k not in held:
+                break
+            pending += n
+        else:
+            by_tier[entry.tier] += n
+    return GlobalMatch(by_tier[0] + pending, by_tier[1], by_tier[2], pending)
+
+
+@pytest.mark.parametrize("mode", [ViewMode.APPROXIMATE, ViewMode.REPORTED])
+def test_global_match_equals_linear_scan_with_expiry_approximate_and_pending(
+    mode: ViewMode,
+) -> None:
+    rng = random.Random(11)
+    for _ in range(300):
+        tables, clock = make(global_ttl_s=100.0)
+        tables.set_mode(E0, mode)
+        tokens = [rng.choice((255, 256)) for _ in KEYS]  # uneven, as with bytes_per_token != 1
+        for k in KEYS:
+            r = rng.random()
+            if r < 0.5:
+                ttl = rng.choice((5.0, 50.0, None))
+                tables.store_global(E0, [k], Tier(rng.randrange(3)), clock.t, ttl_s=ttl)
+            elif r < 0.75:
+                tables.store.put(
+                    Table.GLOBAL, E0, [k], Tier.HBM, clock.t, clock.t + rng.choice((5, 50)), False
+                )
+        if rng.random() < 0.5:
+            tables.add_pending(E0, _keys_of(rng.sample(KEYS, rng.randrange(len(KEYS)))), clock.t)
+        clock.t += 10  # some entries expired, not swept
+        got = tables.view(E0).global_match(KEYS, tokens)
+        assert got == _linear_match(tables, mode, tokens)
+        assert got.pending == _linear_match(tables, mode, tokens).pending
+
+
+def _keys_of(blocks: list[PrefixKey]) -> PrefixKeys:
+    return PrefixKeys(0, 256, tuple(blocks), (), 256 * len(blocks))
+
+
+def test_store_get_many_equals_get_key_by_key() -> None:
+    rng = random.Random(5)
+    for _ in range(100):
+        tables, clock = make()
+        store = tables.store
+        for k in KEYS:
+            for exact in (True, False):
+                if rng.random() < 0.4:
+                    expires = clock.t + rng.choice((-1.0, 10.0))
+                    store.put(
+                        Table.GLOBAL, E0, [k], Tier(rng.randrange(3)), clock.t, expires, exact
+                    )
+        for approx in (True, False):
+            want = [store.get(Table.GLOBAL, E0, k, clock.t, approx) for k in KEYS]
+            assert store.get_many(Table.GLOBAL, E0, KEYS, clock.t, approx) == want
+
+
+def test_a_view_looks_up_once_per_request_and_a_new_view_sees_changes() -> None:
+    tables, clock = make()
+    tables.set_mode(E0, ViewMode.REPORTED)
+    tables.store_global(E0, KEYS[:4], Tier.HBM, clock.t)
+    calls = []
+    get_many = tables.store.get_many
+
+    def counting(*args: object) -> list[object]:
+        calls.append(args[0])
+        return get_many(*args)  # type: ignore[arg-type]
+
+    tables.store.get_many = counting  # type: ignore[method-assign]
+    bounds = [(10, PrefixKey(1))]
+    view = tables.view(E0)
+    for _ in range(3):  # the incumbent, the candidate, the router's in-flight figure
+        assert view.global_match(KEYS, TOKENS).total == 4 * 256
+        assert view.swa_match(bounds) == 0
+    assert calls == [Table.GLOBAL, Table.SWA]
+    assert view.global_match(KEYS[:2], TOKENS[:2]).total == 2 * 256  # other keys: looked up
+    tables.store_global(E0, KEYS[4:6], Tier.HOST, clock.t)
+    tables.store_swa(E0, [PrefixKey(1)], clock.t)
+    fresh = tables.view(E0)
+    assert fresh.global_match(KEYS, TOKENS) == GlobalMatch(hbm=4 * 256, host=2 * 256)
+    assert fresh.global_match(KEYS, TOKENS).blocks == 6
+    assert fresh.swa_match(bounds) == 10
 
 
 def test_global_entries_expire_on_the_tables_clock() -> None:
