@@ -120,6 +120,11 @@ def _events() -> tuple[Any, ...]:
             extra_keys=(None,),
             group_idx=1,
             kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=128,
+        ),
+        # vLLM's OffloadingConnector: a CPU copy named by hash alone (no tokens, size 0)
+        BlockStored(
+            block_hashes=(11,), parent_block_hash=None, token_ids=(), block_size=0, medium="CPU"
         ),
         BlockRemoved(block_hashes=(11,), medium="GPU"),
         BlockRemoved(block_hashes=(2**64 - 1,), medium="CPU_PINNED", group_idx=1),

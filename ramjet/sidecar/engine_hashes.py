@@ -16,17 +16,21 @@ with `--prefix-caching-hash-algo`:
 - `sha256_cbor`: SHA-256 of canonical CBOR (`cbor2.dumps(value, canonical=True)`)
 - `xxhash`:      XXH3-128 of the pickle bytes
 - `xxhash_cbor`: XXH3-128 of the canonical CBOR bytes
-`NONE_HASH` is `hash_fn(PYTHONHASHSEED)` when that variable is set, else (since vLLM PR
-#51875) `hash_fn` of a fixed string, else (older builds) random: the operator passes it
-(`none_hash`). Events carry the hash as an integer of its low 64 bits (big-endian value of
-the digest's last 8 bytes; `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, the default) or as
-bytes.
+`NONE_HASH` (`init_none_hash`) is `hash_fn(PYTHONHASHSEED)` when that variable is set.
+Without it, the vLLM source read here draws `os.urandom(32)` per process (unknowable from
+outside); vLLM PR #51875 (merged 2026-08) derives it from a fixed default seed string
+instead, which this module does not assume: the operator passes the seed string
+(`vllm_none_hash(algo, seed)`) or the digest (`none_hash`); setting `PYTHONHASHSEED` on the
+engine makes it known on every release. Events carry a hash as the integer of the
+digest's low 64 bits (`maybe_convert_block_hash`: big-endian value masked to 64 bits, when
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` is on) or as the digest bytes.
 
-SGLang (`radix_cache`'s page hash): per page of `page_size` tokens,
+SGLang (`get_hash_str` in `mem_cache/hicache_storage.py`): per page of `page_size` tokens,
 
     D_i = SHA-256( D_{i-1} || le32(t) for t in page_i )      (no prefix for the first page)
 
-and the event value is the first 8 bytes of D_i as a big-endian unsigned integer.
+and the event value is `hash_str_to_int64`: the first 8 bytes of D_i read big-endian as a
+*signed* 64-bit integer (values >= 2**63 wrap to negative).
 
 The CBOR encoder here covers the value shapes the hash sees (tuples/lists, bytes, str,
 int, None, bool) in RFC 8949 canonical form (shortest heads, definite lengths), which is
@@ -148,8 +152,8 @@ def sglang_page_digests(
 
 
 def sglang_event_hash(digest: bytes) -> int:
-    """The integer SGLang publishes: the digest's first 8 bytes, big-endian."""
-    return int.from_bytes(digest[:8], "big")
+    """The integer SGLang publishes: the digest's first 8 bytes, big-endian, signed."""
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def engine_block_hashes(

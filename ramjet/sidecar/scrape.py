@@ -14,8 +14,16 @@ from the engine's `/metrics` every `load_interval_s`:
 
 `queued_prompt_tokens` is estimated as waiting x the mean prompt length so far (prompt
 tokens / finished requests), and `decode_tokens_per_s` as the generated-token counter's
-rate between two scrapes. Series summed over their labels (one engine, several DP ranks
-or models, add up). A name that is absent leaves its figure at 0 (or None).
+rate between two scrapes. Series are summed over their labels (vLLM labels each engine
+core `engine="i"`, SGLang each DP rank: counts add up), except KV use, a fraction per
+core, which is their mean. A name that is absent leaves its figure at 0 (or None).
+
+Names checked against the engines' source: vLLM `vllm/v1/metrics/loggers.py`
+(`PrometheusStatLogger`: counters are declared without `_total`, which the client adds on
+exposition; `vllm:gpu_cache_usage_perc` is the deprecated name of
+`vllm:kv_cache_usage_perc`), SGLang `python/sglang/srt/metrics/collector.py`
+(`SchedulerMetricsCollector`, `TokenizerMetricsCollector`; exposed only with
+`--enable-metrics`).
 """
 
 from __future__ import annotations
@@ -44,9 +52,10 @@ METRIC_NAMES: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def parse_metrics(text: str) -> dict[str, float]:
+def parse_metrics(text: str, counts: dict[str, int] | None = None) -> dict[str, float]:
     """Sum of each series' samples over their labels, by sample name (counters under
-    their name without `_total`); histogram and summary parts are left out."""
+    their name without `_total`); histogram and summary parts are left out. `counts`, if
+    given, receives the number of series summed under each name."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -54,13 +63,18 @@ def parse_metrics(text: str) -> dict[str, float]:
                 continue
             name = s.name.removesuffix("_total")
             out[name] = out.get(name, 0.0) + float(s.value)
+            if counts is not None:
+                counts[name] = counts.get(name, 0) + 1
     return out
 
 
-def _first(values: Mapping[str, float], figure: str) -> float | None:
+def _first(
+    values: Mapping[str, float], figure: str, counts: Mapping[str, int] | None = None
+) -> float | None:
+    """The figure's first present name: its sum, or its mean over series with `counts`."""
     for name in METRIC_NAMES[figure]:
         if name in values:
-            return values[name]
+            return values[name] / counts[name] if counts else values[name]
     return None
 
 
@@ -71,10 +85,11 @@ class LoadScraper:
         self._prev: tuple[float, float] | None = None  # (time, generated tokens)
 
     def load(self, text: str, now: float) -> LoadBody:
-        v = parse_metrics(text)
+        n: dict[str, int] = {}
+        v = parse_metrics(text, n)
         running = int(_first(v, "running") or 0)
         waiting = int(_first(v, "waiting") or 0)
-        usage = _first(v, "kv_usage")
+        usage = _first(v, "kv_usage", n)  # a fraction per engine core: mean, not sum
         prompt, reqs = _first(v, "prompt"), _first(v, "requests")
         mean_prompt = prompt / reqs if prompt and reqs else 0.0
         gen = _first(v, "generated")

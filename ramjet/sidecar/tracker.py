@@ -16,6 +16,10 @@ those groups' fastest copies (a restore waits for the slowest group). Sliding-wi
 groups (kind containing "sliding" or "swa") do not gate residency: with bounded replay
 they leave prefix caching, and their state is replayed rather than restored.
 
+`A store without `token_ids` (vLLM's OffloadingConnector reports its CPU copies by hash
+alone) adds a copy to blocks the group already maps by that engine hash; others are
+counted (`hash_only_unknown`), never guessed.
+
 `AllBlocksCleared` drops everything (all groups and media). Stores whose parent is
 unknown (history lost), whose block size differs from the pool's `block_tokens`, or
 that carry `extra_keys` (multimodal hashes, cache salt: the router cannot compute those
@@ -176,6 +180,9 @@ class ResidencyTracker:
         if ev.kv_cache_spec_kind is not None and ev.kv_cache_spec_kind != g.kind:
             g.kind = ev.kv_cache_spec_kind
             dirty.update(self._reported)
+        if ev.hash_only:
+            self._stored_copies(ev, g, tier, dirty)
+            return
         if ev.block_size != self.block_tokens:
             self.stats["block_size_mismatch"] += len(ev.block_hashes)
             return
@@ -202,6 +209,19 @@ class ResidencyTracker:
             c[tier] += 1
             dirty.add(key)
         self.stats["stored"] += len(keys)
+
+    def _stored_copies(self, ev: BlockStored, g: _Group, tier: Tier, dirty: set[PrefixKey]) -> None:
+        """A store without tokens adds a copy of blocks the group already maps (vLLM's
+        OffloadingConnector copies GPU-resident blocks to CPU); hashes it never saw with
+        tokens cannot be keyed and are counted, not guessed."""
+        for h in ev.block_hashes:
+            key = g.keys.get(h)
+            if key is None:
+                self.stats["hash_only_unknown"] += 1
+                continue
+            g.copies.setdefault(key, [0, 0, 0])[tier] += 1
+            dirty.add(key)
+            self.stats["stored"] += 1
 
     def _removed(self, ev: BlockRemoved, dirty: set[PrefixKey]) -> None:
         tier = self._medium(ev.medium)

@@ -1,25 +1,29 @@
 """The KV-event wire format of vLLM and SGLang: frames, batches, events; decode and encode.
 
-Framing (ZMQ multipart):
-- live (PUB -> SUB): `[topic, seq, payload]`, `seq` 8 bytes big-endian, the topic often
-  empty;
+Framing (ZMQ multipart), as `ZmqEventPublisher` in vLLM's `vllm/distributed/kv_events.py`
+and SGLang's `python/sglang/srt/disaggregation/kv_events.py` sends it:
+- live (PUB -> SUB): `[topic, seq, payload]`, `seq` 8 bytes big-endian, the topic the
+  config's `topic` (empty by default);
 - replay (ROUTER -> DEALER): a DEALER sends `[b"", start_seq (8 bytes BE)]`; the engine
   answers one message per buffered batch with seq >= start_seq, then an end marker whose
-  seq is `0xFF` x 8. vLLM (since PR #45177) answers `[b"", topic, seq, payload]`, SGLang
-  and older vLLM `[b"", seq, payload]`: both are accepted (`parse_replay`). A first
-  replayed seq above the one asked for means the engine's buffer no longer holds it
+  seq is `0xFF` x 8 (`(-1).to_bytes(8, "big", signed=True)`) with an empty payload.
+  vLLM since PR #45177 answers `[b"", topic, seq, payload]`; SGLang and earlier vLLM
+  `[b"", seq, payload]`: both are accepted (`parse_replay`). A first replayed seq above
+  the one asked for means the engine's buffer (`buffer_steps` batches) no longer holds it
   (history truncated).
 
-Payload: msgpack of the batch `[ts, events, dp_rank]` (a map `{ts, events,
-data_parallel_rank}` is accepted too). Each event is either a tagged map
-(`{"type": "BlockStored", "block_hashes": [...], ...}`: vLLM since PR #42892, SGLang since
-PR #37482) or a tag-first array (`["BlockStored", block_hashes, parent_block_hash, ...]`,
-older builds; msgspec's `array_like` structs omit trailing default fields, so shorter
-arrays are legal). Field order of the arrays:
+Payload: msgpack of the batch. SGLang's batch is an `array_like` struct
+`[ts, events, attn_dp_rank]`; vLLM's was `[ts, events, data_parallel_rank]` and is now a
+map `{ts, events, data_parallel_rank}`: both are accepted. Each event is either a tagged
+map (`{"type": "BlockStored", "block_hashes": [...], ...}`, msgspec `tag=True` without
+`array_like`: vLLM since PR #42892, SGLang since PR #37482) or a tag-first array
+(`["BlockStored", block_hashes, parent_block_hash, ...]`, older builds, `array_like`);
+msgspec's `omit_defaults` leaves out trailing default fields, so shorter arrays (and maps
+without the optional keys) are legal. Field order of the arrays:
 
     BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id,
                      medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-                     locality, ownership
+                     kv_cache_spec_sliding_window, locality, ownership
     BlockRemoved     block_hashes, medium, group_idx
     AllBlocksCleared (no fields)
 
@@ -63,8 +67,16 @@ class BlockStored:
     """Per block: extra hash inputs (multimodal hashes, cache salt) or None."""
     group_idx: int = 0
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    """The group's window in tokens (vLLM sends it with `kv_cache_spec_kind`)."""
     locality: str | None = None
     ownership: str | None = None
+
+    @property
+    def hash_only(self) -> bool:
+        """A store that names blocks by engine hash alone (no tokens): vLLM's
+        OffloadingConnector reports its CPU copies this way (`token_ids=[]`, no parent)."""
+        return not self.token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +179,11 @@ def _build(tag: str, values: dict[str, Any], path: str) -> Event:
     except msgspec.ValidationError:
         raise WireError(f"{path}.token_ids: must be an array of 32-bit unsigned integers") from None
     size = _nonneg(values.get("block_size"), f"{path}.block_size")
-    if size == 0:
+    # A hash-only store (no tokens) names blocks the engine already described; vLLM's
+    # OffloadingConnector sends block_size 0 or its offload block size there.
+    if size == 0 and tokens:
         raise WireError(f"{path}.block_size: must be positive")
-    if len(tokens) != size * len(hashes):
+    if tokens and len(tokens) != size * len(hashes):
         raise WireError(
             f"{path}.token_ids: {len(tokens)} tokens for {len(hashes)} blocks of {size}"
         )
@@ -188,6 +202,9 @@ def _build(tag: str, values: dict[str, Any], path: str) -> Event:
         extra_keys=None if extra is None else _freeze(extra),
         group_idx=0 if group is None else _nonneg(group, f"{path}.group_idx"),
         kv_cache_spec_kind=_opt_str(values.get("kv_cache_spec_kind"), f"{path}.kv_cache_spec_kind"),
+        kv_cache_spec_sliding_window=_opt_int(
+            values.get("kv_cache_spec_sliding_window"), f"{path}.kv_cache_spec_sliding_window"
+        ),
         locality=_opt_str(values.get("locality"), f"{path}.locality"),
         ownership=_opt_str(values.get("ownership"), f"{path}.ownership"),
     )

@@ -110,5 +110,10 @@ def test_load_from_vllm_and_sglang_metrics() -> None:
     sg = LoadScraper().load(SGLANG, 1.0)
     assert (sg.running_requests, sg.waiting_requests, sg.kv_utilization) == (5, 1, 0.25)
     assert parse_metrics("") == {}
+    # two engine cores (DP): counts add up, KV use is their mean, not their sum
+    dp = VLLM.replace("GEN", "1").replace('{model_name="m"}', '{engine="0",model_name="m"}')
+    dp += dp.replace('engine="0"', 'engine="1"').replace("0.5", "0.7")
+    two = LoadScraper().load(dp, 1.0)
+    assert two.running_requests == 8 and two.kv_utilization == pytest.approx(0.6)
     empty = LoadScraper().load("# nothing\n", 1.0)
     assert empty.running_requests == 0 and empty.kv_utilization == 0.0

@@ -21,6 +21,7 @@ from ramjet.sidecar.engine_hashes import (
     HASH_FUNCTIONS,
     cbor_canonical,
     engine_block_hashes,
+    sglang_event_hash,
     sglang_page_digests,
     vllm_block_hashes,
     vllm_none_hash,
@@ -129,8 +130,16 @@ def test_sglang_page_hashes_match_vectors_and_algorithm() -> None:
         page = b"".join(t.to_bytes(4, "little") for t in toks[i * b : (i + 1) * b])
         prev = hashlib.sha256(prev + page).digest()
         assert prev == d
-    assert [int.from_bytes(d[:8], "big") for d in got] == EH["sglang"]["event_hashes"]
+    # SGLang's hash_str_to_int64: the hex digest's first 16 digits as a signed int64
+    want = []
+    for d in got:
+        u = int(d.hex()[:16], 16)
+        want.append(u - 2**64 if u >= 2**63 else u)
+    assert want == EH["sglang"]["event_hashes"]
     assert engine_block_hashes("sglang", toks, b) == EH["sglang"]["event_hashes"]
+    # a digest whose first bit is set wraps to a negative int64, as SGLang publishes it
+    assert sglang_event_hash(b"\xff" * 8 + b"\x00" * 24) == -1
+    assert sglang_event_hash(b"\x80" + b"\x00" * 31) == -(2**63)
 
 
 # -- tokenizers and key pools --------------------------------------------------------------

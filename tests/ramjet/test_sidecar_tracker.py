@@ -100,3 +100,16 @@ def test_snapshot_lists_resident_keys_by_tier() -> None:
     assert snap == {"hbm": {KEYS[0], KEYS[1]}, "host": {KEYS[2]}}
     t.reset()
     assert t.snapshot() == [] and t.key_of(1) is None
+
+
+def test_hash_only_cpu_store_adds_a_copy_of_a_known_block_only() -> None:
+    """vLLM's OffloadingConnector stores a CPU copy by hash alone (no tokens, size 0)."""
+    t = ResidencyTracker("m", VLLM_MEDIA, B)
+    apply(t, stored([1, 2], toks=TOKS[:8], medium="GPU"))
+    cpu = BlockStored((2, 77), None, (), 0, medium="CPU")
+    assert apply(t, cpu).is_empty()  # block 2 still in HBM; 77 was never described
+    assert t.stats["hash_only_unknown"] == 1 and t.key_of(77) is None
+    d = apply(t, BlockRemoved((2,), "GPU"))  # the GPU copy goes, the CPU copy stays
+    assert d.moved[0].tier == "host" and d.moved[0].keys == (KEYS[1],)
+    d = apply(t, BlockRemoved((2,), "CPU"))
+    assert d.evicted == (KEYS[1],) and t.tier_of(KEYS[1]) is None

@@ -31,7 +31,7 @@ def _frames(case: dict[str, object]) -> list[bytes]:
 
 
 def _check_events(events: tuple[object, ...]) -> None:
-    a, b, c, d, e = events
+    a, b, h, c, d, e = events
     assert a == BlockStored(
         block_hashes=(11, 2**64 - 1),
         parent_block_hash=None,
@@ -44,6 +44,10 @@ def _check_events(events: tuple[object, ...]) -> None:
     assert b.block_hashes == (b"\x01" * 8,) and b.parent_block_hash == 2**64 - 1
     assert (b.lora_id, b.lora_name, b.group_idx, b.medium) == (3, "lora-a", 1, "CPU")
     assert b.kv_cache_spec_kind == "sliding_window" and b.extra_keys == (None,)
+    assert b.kv_cache_spec_sliding_window == 128 and not b.hash_only
+    # vLLM's OffloadingConnector shape: hash only, no tokens, block_size 0
+    assert isinstance(h, BlockStored) and h.hash_only
+    assert (h.block_hashes, h.token_ids, h.block_size, h.medium) == ((11,), (), 0, "CPU")
     assert c == BlockRemoved((11,), "GPU", 0)
     assert d == BlockRemoved((2**64 - 1,), "CPU_PINNED", 1)
     assert e == AllBlocksCleared()
@@ -97,6 +101,45 @@ def test_hand_assembled_msgpack_both_encodings() -> None:
     )
 
 
+def test_hand_assembled_vllm_map_batch_with_window_and_hash_only_store() -> None:
+    """vLLM's current shapes (vllm/distributed/kv_events.py): the batch is a map, a store
+    carries `kv_cache_spec_sliding_window`, and the OffloadingConnector's CPU store has no
+    tokens, no parent and block_size 0."""
+    swa = (
+        b"\x87"
+        + _fixstr("type") + _fixstr("BlockStored")
+        + _fixstr("block_hashes") + b"\x91\x05"
+        + _fixstr("parent_block_hash") + b"\xc0"
+        + _fixstr("token_ids") + b"\x92\x01\x02"
+        + _fixstr("block_size") + b"\x02"
+        + _fixstr("kv_cache_spec_kind") + _fixstr("sliding_window")
+        + b"\xbc" + b"kv_cache_spec_sliding_window" + b"\xcd\x01\x00"
+    )  # fmt: skip
+    cpu = (
+        b"\x88"
+        + _fixstr("type") + _fixstr("BlockStored")
+        + _fixstr("block_hashes") + b"\x91\x05"
+        + _fixstr("parent_block_hash") + b"\xc0"
+        + _fixstr("token_ids") + b"\x90"
+        + _fixstr("block_size") + b"\x00"
+        + _fixstr("lora_id") + b"\xc0"
+        + _fixstr("medium") + _fixstr("CPU")
+        + _fixstr("lora_name") + b"\xc0"
+    )  # fmt: skip
+    payload = (
+        b"\x83"
+        + _fixstr("ts") + b"\x01"
+        + _fixstr("events") + b"\x92" + swa + cpu
+        + b"\xb2" + b"data_parallel_rank" + b"\x01"
+    )  # fmt: skip
+    batch = decode_batch(payload)
+    assert batch.dp_rank == 1
+    a, b = batch.events
+    assert isinstance(a, BlockStored) and a.kv_cache_spec_sliding_window == 256
+    assert a.token_ids == (1, 2) and not a.hash_only
+    assert b == BlockStored((5,), None, (), 0, None, "CPU", None) and b.hash_only
+
+
 @pytest.mark.parametrize(
     "payload, match",
     [
@@ -107,6 +150,8 @@ def test_hand_assembled_msgpack_both_encodings() -> None:
         (b"\x92\x01\x91\x81\xa4type\xacBlockRemoved", "missing field"),
         # 3 tokens for 1 block of 2
         (b"\x92\x01\x91\x95\xabBlockStored\x91\x07\xc0\x93\x01\x02\x03\x02", "3 tokens"),
+        # tokens for a block of size 0
+        (b"\x92\x01\x91\x95\xabBlockStored\x91\x07\xc0\x92\x01\x02\x00", "positive"),
         (b"\x92\x01\x91\x95\xabBlockStored\x91\xa1x\xc0\x92\x01\x02\x02", "integer or bytes"),
         (b"\x92\x01\x91\x95\xabBlockStored\x91\x07\xc0\x92\x01\xff\x02", "32-bit unsigned"),
         (b"\x92\xa1x\x90", "ts"),
