@@ -29,8 +29,11 @@ UPSTREAM_ERROR_KINDS = (
     "connect", "first_byte_timeout", "idle_timeout", "disconnect", "status_5xx", "backpressure",
 )  # fmt: skip
 """The `kind` values of `ramjet_upstream_errors_total` (`ramjet.proxy`)."""
-CANDIDATE_ERROR_KINDS = ("raised", "invalid", "slow", "skipped")
-"""The `kind` values of `ramjet_candidate_errors_total` for the candidate (`ramjet.modes`)."""
+POLICY_ERROR_KINDS = {
+    "candidate": ("raised", "invalid", "slow", "skipped"),
+    "incumbent": ("raised", "invalid"),
+}
+"""The (`role`, `kind`) series of `ramjet_policy_errors_total` (`ramjet.modes`)."""
 
 
 class Children(Generic[M]):
@@ -67,20 +70,18 @@ class RouterMetrics:
             ["role", "policy", "engine"],
             registry=r,
         )
-        self.agreement = Counter(
-            "ramjet_decision_agreement_total",
-            "Requests where incumbent and candidate were both computed, by whether they agreed",
-            ["agree"],
+        # Agreement is `ramjet_policy_compared_total` / `ramjet_policy_agreed_total` by mode
+        # (`ramjet.accounting`): one pair, counted for every mode.
+        self.policy_errors = Counter(
+            "ramjet_policy_errors_total",
+            "Policy picks that failed and were contained, by role (candidate, incumbent) and "
+            "kind (raised, invalid, slow, skipped): live or accounting-only picks alike",
+            ["role", "kind"],
             registry=r,
         )
-        self.candidate_errors = Counter(
-            "ramjet_candidate_errors_total",
-            "Candidate picks that failed (raised, slow, invalid) and were contained",
-            ["kind"],
-            registry=r,
-        )
-        for kind in CANDIDATE_ERROR_KINDS:  # at 0 from start: the series exist to alert on
-            self.candidate_errors.labels(kind=kind)
+        for role, kinds in POLICY_ERROR_KINDS.items():  # at 0 from start: series to alert on
+            for kind in kinds:
+                self.policy_errors.labels(role=role, kind=kind)
         self.ttft = Histogram(
             "ramjet_ttft_seconds",
             "Router-observed time from request arrival to the first response byte sent",
@@ -151,8 +152,8 @@ class RouterMetrics:
         """(engine, status, policy)"""
         self.decisions_of: Children[Counter] = Children(self.decisions)
         """(role, policy, engine)"""
-        self.agreement_of: Children[Counter] = Children(self.agreement)
-        self.candidate_errors_of: Children[Counter] = Children(self.candidate_errors)
+        self.policy_errors_of: Children[Counter] = Children(self.policy_errors)
+        """(role, kind)"""
         self.ttft_of: Children[Histogram] = Children(self.ttft)
         self.duration_of: Children[Histogram] = Children(self.duration)
         self.inflight_of: Children[Gauge] = Children(self.inflight)

@@ -10,6 +10,11 @@
 - **enforce**: the candidate decides (the incumbent still picks, for the accounting
   only: agreement and estimated gain; its pick cannot change the live one).
 
+Every contained failure of a pick, live or accounting-only, is counted in
+`ramjet_policy_errors_total{role, kind}` (role: candidate or incumbent; kind: raised,
+invalid, slow, skipped). Agreement is counted by the accounting for every mode
+(`ramjet_policy_compared_total` / `ramjet_policy_agreed_total`), not here.
+
 Whichever policy is live, a failing live pick falls back to the other policy and then to
 the least-loaded healthy engine, so a policy bug never fails a request.
 
@@ -96,12 +101,16 @@ class ModeRunner:
         request: RequestView,
         engines: Sequence[EngineView],
         fleet: FleetStats,
+        role: str,
     ) -> tuple[Decision | None, str | None]:
+        """The policy's pick, or None and why; a failure is counted under `role`."""
         try:
             d = policy.pick(request, engines, fleet)
         except Exception as exc:  # contained: a policy bug never fails a request
+            self._metrics.policy_errors_of(role, "raised").inc()
             return None, f"raised: {type(exc).__name__}: {exc}"[:200]
         if not isinstance(d, Decision) or not _offered(d.engine, engines):
+            self._metrics.policy_errors_of(role, "invalid").inc()
             return None, "invalid"
         return d, None
 
@@ -120,26 +129,19 @@ class ModeRunner:
         if cand_live:
             assert self.candidate is not None
             t0 = self._timer()
-            cand, err = self._try(self.candidate, request, engines, fleet)
+            cand, err = self._try(self.candidate, request, engines, fleet, "candidate")
             took = self._timer() - t0
-            if err is not None:
-                self._metrics.candidate_errors.labels(kind=err.split(":")[0]).inc()
+            # The incumbent's pick too: for the accounting only (agreement, estimated
+            # gain) when the candidate picked, else as the live fallback. Contained and
+            # counted like any pick; it cannot change the candidate's live decision.
+            inc, _ = self._try(self.incumbent, request, engines, fleet, "incumbent")
             if cand is not None:
-                # The incumbent's pick too, for the accounting only (agreement, estimated
-                # gain); contained like any pick, it cannot change the live decision.
-                inc, _ = self._try(self.incumbent, request, engines, fleet)
                 return ModeOutcome(cand, "candidate", inc, cand, None, took)
-            inc, _ = self._try(self.incumbent, request, engines, fleet)
             live = inc or fallback_pick(engines)
             return ModeOutcome(live, "incumbent" if inc else "fallback", inc, None, err, took)
 
-        inc, inc_err = self._try(self.incumbent, request, engines, fleet)
-        live_role = "incumbent"
-        if inc is None:
-            self._metrics.candidate_errors.labels(
-                kind="incumbent_" + (inc_err or "?").split(":")[0]
-            ).inc()
-            live_role = "fallback"
+        inc, _ = self._try(self.incumbent, request, engines, fleet, "incumbent")
+        live_role = "incumbent" if inc is not None else "fallback"
         live = inc or fallback_pick(engines)
         if self.candidate is None:
             return ModeOutcome(live, live_role, inc, None)
@@ -156,13 +158,14 @@ class ModeRunner:
     ) -> ModeOutcome:
         assert self.candidate is not None
         if self._clock() < self._skip_until:
-            self._metrics.candidate_errors_of("skipped").inc()
+            self._metrics.policy_errors_of("candidate", "skipped").inc()
             return ModeOutcome(live, live_role, inc, None, "skipped")
         t0 = self._timer()
-        cand, err = self._try(self.candidate, request, engines, fleet)
+        cand, err = self._try(self.candidate, request, engines, fleet, "candidate")
         took = self._timer() - t0
         if err is None and took > self.mode.candidate_budget_s:
             cand, err = None, "slow"
+            self._metrics.policy_errors_of("candidate", "slow").inc()
         if err == "slow":
             self._slow_streak += 1
             if self._slow_streak >= 3:
@@ -170,10 +173,6 @@ class ModeRunner:
                 self._slow_streak = 0
         else:
             self._slow_streak = 0
-        if err is not None:
-            self._metrics.candidate_errors_of(err.split(":")[0]).inc()
-        elif cand is not None:
-            self._metrics.agreement_of("true" if cand.engine == live.engine else "false").inc()
         return ModeOutcome(live, live_role, inc, cand, err, took)
 
 

@@ -354,10 +354,17 @@ OBSERVE = Dashboard(
             unit="s",
         ),
         Panel(
-            "Candidate errors (contained)",
-            "Candidate picks that raised, ran past mode.candidate_budget_s, or were skipped; "
-            "the incumbent's pick was used instead. Observation never fails a request.",
-            q((f"sum by (kind) (rate(ramjet_candidate_errors_total[{RI}]))", "{{kind}}")),
+            "Policy errors (contained)",
+            "Picks that raised, named an engine not offered, ran past "
+            "mode.candidate_budget_s, or were skipped, by role: a failed live pick falls "
+            "back (to the other policy, then least loaded); a failed accounting-only pick "
+            "(the incumbent in canary/enforce) leaves no comparison. Never fails a request.",
+            q(
+                (
+                    f"sum by (role, kind) (rate(ramjet_policy_errors_total[{RI}]))",
+                    "{{role}} {{kind}}",
+                )
+            ),
             unit="reqps",
         ),
     ),

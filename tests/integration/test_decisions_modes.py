@@ -123,7 +123,8 @@ async def test_observe_decisions_equal_incumbent_only(upstreams: list[FakeUpstre
         errs = [r.candidate_error or "" for r in sink.records]
         assert all(e.startswith(kind) or e == "skipped" for e in errs), errs
         reg = server.router.metrics.registry
-        assert (reg.get_sample_value("ramjet_candidate_errors_total", {"kind": kind}) or 0) >= 1
+        labels = {"role": "candidate", "kind": kind}
+        assert (reg.get_sample_value("ramjet_policy_errors_total", labels) or 0) >= 1
 
 
 async def test_canary_keeps_each_session_on_one_policy(upstreams: list[FakeUpstream]) -> None:

@@ -57,8 +57,8 @@ class FakeTimer:
         return self.t
 
 
-def _count(m: RouterMetrics, kind: str) -> float:
-    v = m.registry.get_sample_value("ramjet_candidate_errors_total", {"kind": kind})
+def _count(m: RouterMetrics, kind: str, role: str = "candidate") -> float:
+    v = m.registry.get_sample_value("ramjet_policy_errors_total", {"role": role, "kind": kind})
     return v or 0.0
 
 
@@ -101,12 +101,47 @@ def test_observe_slow_candidate_discarded_then_skipped_for_cooldown() -> None:
     assert cand.calls == 4
 
 
-def test_observe_agreement_counted() -> None:
+def test_observe_disagreement_is_recorded_for_the_accounting() -> None:
     m = RouterMetrics()
     r = ModeRunner(ModeConfig(kind="observe"), Fixed("inc", "e1"), Fixed("cand", "e0"), m)
     out = r.decide(REQ, ENGINES, FLEET, "s")
     assert out.candidate is not None and out.candidate.engine == "e0" and out.live.engine == "e1"
-    assert m.registry.get_sample_value("ramjet_decision_agreement_total", {"agree": "false"}) == 1
+    assert out.incumbent is not None and out.incumbent.engine == "e1"
+    # agreement has one counter pair, by mode, in the accounting (ramjet_policy_agreed_total)
+    assert (
+        m.registry.get_sample_value("ramjet_decision_agreement_total", {"agree": "false"}) is None
+    )
+
+
+def test_error_series_exist_at_zero_by_role() -> None:
+    reg = RouterMetrics().registry
+    for role, kinds in (("candidate", ("raised", "invalid", "slow", "skipped")),
+                        ("incumbent", ("raised", "invalid"))):  # fmt: skip
+        for kind in kinds:
+            labels = {"role": role, "kind": kind}
+            assert reg.get_sample_value("ramjet_policy_errors_total", labels) == 0.0
+
+
+def test_incumbent_accounting_pick_failing_in_canary_and_enforce_is_counted() -> None:
+    for mode in (ModeConfig(kind="enforce"), ModeConfig(kind="canary", share=1.0)):
+        m = RouterMetrics()
+        r = ModeRunner(mode, Raising(), Fixed("cand", "e1"), m)  # type: ignore[arg-type]
+        out = r.decide(REQ, ENGINES, FLEET, "s")
+        assert out.live.engine == "e1" and out.live_role == "candidate"
+        assert out.incumbent is None
+        assert _count(m, "raised", "incumbent") == 1
+        assert _count(m, "raised") == 0
+        r = ModeRunner(mode, Fixed("inc", "e9"), Fixed("cand", "e1"), m)
+        assert r.decide(REQ, ENGINES, FLEET, "s").live.engine == "e1"
+        assert _count(m, "invalid", "incumbent") == 1
+
+
+def test_observe_incumbent_failing_is_counted_by_role() -> None:
+    m = RouterMetrics()
+    r = ModeRunner(ModeConfig(kind="observe"), Raising(), Fixed("cand", "e0"), m)  # type: ignore[arg-type]
+    out = r.decide(REQ, ENGINES, FLEET, "s")
+    assert out.live_role == "fallback"
+    assert _count(m, "raised", "incumbent") == 1 and _count(m, "raised") == 0
 
 
 def test_canary_share_is_deterministic_by_session() -> None:
@@ -130,6 +165,7 @@ def test_enforce_uses_candidate_and_falls_back() -> None:
     r2 = ModeRunner(ModeConfig(kind="enforce"), Fixed("inc", "e0"), Raising(), m)  # type: ignore[arg-type]
     out = r2.decide(REQ, ENGINES, FLEET, "s")
     assert out.live.engine == "e0" and out.live_role == "incumbent"
+    assert _count(m, "raised") == 1 and _count(m, "raised", "incumbent") == 0
 
 
 def test_both_failing_falls_back_to_least_loaded_healthy() -> None:
