@@ -43,8 +43,9 @@ def outstanding_prompt_tokens(load: EngineLoad) -> int:
 def uncached_prompt_tokens(request: RequestView, engine: EngineView) -> int:
     """The request's prompt tokens the engine would prefill: its prompt minus the longest
     resident global-KV prefix the engine's view shows (any tier, pending included: a
-    restored or pending block is not prefilled again). A live SWA boundary lies within
-    that prefix (the cost model clips it to it), so it removes nothing more."""
+    restored or pending block is not prefilled again). A live SWA boundary may lie up to
+    one block past that prefix (`cost.swa_reach`); those few tokens are not subtracted.
+    The view keeps its lookup, so after the policies' picks this costs no second one."""
     n = max(request.prompt_tokens, 0)
     if not request.block_keys:
         return n

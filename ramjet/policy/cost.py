@@ -4,7 +4,14 @@ engine, and the externality of wasted work.
 For request r (n prompt tokens) on engine e, with profile P:
 
 - g = longest resident global-KV prefix, split by tier (hbm, host, ssd tokens), clipped
-  to n; q = furthest message boundary with live SWA state (clipped to g).
+  to n; q = furthest message boundary with live SWA state, valid when q <= g or, at
+  byte level, when every full block before q is resident: q < g + T, T the tokens of
+  the first unmatched block (`swa_reach`), and q < n. The engine pools the partial
+  block's tail with the SWA state at a boundary (`engine_stub/prompt_cache.py`: valid
+  iff q // T <= G), so a boundary inside the block after the match resumes exactly,
+  restoring all of g; ARCHITECTURE's q <= g is the block-granular statement. A boundary
+  further out (or at n) has no resumable state: no SWA credit (the engine replays from
+  g). Without `reach` (`prompt_work` called alone) q is clipped to g, block-granular.
 - restore(tokens by tier) = sum over host/ssd of bytes / bandwidth + latency.
 - Three resume points, the cheapest wins (ties prefer the earlier in this list):
     swa:    from q with live SWA:  restore(share q/g of each tier) + prefill(n-q at q)
@@ -114,10 +121,30 @@ def _clip(match: GlobalMatch, n: int) -> tuple[int, int, int]:
     return hbm, host, ssd
 
 
+def swa_reach(request: RequestView, match: GlobalMatch) -> int:
+    """The exclusive bound on a live SWA boundary past the match: g plus the tokens of
+    the first unmatched block (every full block before a boundary under it is resident),
+    or the prompt length when every full block matched (the boundary lies in the tail).
+    Uses `match.blocks`; a view that does not count blocks is read as uniform blocks of
+    the first block's size. O(1)."""
+    g = match.total
+    sizes = request.block_tokens
+    b = match.blocks
+    if b is None:
+        b = g // sizes[0] if sizes and sizes[0] > 0 else len(sizes)
+    return g + sizes[b] if b < len(sizes) else request.prompt_tokens
+
+
 def prompt_work(
-    profile: EngineProfile, prompt_tokens: int, match: GlobalMatch, swa_tokens: int
+    profile: EngineProfile,
+    prompt_tokens: int,
+    match: GlobalMatch,
+    swa_tokens: int,
+    reach: int | None = None,
 ) -> Work:
-    """The cheapest of the swa, global and cold resume points (see module docstring)."""
+    """The cheapest of the swa, global and cold resume points (see module docstring).
+    `reach` is `swa_reach`: a boundary q with g < q < min(reach, n) is credited, one
+    further out is not; None clips q to g."""
     n = max(prompt_tokens, 0)
     hbm, host, ssd = _clip(match, n)
     g = hbm + host + ssd
@@ -128,8 +155,12 @@ def prompt_work(
         if glob.work_s <= best.work_s:
             best = glob
     q = min(swa_tokens, g)
+    if reach is not None and swa_tokens > g:
+        # past g: resumable within the block after g (restore all of g, no replay), else
+        # the engine holds no usable state there and replays from g
+        q = swa_tokens if swa_tokens < min(reach, n) else 0
     if q > 0:
-        share = q / g
+        share = min(q / g, 1.0) if g > 0 else 0.0
         restore = _restore(profile, host * share, ssd * share)
         swa = Work("swa", q, restore, 0.0, profile.prefill_seconds(n - q, q))
         if swa.work_s <= best.work_s:
@@ -223,7 +254,7 @@ def estimate(
             swa = 0
         else:
             swa = e.residency.swa_match(request.boundary_keys) if request.boundary_keys else 0
-        work = prompt_work(profile, n, match, swa)
+        work = prompt_work(profile, n, match, swa, swa_reach(request, match))
         new_tokens = max(n - work.resume_tokens, 0)
         wait = wait_seconds(profile, e, new_tokens, chunk_tokens)
         staged.append((e, work, match, swa, wait, use_default, degraded))

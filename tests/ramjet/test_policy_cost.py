@@ -8,7 +8,13 @@ import pytest
 from policy_fakes import engine, request
 
 from ramjet.policy.base import FleetStats, GlobalMatch
-from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, estimate, prompt_work, wait_seconds
+from ramjet.policy.cost import (
+    V41_FLASH_TP4_ESTIMATE,
+    estimate,
+    prompt_work,
+    swa_reach,
+    wait_seconds,
+)
 from ramjet.policy.registry import create_policy
 from ramjet.policy.tier_aware import TierAware, TierAwareParams
 from ramjet.profile import CurvePoint, EngineProfile, TierCost
@@ -250,3 +256,52 @@ def test_every_component_is_recorded() -> None:
             "externality_s",
             "cost_s",
         } <= set(comps)
+
+
+# -- SWA resume past g: the byte-level refinement of q <= g --------------------------
+# Blocks of 256 tokens; g = 4 full blocks (1024) matched; the request has 16 blocks.
+T = 256
+G4 = GlobalMatch(hbm=4 * T, blocks=4)
+
+
+@pytest.mark.parametrize(
+    ("label", "n", "match", "swa", "resume", "resume_tokens"),
+    [
+        ("q inside the block after g: credited", N, G4, 4 * T + 100, "swa", 4 * T + 100),
+        ("q at the last token before the next block", N, G4, 5 * T - 1, "swa", 5 * T - 1),
+        ("q at the next block's end: that block is missing", N, G4, 5 * T, "global", 4 * T),
+        ("q two blocks past g: no usable state, replay from g", N, G4, 7 * T, "global", 4 * T),
+        ("q at g exactly", N, G4, 4 * T, "swa", 4 * T),
+        ("no global match, q inside the first block", N, GlobalMatch(blocks=0), 100, "swa", 100),
+        ("no global match, q past the first block", N, GlobalMatch(blocks=0), T + 1, "cold", 0),
+        ("all full blocks matched, q in the tail", 4 * T + 50, G4, 4 * T + 20, "swa", 4 * T + 20),
+        ("q at the prompt's end: one token must be prefilled", 4 * T + 50, G4, 4 * T + 50, "global", 4 * T),
+        ("a view that counts no blocks: uniform sizes", N, GlobalMatch(hbm=4 * T), 4 * T + 9, "swa", 4 * T + 9),
+    ],
+)  # fmt: skip
+def test_swa_resume_past_the_last_matched_block(
+    label: str, n: int, match: GlobalMatch, swa: int, resume: str, resume_tokens: int
+) -> None:
+    req = request(n, block=T)
+    reach = swa_reach(req, match)
+    w = prompt_work(P, n, match, swa, reach)
+    assert (w.resume, w.resume_tokens) == (resume, resume_tokens), label
+    if resume == "swa" and resume_tokens > match.total:
+        assert w.replay_s == 0.0
+        assert w.prefill_s == pytest.approx(P.prefill_seconds(n - resume_tokens, resume_tokens))
+    # without `reach` (block granularity) q is clipped to g
+    assert prompt_work(P, n, match, swa).resume_tokens == min(swa, match.total) or not swa
+
+
+def test_swa_past_g_restores_all_of_g_from_its_tiers() -> None:
+    m = GlobalMatch(hbm=2 * T, host=2 * T, blocks=4)
+    req = request(N, block=T)
+    w = prompt_work(P, N, m, 4 * T + 10, swa_reach(req, m))
+    assert w.resume == "swa" and w.resume_tokens == 4 * T + 10
+    assert w.restore_s == pytest.approx(2 * T * 1000 / 1e9 + 0.001)  # all host tokens
+
+
+def test_estimate_credits_a_boundary_past_g_through_the_view() -> None:
+    e = engine("e0", hbm=4 * T, swa=4 * T + 100)
+    (est,) = estimate(request(N, block=T, boundaries=(4 * T + 100,)), [e], FleetStats())
+    assert est.work.resume == "swa" and est.work.resume_tokens == 4 * T + 100
