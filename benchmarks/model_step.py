@@ -1,7 +1,9 @@
 """Reference-model step costs on this machine: prefill tokens/s at 512, 2k and 8k tokens of
-context, decode step time (batch 1 and 4 at 2k context), DSpark verify step, and the cost
-of a 128-token SWA replay. Baseline measured in the same run: the same 512-token prefill
-through the plain torch reference ops (`kernels.dispatch.use_backend("reference")`).
+context, decode step time (batch 1 and 4 at 2k context), DSpark verify step, the cost
+of a 128-token SWA replay, and the Engram prefetch per forward (bytes, fetch time, the
+exposed wait) with the fetch overlapped with the earlier layers and inline. Baselines
+measured in the same run: the same 512-token prefill through the plain torch reference ops
+(`kernels.dispatch.use_backend("reference")`); the inline Engram fetch.
 
     .venv/bin/python benchmarks/model_step.py [--threads 1] [--quick]
 """
@@ -37,6 +39,63 @@ def prefill_rate(model: MiniV4, n: int) -> tuple[float, float, float]:
     model.prefill(st, _prompt(n))
     dt, dc = time.perf_counter() - t0, time.process_time() - c0
     return n / dt, dt, n / dc
+
+
+def engram_prefetch(model: MiniV4, rounds: int = 4) -> None:
+    """Per forward: Engram bytes fetched, fetch time, the time the layers waited for rows
+    (exposed), and the forward's wall and CPU time; overlapped vs inline in alternating
+    rounds, for a 2048-token prefill (512-token chunks) and 8 batch-4 decode steps at 2k."""
+    pf = model.backbone.engram
+    keep = pf.overlap
+    acc: dict[tuple[str, bool], list[float]] = {}
+    states = [model.new_state() for _ in range(4)]
+    for i, st in enumerate(states):
+        model.prefill(st, _prompt(2048, seed=10 + i))
+
+    def prefill() -> None:
+        model.prefill(model.new_state(), _prompt(2048, seed=1))
+
+    def decode() -> None:
+        for _ in range(8):
+            model.decode_batch(states, [int(s.last_logits.argmax()) for s in states])  # type: ignore[union-attr]
+
+    try:
+        for r in range(rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                pf.overlap = on
+                for kind, fn in (("prefill 2048", prefill), ("decode batch 4", decode)):
+                    s0 = model.engram_stats
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    fn()
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    s1 = model.engram_stats
+                    got = (
+                        s1.forwards - s0.forwards,
+                        s1.bytes - s0.bytes,
+                        s1.seconds - s0.seconds,
+                        s1.wait_seconds - s0.wait_seconds,
+                        wall,
+                        cpu,
+                    )
+                    a = acc.setdefault((kind, on), [0.0] * 6)
+                    for j, v in enumerate(got):
+                        a[j] += v
+    finally:
+        pf.overlap = keep
+    for (kind, on), (n, nbytes, fetch, wait, wall, cpu) in acc.items():
+        print(
+            f"engram {kind:<14} {'overlapped' if on else 'inline':<10}: per forward "
+            f"{nbytes / n / 1024:6.1f} KiB, fetch {fetch / n * 1e3:5.2f} ms, exposed wait "
+            f"{wait / n * 1e3:5.2f} ms; forward {wall / n * 1e3:6.1f} ms wall, "
+            f"{cpu / n * 1e3:6.1f} ms CPU"
+        )
+    for kind in ("prefill 2048", "decode batch 4"):
+        on, off = acc[(kind, True)], acc[(kind, False)]
+        print(
+            f"engram {kind}: overlap hides {1 - on[3] / max(off[3], 1e-12):.0%} of the inline "
+            f"wait; forward CPU time overlapped/inline {on[5] / off[5]:.2f}x, wall "
+            f"{on[4] / off[4]:.2f}x"
+        )
 
 
 def main() -> int:
@@ -98,6 +157,8 @@ def main() -> int:
     model.replay(r, st.tokens[n - 128 : n])
     rp = time.perf_counter() - t0
     print(f"replay 128 tokens @{n}: {rp * 1e3:.1f} ms")
+
+    engram_prefetch(model)
 
     with dispatch.use_backend("reference"):
         prefill_rate(model, 256)  # warm up

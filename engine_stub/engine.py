@@ -59,6 +59,8 @@ class EngineSettings:
     """The generation budget at reasoning_effort=100 (and the default max_tokens)."""
     max_prompt_tokens: int = 65536
     speculate: bool = True
+    engram_prefetch: bool = True
+    """Fetch Engram rows in the background while earlier layers run (False: inline)."""
     profile_mode: str = "fast"
     threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
@@ -79,7 +81,10 @@ class Engine:
             from engine_stub.model import MiniV4, ModelConfig
 
             cfg = ModelConfig.tiny(window=s.window)
-            model = MiniV4(cfg, seed=s.seed, device=s.device)
+            model = MiniV4(cfg, seed=s.seed, device=s.device, engram_prefetch=s.engram_prefetch)
+            self._owns_model = True
+        else:
+            self._owns_model = False
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = ByteTokenizer()
@@ -160,6 +165,8 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.stop()
+        if self._owns_model:  # a model passed in may serve other engines
+            self.model.close()
         self.kv.clear_volatile()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
@@ -186,7 +193,12 @@ class Engine:
             m.kv_moved_seconds.labels(op).set(sec)
         engram = getattr(self.model, "engram_stats", None)
         if engram is not None:
-            m.set_engram_totals(engram.bytes, engram.seconds)
+            m.set_engram_totals(
+                engram.bytes,
+                engram.seconds,
+                getattr(engram, "wait_seconds", 0.0),
+                getattr(engram, "forwards", 0),
+            )
         m.swa_entries.set(len(self.swa))
         m.swa_bytes.set(self.swa.bytes_used)
 

@@ -86,16 +86,31 @@ class EngineMetrics:
             registry=r,
         )
         self.engram_seconds = Counter(
-            "engine_engram_prefetch_seconds_total", "Time spent fetching Engram rows", registry=r
+            "engine_engram_prefetch_seconds_total",
+            "Time spent fetching Engram rows (in the background when overlapped)",
+            registry=r,
+        )
+        self.engram_wait = Counter(
+            "engine_engram_wait_seconds_total",
+            "Time forward passes waited for Engram rows (the exposed part of the fetch)",
+            registry=r,
+        )
+        self.engram_forwards = Counter(
+            "engine_engram_prefetch_forwards_total",
+            "Forward passes that fetched Engram rows (per-forward figures: divide by this)",
+            registry=r,
         )
         self.info = Gauge("engine_info", "Engine identity", ["engine_id", "epoch"], registry=r)
         self.engine_id = engine_id
-        self._engram_seen = (0.0, 0.0)
+        self._engram_seen = [0.0, 0.0, 0.0, 0.0]  # totals already counted
 
-    def set_engram_totals(self, nbytes: float, seconds: float) -> None:
+    def set_engram_totals(
+        self, nbytes: float, seconds: float, wait_seconds: float = 0.0, forwards: float = 0.0
+    ) -> None:
         """Advance the Engram counters to the model's running totals (a counter has no
         set(); totals that went down, a model reset, add nothing)."""
-        b0, s0 = self._engram_seen
-        self.engram_bytes.inc(max(nbytes - b0, 0.0))
-        self.engram_seconds.inc(max(seconds - s0, 0.0))
-        self._engram_seen = (max(nbytes, b0), max(seconds, s0))
+        now = (nbytes, seconds, wait_seconds, forwards)
+        counters = (self.engram_bytes, self.engram_seconds, self.engram_wait, self.engram_forwards)
+        for i, (counter, total) in enumerate(zip(counters, now, strict=True)):
+            counter.inc(max(total - self._engram_seen[i], 0.0))
+            self._engram_seen[i] = max(total, self._engram_seen[i])

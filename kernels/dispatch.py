@@ -50,6 +50,7 @@ __all__ = [
     "engram_primes",
     "engram_rows",
     "engram_table_rows",
+    "forced_backend",
     "fp4_dequantize",
     "fp4_pow2_dequantize",
     "fp4_pow2_quantize",
@@ -95,6 +96,13 @@ def use_backend(backend: str) -> Iterator[None]:
         yield
     finally:
         _state.backend = previous
+
+
+def forced_backend() -> str:
+    """The backend ``use_backend`` forces in this thread (``"auto"`` when none): a worker
+    thread that runs ops for this one re-enters ``use_backend(forced_backend())`` so it
+    picks the same kernels."""
+    return _override()
 
 
 def _interpret_env() -> bool:

@@ -5,8 +5,9 @@ verification is one segment of 1 + draft tokens. Rows of all segments are concat
 for every projection; only window assembly, the compressor and the indexer are per
 segment. Per layer (REFERENCE_MODEL.md):
 
-1. Engram (layers 1, 14): h += gate * value per residual copy, from rows gathered before
-   layer 0 ran (the prefetch).
+1. Engram (layers 1, 14): h += gate * value per residual copy, from rows whose fetch from
+   host memory started before layer 0 ran and overlaps the earlier layers
+   (`engram_prefetch`); the layer waits only if they are not there yet.
 2. Attention on the collapsed residual: query `q = Wq_b RMSNorm(Wq_a x)`, RoPE; window KV
    `RMSNorm(Wkv x)`, RoPE, FP8; full layers compress complete groups of m tokens (gated
    softmax for m = 2) into FP4 global KV + FP4 index keys; full/reindex layers score the
@@ -20,7 +21,6 @@ The miniature's FFN is dense (the real model's MoE changes nothing that is cache
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +28,7 @@ import torch
 from kernels import dispatch as ops
 
 from .config import ModelConfig
+from .engram_prefetch import EngramFetch, EngramPrefetcher, EngramStats
 from .state import SeqState
 from .weights import AttnWeights, BlockWeights, Weights, apply_rope, rmsnorm, rope_rot
 
@@ -41,66 +42,43 @@ class Segment:
 
 
 @dataclass
-class EngramStats:
-    bytes: int = 0
-    seconds: float = 0.0
-    rows: int = 0
-
-
-@dataclass
 class ForwardOut:
     logits: torch.Tensor  # [sum T, V] (all rows) or [B, V] (last row per segment)
     hidden: list[torch.Tensor] = field(default_factory=list)  # per segment [2, dim]
 
 
 class Backbone:
-    def __init__(self, cfg: ModelConfig, w: Weights, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, w: Weights, device: torch.device, engram_prefetch: bool = True
+    ) -> None:
         self.cfg = cfg
         self.w = w
         self.device = device
         self.compressed = torch.tensor(
             _compressed_table(cfg.vocab), dtype=torch.int64, device=device
         )
-        self.engram_stats = EngramStats()
+        self.engram = EngramPrefetcher(w, self.compressed, device, overlap=engram_prefetch)
 
-    # -- engram prefetch ----------------------------------------------------------
+    @property
+    def engram_stats(self) -> EngramStats:
+        return self.engram.stats
 
     def engram_rows(self, layer: int, segs: list[Segment]) -> torch.Tensor:
         """Rows [N, 24] for all segments' new tokens: a function of token ids only."""
-        from .tokenizer import PAD
-
-        ew = self.w.engram[layer]
-        out = []
-        for sg in segs:
-            known = sg.st.tokens
-            # The 3 tokens before p0 (pad before the sequence start).
-            ctx: list[int] = []
-            for p in range(sg.p0 - 3, sg.p0):
-                if p < 0:
-                    ctx.append(PAD)
-                else:
-                    off = p - (sg.st.n_tokens - len(known))
-                    ctx.append(known[off] if 0 <= off < len(known) else PAD)
-            ids = torch.cat((torch.tensor(ctx, dtype=torch.int64, device=self.device), sg.ids))
-            out.append(ops.engram_rows(self.compressed[ids], ew.mult, ew.primes, ew.offsets))
-        return torch.cat(out) if len(out) > 1 else out[0]
-
-    def prefetch_engram(self, segs: list[Segment]) -> dict[int, torch.Tensor]:
-        t0 = time.perf_counter()
-        got: dict[int, torch.Tensor] = {}
-        nbytes = 0
-        for layer, ew in self.w.engram.items():
-            rows = self.engram_rows(layer, segs)
-            got[layer] = ops.engram_gather(ew.table, ew.exp, rows)
-            nbytes += rows.numel() * (ew.table.shape[1] + ew.exp.shape[1])
-            self.engram_stats.rows += rows.numel()
-        self.engram_stats.bytes += nbytes
-        self.engram_stats.seconds += time.perf_counter() - t0
-        return got
+        return self.engram.rows(layer, self.engram.segment_ids(segs)).to(self.device)
 
     # -- the pass -----------------------------------------------------------------
 
     def run(self, segs: list[Segment], all_logits: bool = False) -> ForwardOut:
+        # Start fetching every Engram layer's rows first; the layers wait only when they
+        # need them (finish() in the finally: a pass that raises leaves no job behind).
+        engram = self.engram.start(self.engram.segment_ids(segs))
+        try:
+            return self._run(segs, all_logits, engram)
+        finally:
+            engram.finish()
+
+    def _run(self, segs: list[Segment], all_logits: bool, engram: EngramFetch) -> ForwardOut:
         c, w = self.cfg, self.w
         dev = self.device
         lens = [int(s.ids.shape[0]) for s in segs]
@@ -112,7 +90,6 @@ class Backbone:
             [torch.arange(s.p0, s.p0 + n, device=dev) for s, n in zip(segs, lens, strict=True)]
         )
         rot = rope_rot(pos, c.rope_dim, c.rope_theta)
-        engram = self.prefetch_engram(segs)
         win_idx, prev_len = self._window_index(segs, lens)
 
         h = w.embed[ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
@@ -121,9 +98,9 @@ class Backbone:
         last_rows = torch.tensor([s - 1 for s in starts[1:]], device=dev)
         for layer in range(c.n_layers):
             bw = w.blocks[layer]
-            if layer in engram:
+            if layer in w.engram:
                 ew = w.engram[layer]
-                emb = engram[layer]
+                emb = engram.get(layer)
                 h = ops.engram_gate(h, emb @ ew.wk, emb @ ew.wv)
             x = rmsnorm(torch.matmul(bw.hc_pre[0], h))
             a = self._attention(layer, bw.attn, x, segs, lens, prev_len, ctx)

@@ -1,7 +1,7 @@
 """MiniV4: the reference model's public face (the state API the engine codes against).
 
     cfg = ModelConfig.tiny(window=128)
-    model = MiniV4(cfg, seed=0, device="cpu")
+    model = MiniV4(cfg, seed=0, device="cpu")      # engram_prefetch=False: fetch inline
     st = model.new_state()
     logits = model.prefill(st, ids)                 # chunked inside; last-position logits [V]
     logits = model.decode_batch([st1, st2], [t1, t2])   # one step each -> [B, V]
@@ -11,6 +11,7 @@
     st2 = model.state_from_global(blobs, n_tokens)  # no SWA state
     tail = model.export_tail(st); model.import_tail(st2, tail)
     model.replay(st2, ids_last_window)              # approximate SWA rebuild
+    model.close()                                   # joins the Engram prefetch worker
 
 Speculative decoding contract: the state has processed every emitted token, and the next
 greedy token g0 = argmax(st.last_logits) is certain. `draft` guesses the n tokens after
@@ -69,7 +70,13 @@ def _ids_tensor(
 
 
 class MiniV4:
-    def __init__(self, cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        engram_prefetch: bool = True,
+    ) -> None:
         if cfg.dim * cfg.n_layers > 1 << 16:
             raise ValueError("this config is for the memory model only (too large to build)")
         self.cfg = cfg
@@ -78,12 +85,18 @@ class MiniV4:
         self.tokenizer = ByteTokenizer(cfg.vocab)
         with torch.no_grad():
             self.weights = Weights(cfg, seed, self.device)
-        self.backbone = Backbone(cfg, self.weights, self.device)
+        self.backbone = Backbone(cfg, self.weights, self.device, engram_prefetch)
 
     @property
     def engram_stats(self) -> EngramStats:
-        """Cumulative Engram prefetch: rows gathered, bytes read from the tables, seconds."""
+        """Cumulative Engram prefetch (a snapshot): rows gathered, bytes read from the host
+        tables, fetch seconds, seconds forwards waited for rows (exposed), forwards."""
         return self.backbone.engram_stats
+
+    def close(self) -> None:
+        """Join the Engram prefetch worker (idempotent); the model stays usable, fetching
+        Engram rows inline."""
+        self.backbone.engram.close()
 
     def new_state(self) -> SeqState:
         return SeqState.empty(self.cfg, self.device)

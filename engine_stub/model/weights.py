@@ -98,8 +98,8 @@ class BlockWeights:
 
 @dataclass
 class EngramWeights:
-    table: torch.Tensor  # [R, Dh] u8 (E4M3 bits)
-    exp: torch.Tensor  # [R, Dh/32] i8
+    table: torch.Tensor  # [R, Dh] u8 (E4M3 bits), host memory (pinned on CUDA)
+    exp: torch.Tensor  # [R, Dh/32] i8, host memory
     mult: torch.Tensor  # [4] i64, odd
     primes: torch.Tensor  # [3, heads] i64
     offsets: torch.Tensor  # [3, heads] i64
@@ -182,6 +182,11 @@ class Weights:
             )
             vals = rnd(engram_table_rows(primes), c.engram_dim)
             table, exp = ops.fp8_quantize(vals, 32)
+            # The tables live in host memory (pinned on CUDA, so the prefetch's copies are
+            # asynchronous): rows are fetched ahead of their layer (engram_prefetch.py).
+            table, exp = table.cpu(), exp.cpu()
+            if dev.type == "cuda":
+                table, exp = table.pin_memory(), exp.pin_memory()
             width = 3 * c.engram_heads * c.engram_dim
             self.engram[layer] = EngramWeights(
                 table=table,
