@@ -3,8 +3,11 @@ event messages: `tests/vectors/token_keys.json` and `tests/vectors/kv_events.jso
 
 Token keys follow `docs/prefix-keys.md` section 7 (`ramjet.tokens`); engine hashes the
 engines' documented algorithms (`ramjet.sidecar.engine_hashes`); event messages the wire
-format of `ramjet.sidecar.wire` (both encodings, both replay framings). Overwriting a file
-that differs needs --force, so vectors never change silently.
+format of `ramjet.sidecar.wire` (both encodings, both replay framings), plus `tolerance`:
+batches as a newer engine might send them (extra fields, an unknown event type, one
+malformed event), written as plain msgpack values with the outcome the decoder must give
+stated by hand. Overwriting a file that differs needs --force, so vectors never change
+silently.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from ramjet.sidecar.engine_hashes import (
     VLLM_HASH_ALGOS,
@@ -169,7 +174,81 @@ def event_vectors() -> dict[str, Any]:
                 "frames_hex": [f.hex() for f in replay_frames(None, b"", topic)],
             }
         )
+    out["tolerance"] = tolerance_vectors()
     return out
+
+
+def tolerance_vectors() -> list[dict[str, Any]]:
+    """Newer-engine batches: each event's expected fate is stated, not computed."""
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [21],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 4,
+        "medium": "GPU",
+        "cache_level": 2,  # a field no release read here has
+    }
+    pinned = {"type": "BlockPinned", "block_hashes": [21]}  # a type no release has
+    bad_store = {**stored, "block_size": "4"}  # wrong type: dropped, under-reports only
+    bad_removal = {"type": "BlockRemoved", "block_hashes": 21}  # not an array: resync
+    removed = {"type": "BlockRemoved", "block_hashes": [21], "medium": "GPU", "reason": "lru"}
+    none4 = [None] * 4
+    arrays = [
+        # the 13 known fields, then one more
+        ["BlockStored", [21], None, [1, 2, 3, 4], 4, None, "GPU", None, None, 0, *none4, "x"],
+        ["BlockPinned", [21]],
+        ["BlockRemoved", [21], "GPU", 0, "x"],
+    ]
+    return [
+        {
+            "name": "map_batch_extra_fields_unknown_type",
+            "payload_hex": msgspec.msgpack.encode(
+                {
+                    "ts": 1.5,
+                    "events": [stored, pinned, removed],
+                    "data_parallel_rank": 0,
+                    "producer": "vllm-next",
+                }
+            ).hex(),
+            "expect": {
+                "events": ["BlockStored", "BlockRemoved"],
+                "unknown_fields": [
+                    ["EventBatch", "producer"],
+                    ["BlockStored", "cache_level"],
+                    ["BlockRemoved", "reason"],
+                ],
+                "skipped": [[1, "BlockPinned", False, False]],
+                "resync_from": None,
+            },
+        },
+        {
+            "name": "array_batch_trailing_fields_unknown_type",
+            "payload_hex": msgspec.msgpack.encode([1.5, arrays, 0, "extra"]).hex(),
+            "expect": {
+                "events": ["BlockStored", "BlockRemoved"],
+                "unknown_fields": [
+                    ["EventBatch", "[3]"],
+                    ["BlockStored", "[14]"],
+                    ["BlockRemoved", "[4]"],
+                ],
+                "skipped": [[1, "BlockPinned", False, False]],
+                "resync_from": None,
+            },
+        },
+        {
+            "name": "malformed_store_and_removal",
+            "payload_hex": msgspec.msgpack.encode(
+                [1.5, [stored, bad_store, bad_removal, removed], 0]
+            ).hex(),
+            "expect": {
+                "events": ["BlockStored", "BlockRemoved"],
+                "unknown_fields": [["BlockStored", "cache_level"], ["BlockRemoved", "reason"]],
+                "skipped": [[1, "BlockStored", True, False], [2, "BlockRemoved", True, True]],
+                "resync_from": 1,
+            },
+        },
+    ]
 
 
 def main() -> int:

@@ -12,6 +12,11 @@ purge what the sidecar said before and take its snapshot. Load comes from scrapi
 engine's `/metrics` (`ramjet.sidecar.scrape`), the profile from timed probe requests
 (`ramjet.sidecar.probe`) or a JSON file.
 
+Tolerance: events the decoder could not take (`ramjet.sidecar.wire`: unknown fields and
+types, malformed events) are counted (`ramjet.sidecar.metrics`, served on `/metrics`);
+a batch whose dropped event may have removed blocks (`EventBatch.resync_from`) starts a
+new epoch, as lost history does, and only its events after the drop are applied.
+
 Locks: the tracker and the delta builder are guarded by `_lock`; the publisher has its
 own. `_lock` is never held while calling into the publisher except through its snapshot
 callback (which takes `_lock` under the publisher's lock), so the order is always
@@ -30,10 +35,12 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client import CollectorRegistry, generate_latest
 
 from ramjet.profile import EngineProfile, TierCost
 from ramjet.reports.bodies import DeltaBuilder, LoadBody, SwaStates, TierKeys
 from ramjet.reports.publisher import ReportPublisher
+from ramjet.sidecar.metrics import SidecarMetrics
 from ramjet.sidecar.probe import probe_profile
 from ramjet.sidecar.scrape import LoadScraper
 from ramjet.sidecar.stream import EventStream
@@ -70,8 +77,14 @@ class SidecarSettings:
 
 
 class Sidecar:
-    def __init__(self, settings: SidecarSettings, private_key: Ed25519PrivateKey) -> None:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        private_key: Ed25519PrivateKey,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.settings = settings
+        self.metrics = SidecarMetrics(CollectorRegistry() if registry is None else registry)
         self.tracker = ResidencyTracker(
             settings.model, MEDIA[settings.engine_kind], settings.block_tokens
         )
@@ -108,9 +121,18 @@ class Sidecar:
     # -- events (stream thread) ------------------------------------------------------------
 
     def _on_batch(self, msg: Message) -> None:
+        batch = msg.batch
+        self.metrics.observe(batch)
+        events = batch.events
+        cut = batch.resync_from
+        if cut is not None:
+            # a removal (or clear) was lost: what we hold may be stale; start over from the
+            # events after it (outside _lock: new_epoch takes the publisher's lock)
+            self._on_reset(f"malformed event in batch {msg.seq}")
+            events = events[cut:]
         with self._lock:
-            self.tracker.apply(msg.batch.events, self._builder)
-            self.last_batch_ts = msg.batch.ts
+            self.tracker.apply(events, self._builder)
+            self.last_batch_ts = batch.ts
 
     def _on_reset(self, reason: str) -> None:
         with self._lock:
@@ -139,6 +161,13 @@ class Sidecar:
     def add_routes(self, app: web.Application) -> None:
         self.publisher.add_routes(app)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4"},
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         with self._lock:
@@ -153,6 +182,7 @@ class Sidecar:
                 "resident_blocks": resident,
                 "tracker": stats,
                 "stream": dict(self.stream.stats),
+                "decoder": dict(self.metrics.stats),
                 "groups": {str(k): v for k, v in self.tracker.group_kinds().items()},
             }
         )

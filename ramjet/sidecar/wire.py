@@ -30,8 +30,23 @@ without the optional keys) are legal. Field order of the arrays:
 Engine hashes are msgpack integers (vLLM's default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`,
 SGLang's first 8 digest bytes) or byte strings; both are kept as they come (hashable).
 
-Anything that does not fit raises `WireError`, with the path of the offending field; a
-decoder never half-applies a batch (the caller gets the whole batch or an error).
+Tolerance (what a newer engine may send), decided per event because each event of a
+batch is self-describing while the batch has one seq and no per-event framing:
+- an **unknown field** of a known event (a map key, or an array value past the last
+  known position, named `[i]` by its array index) is ignored and listed in
+  `EventBatch.unknown_fields` as `(event type, field)`; unknown keys of a batch map and
+  values past `[ts, events, dp_rank]` are listed the same way under `EventBatch`;
+- an event of an **unknown type** (a string tag not listed above) is skipped and listed in
+  `EventBatch.skipped` (`Skipped.known` False);
+- a **malformed** event (a known field of the wrong type or range, a missing required
+  field, a non-string map key, no tag at all) is dropped with its reason, also in
+  `skipped`; the batch's other events still decode. Losing a `BlockStored` only
+  under-reports residency, but a lost `BlockRemoved` or `AllBlocksCleared` (or an event
+  whose type cannot be told) may leave a block reported that the engine dropped, so such
+  a drop sets `Skipped.resync` and `EventBatch.resync_from`: the consumer must forget its
+  state and apply only the events after it (the sidecar starts a new epoch there).
+What is not a batch at all (not msgpack, no event array, a bad `ts` or `dp_rank`, bad
+frames) raises `WireError` for the whole message, with the path of the offending field.
 """
 
 from __future__ import annotations
@@ -102,10 +117,39 @@ _REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 
 
 @dataclass(frozen=True, slots=True)
+class Skipped:
+    """An event of a batch that was not decoded."""
+
+    index: int
+    """Its position in the wire batch's event array."""
+    at: int
+    """How many decoded events precede it (its place in `EventBatch.events`)."""
+    event: str
+    """Its type tag; "" when it had no string tag."""
+    reason: str
+    known: bool
+    """A known type that is malformed (False: an unknown type, skipped as designed)."""
+    resync: bool
+    """Dropping it may leave blocks reported that the engine no longer holds."""
+
+
+@dataclass(frozen=True, slots=True)
 class EventBatch:
     ts: float
     events: tuple[Event, ...]
     dp_rank: int | None = None
+    skipped: tuple[Skipped, ...] = ()
+    """Events not decoded: unknown types and malformed events, in batch order."""
+    unknown_fields: tuple[tuple[str, str], ...] = ()
+    """`(event type, field)` per ignored field occurrence ("EventBatch" for the batch's)."""
+
+    @property
+    def resync_from(self) -> int | None:
+        """None, or the index into `events` after the last dropped event that may have
+        removed blocks: state built before it can be stale, so a consumer forgets it and
+        applies `events[resync_from:]` only."""
+        cut = [s.at for s in self.skipped if s.resync]
+        return max(cut) if cut else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,55 +260,114 @@ def _nonneg(v: Any, path: str) -> int:
     return int(v)
 
 
-def decode_event(raw: Any, path: str = "event") -> Event:
-    """One event from its msgpack value: a tagged map or a tag-first array."""
+class UnknownEventType(WireError):
+    """An event whose string tag names no known type (skipped, not malformed)."""
+
+    def __init__(self, tag: str, path: str) -> None:
+        super().__init__(f"{path}: unknown event type {tag!r}")
+        self.tag = tag
+
+
+def _event(raw: Any, path: str) -> tuple[Event, tuple[str, ...]]:
+    """One event and the names of the fields it carried that are not known (ignored)."""
     if isinstance(raw, dict):
         tag = raw.get("type")
-        if not isinstance(tag, str) or tag not in _TYPES:
-            raise WireError(f"{path}.type: unknown event type {tag!r}")
-        unknown = set(raw) - {"type", *_FIELDS[tag]}
-        if unknown:
-            raise WireError(f"{path}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
-        missing = [f for f in _FIELDS[tag][: _REQUIRED[tag]] if f not in raw]
+        if not isinstance(tag, str):
+            raise WireError(f"{path}.type: an event map needs a string type, got {tag!r}")
+        if tag not in _TYPES:
+            raise UnknownEventType(tag, f"{path}.type")
+        names = _FIELDS[tag]
+        extra = [k for k in raw if k != "type" and k not in names]
+        bad = [k for k in extra if not isinstance(k, str)]
+        if bad:
+            raise WireError(f"{path}: field names must be strings, got {bad[0]!r}")
+        missing = [f for f in names[: _REQUIRED[tag]] if f not in raw]
         if missing:
             raise WireError(f"{path}: missing field(s) {', '.join(missing)}")
-        return _build(tag, raw, path)
+        return _build(tag, raw, path), tuple(sorted(extra))
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag = raw[0]
         if tag not in _TYPES:
-            raise WireError(f"{path}[0]: unknown event type {tag!r}")
+            raise UnknownEventType(tag, f"{path}[0]")
         names = _FIELDS[tag]
         vals = raw[1:]
-        if not _REQUIRED[tag] <= len(vals) <= len(names):
+        if len(vals) < _REQUIRED[tag]:
             raise WireError(
-                f"{path}: {tag} array has {len(vals)} fields, expected "
-                f"{_REQUIRED[tag]}..{len(names)}"
+                f"{path}: {tag} array has {len(vals)} fields, needs at least {_REQUIRED[tag]}"
             )
-        return _build(tag, dict(zip(names, vals, strict=False)), path)
+        # a newer engine appends its new fields (array_like keeps declaration order)
+        trailing = tuple(f"[{i}]" for i in range(len(names) + 1, len(raw)))
+        return _build(tag, dict(zip(names, vals, strict=False)), path), trailing
     raise WireError(f"{path}: an event must be a tagged map or a tag-first array")
 
 
+def decode_event(raw: Any, path: str = "event") -> Event:
+    """One event from its msgpack value: a tagged map or a tag-first array. Unknown fields
+    are ignored; an unknown type raises `UnknownEventType`, anything malformed `WireError`."""
+    return _event(raw, path)[0]
+
+
+def _tag_of(raw: Any) -> str:
+    tag = (
+        raw.get("type")
+        if isinstance(raw, dict)
+        else raw[0]
+        if isinstance(raw, list) and raw
+        else None
+    )
+    return tag if isinstance(tag, str) else ""
+
+
+def _decode_events(raw: list[Any]) -> tuple[list[Event], list[Skipped], list[tuple[str, str]]]:
+    events: list[Event] = []
+    skipped: list[Skipped] = []
+    unknown: list[tuple[str, str]] = []
+    for i, e in enumerate(raw):
+        try:
+            ev, extra = _event(e, f"events[{i}]")
+        except UnknownEventType as exc:
+            skipped.append(Skipped(i, len(events), exc.tag, str(exc), known=False, resync=False))
+            continue
+        except WireError as exc:
+            tag = _tag_of(e)
+            # a lost store under-reports; a lost removal or clear (or an event of unknown
+            # shape) may leave stale residency
+            resync = tag != "BlockStored"
+            skipped.append(Skipped(i, len(events), tag, str(exc), known=True, resync=resync))
+            continue
+        events.append(ev)
+        if extra:
+            tag = type(ev).__name__
+            unknown.extend((tag, f) for f in extra)
+    return events, skipped, unknown
+
+
+_BATCH_KEYS = frozenset({"ts", "events", "data_parallel_rank"})
+
+
 def decode_batch(payload: bytes) -> EventBatch:
-    """A batch from its msgpack payload."""
+    """A batch from its msgpack payload; events that do not decode are in `skipped`."""
     try:
         raw = _decode(payload)
     except msgspec.DecodeError as exc:
         raise WireError(f"payload is not msgpack: {exc}") from None
+    batch_extra: list[tuple[str, str]] = []
     if isinstance(raw, dict):
+        batch_extra = [("EventBatch", str(k)) for k in raw if k not in _BATCH_KEYS]
         raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
-    if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
+    elif isinstance(raw, list) and len(raw) > 3:
+        batch_extra = [("EventBatch", f"[{i}]") for i in range(3, len(raw))]
+    if not isinstance(raw, list) or len(raw) < 2:
         raise WireError("batch must be [ts, events, dp_rank]")
     ts, events = raw[0], raw[1]
-    rank = raw[2] if len(raw) == 3 else None
+    rank = raw[2] if len(raw) >= 3 else None
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise WireError("batch.ts: must be a number")
     if not isinstance(events, list):
         raise WireError("batch.events: must be an array")
-    return EventBatch(
-        float(ts),
-        tuple(decode_event(e, f"events[{i}]") for i, e in enumerate(events)),
-        _opt_int(rank, "batch.dp_rank"),
-    )
+    dp_rank = _opt_int(rank, "batch.dp_rank")
+    good, skipped, unknown = _decode_events(events)
+    return EventBatch(float(ts), tuple(good), dp_rank, tuple(skipped), (*batch_extra, *unknown))
 
 
 def _seq(raw: bytes) -> int:

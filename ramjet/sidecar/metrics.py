@@ -1,0 +1,98 @@
+"""The sidecar's Prometheus metrics (served on its `/metrics`), on a registry passed in so
+several sidecars can live in one process:
+
+- ramjet_sidecar_unknown_fields_total{event,field}: fields of known events (or of the
+  batch, event="EventBatch") that the decoder does not know and ignored; a new engine
+  release shows up here before anything goes wrong;
+- ramjet_sidecar_unknown_events_total{event}: events of unknown type, skipped;
+- ramjet_sidecar_malformed_events_total{event}: known events dropped because a field
+  had the wrong type or was missing (the reason is logged);
+- ramjet_sidecar_resyncs_total: batches whose dropped event may have removed blocks, so
+  the sidecar forgot its state and started a new epoch.
+
+`event` and `field` come from the engine's bytes, so label values are cut to
+`MAX_LABEL_CHARS` and at most `MAX_SERIES` distinct label sets are made per metric;
+further ones are counted under `_other` (a misbehaving engine cannot grow the registry
+without bound).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter as Tally
+
+from prometheus_client import CollectorRegistry, Counter
+
+from ramjet.sidecar.wire import EventBatch
+
+log = logging.getLogger(__name__)
+
+MAX_SERIES = 64
+MAX_LABEL_CHARS = 64
+OTHER = "_other"
+
+
+class _Bounded:
+    """Label sets of one counter, capped at `MAX_SERIES` (overflow folds into `_other`)."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.seen: set[tuple[str, ...]] = set()
+
+    def inc(self, *labels: str) -> None:
+        key = tuple(v[:MAX_LABEL_CHARS] for v in labels)
+        if key not in self.seen:
+            if len(self.seen) >= MAX_SERIES:
+                key = tuple(OTHER for _ in labels)
+            self.seen.add(key)
+        self.counter.labels(*key).inc()
+
+
+class SidecarMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.unknown_fields = Counter(
+            "ramjet_sidecar_unknown_fields_total",
+            "Fields of known KV events the decoder ignored",
+            ["event", "field"],
+            registry=registry,
+        )
+        self.unknown_events = Counter(
+            "ramjet_sidecar_unknown_events_total",
+            "KV events of unknown type, skipped",
+            ["event"],
+            registry=registry,
+        )
+        self.malformed_events = Counter(
+            "ramjet_sidecar_malformed_events_total",
+            "Known KV events dropped for a malformed field",
+            ["event"],
+            registry=registry,
+        )
+        self.resyncs = Counter(
+            "ramjet_sidecar_resyncs_total",
+            "Batches whose dropped event forced a new epoch",
+            registry=registry,
+        )
+        self._fields = _Bounded(self.unknown_fields)
+        self._events = _Bounded(self.unknown_events)
+        self._malformed = _Bounded(self.malformed_events)
+        self.stats: Tally[str] = Tally()
+        """The same counts, unlabelled, for the sidecar's /health."""
+
+    def observe(self, batch: EventBatch) -> None:
+        """Count what the decoder ignored or dropped in one batch (and log the drops)."""
+        for event, field in batch.unknown_fields:
+            self._fields.inc(event, field)
+        self.stats["unknown_fields"] += len(batch.unknown_fields)
+        for s in batch.skipped:
+            if s.known:
+                self._malformed.inc(s.event or "?")
+                self.stats["malformed_events"] += 1
+                log.warning("dropped a malformed event: %s", s.reason)
+            else:
+                self._events.inc(s.event)
+                self.stats["unknown_events"] += 1
+        if batch.resync_from is not None:
+            self.resyncs.inc()
+            self.stats["resyncs"] += 1
