@@ -35,14 +35,11 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ramjet.decision_record import DecisionRecord, DecisionSink
 from ramjet.decisions import DecisionLog, RealizedWork, parse_realized, predicted_for, realized_ttft
-
-if TYPE_CHECKING:
-    from ramjet.router import DecisionRecord, DecisionSink
 
 log = logging.getLogger(__name__)
 

@@ -41,13 +41,11 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ramjet.decision_record import DecisionRecord
 from ramjet.policy.base import Decision
 from ramjet.prompt_work import COUNT_FIELDS, TTFT_MS_FIELDS, PromptWork
-
-if TYPE_CHECKING:  # the router imports the accounting, which imports this module
-    from ramjet.router import DecisionRecord
 
 log = logging.getLogger(__name__)
 

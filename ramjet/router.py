@@ -6,13 +6,13 @@
    Retry-After; a queued one waits at most `limits.queue_timeout_s`.
 2. The body is read up to `limits.max_body_bytes` (a declared Content-Length over it is
    refused before reading anything; a chunked body is cut off as soon as it passes it),
-   then parsed once (`ramjet.parsing`). Every refusal is an OpenAI error object; nothing
+   then parsed once (`ramjet.parsing`). Steps 1-2 are `ramjet.admission`. Every refusal is an OpenAI error object; nothing
    is forwarded.
 3. Views: `RequestView` from the parse; one `EngineView` per engine serving the model,
    `healthy` meaning routable now (probe ok, not ejected, not backing off; all engines
    in panic), load from the router's in-flight counters merged with the engine's signed
    load report, trust and profile from its reports (`router.signals`, set by
-   `ramjet.router_reports`), residency from the tables.
+   `ramjet.router_reports`), residency from the tables (`ramjet.fleet_views`).
 4. The mode runner (`ramjet.modes`) asks the policies and fixes the live pick.
 5. `ramjet.proxy` forwards; a retry goes to the least-loaded routable engine not tried.
    As it forwards, the prompt's blocks become pending residency on the engine
@@ -32,126 +32,30 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from ramjet.accounting import Accounting
+from ramjet.admission import Admission, reject
 from ramjet.config import PolicyConfig
+from ramjet.decision_record import DecisionRecord, DecisionSink
 from ramjet.engines import EngineState, Fleet, HealthProber
+from ramjet.fleet_views import engine_views, fleet_stats, retry_engine
 from ramjet.keymodes import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.modes import ArrivalRate, ModeOutcome, ModeRunner
 from ramjet.parsing import ParsedRequest, ParseLimits, RequestError, parse_request, to_request_view
-from ramjet.policy.base import (
-    Decision,
-    EngineView,
-    FleetStats,
-    GlobalMatch,
-    ResidencyView,
-)
+from ramjet.policy.base import EngineView
 from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.registry import create_policy
-from ramjet.prefix import PrefixKeys
-from ramjet.proxy import Attempt, Exchange, ForwardResult, Proxy, json_error
-from ramjet.residency.pending import PendingTicket
+from ramjet.proxy import Exchange, ForwardResult, Proxy, json_error
+from ramjet.residency.source import NoResidency, ResidencySource
 from ramjet.router_reports import EngineSignals, NoSignals
-from ramjet.types import EngineId, PrefixKey
+from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
-
-
-class ResidencySource(Protocol):
-    """What the router needs of the residency tables (`ramjet.residency`)."""
-
-    def view(self, engine: EngineId, now: float | None = None) -> ResidencyView: ...
-
-    def record_routed(self, engine: EngineId, keys: PrefixKeys, now: float) -> None: ...
-
-    def add_pending(self, engine: EngineId, keys: PrefixKeys, now: float) -> PendingTicket | None:
-        """Forwarding to `engine`: its blocks are pending there until reported."""
-        ...
-
-    def settle_pending(
-        self, ticket: PendingTicket | None, engine: EngineId | None, now: float
-    ) -> None:
-        """The forward ended on `engine` (None: failed); keep, move or drop the ticket."""
-        ...
-
-
-class _EmptyView:
-    def global_match(
-        self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
-    ) -> GlobalMatch:
-        return GlobalMatch()
-
-    def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
-        return 0
-
-
-class NoResidency:
-    """Residency that knows nothing (every match is 0); for tests and bare setups."""
-
-    _VIEW = _EmptyView()
-
-    def view(self, engine: EngineId, now: float | None = None) -> ResidencyView:
-        return self._VIEW
-
-    def record_routed(self, engine: EngineId, keys: PrefixKeys, now: float) -> None:
-        return None
-
-    def add_pending(self, engine: EngineId, keys: PrefixKeys, now: float) -> PendingTicket | None:
-        return None
-
-    def settle_pending(
-        self, ticket: PendingTicket | None, engine: EngineId | None, now: float
-    ) -> None:
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class DecisionRecord:
-    """One routed request: both picks, what happened, and the engine's own account."""
-
-    request_id: str
-    time_unix: float
-    model: str
-    session: str | None
-    prompt_tokens: int
-    stream: bool
-    mode: str
-    live_role: str
-    live: Decision
-    incumbent: Decision | None
-    candidate: Decision | None
-    candidate_error: str | None
-    candidate_s: float
-    engine: EngineId | None
-    status: int
-    attempts: tuple[Attempt, ...]
-    ttft_s: float | None
-    duration_s: float
-    end: str
-    engine_headers: Mapping[str, str] = field(default_factory=dict)
-    """The engine's `X-Ramjet-*` response headers (its account of the prompt work)."""
-    views: tuple[EngineView, ...] = ()
-    response_tail: bytes = b""
-    """The last bytes of the body sent to the client (`ramjet.proxy.ResponseTail`): the
-    accounting reads the engine's final usage (`prompt_work`) there."""
-
-
-class DecisionSink(Protocol):
-    """Receives every decision record. Called on the event loop; must not block or raise."""
-
-    def on_decision(self, record: DecisionRecord) -> None: ...
-
-
-class NullSink:
-    def on_decision(self, record: DecisionRecord) -> None:
-        return None
 
 
 class Router:
@@ -197,9 +101,8 @@ class Router:
         self.arrivals = ArrivalRate()
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
         self.key_pools = KeyPools(config.key_pools)
+        self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
         self.draining = False
-        self._slots = asyncio.Semaphore(config.limits.max_concurrent)
-        self._waiting = 0
         self._exchanges: set[Exchange] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -246,155 +149,23 @@ class Router:
     def inflight(self) -> int:
         return len(self._exchanges)
 
-    # -- views --------------------------------------------------------------------------
-
-    def _views(self, model: str, now: float) -> tuple[list[EngineView], list[EngineState], float]:
-        routable = self.fleet.routable()
-        ok = {e.id for e in routable.engines}
-        serving = [e for e in self.fleet.engines if not e.models or model in e.models]
-        views = [
-            EngineView(
-                id=e.id,
-                healthy=e.id in ok,
-                load=self.signals.load(e),
-                residency=self.residency.view(e.id, now),
-                profile=self.signals.profile(e.id),
-                trust=self.signals.trust(e.id),
-                models=frozenset(e.models),
-            )
-            for e in serving
-        ]
-        return views, serving, routable.retry_after_s
-
-    def _choose_retry(self, model: str, tried: set[EngineId]) -> EngineState | None:
-        pool = [
-            e
-            for e in self.fleet.routable().engines
-            if e.id not in tried and (not e.models or model in e.models)
-        ]
-        if not pool:
-            return None
-        return min(pool, key=lambda e: (e.inflight_prompt_tokens, e.inflight_requests))
-
     # -- handlers -----------------------------------------------------------------------
-
-    def _reject(self, reason: str, resp: web.Response) -> web.Response:
-        self.metrics.rejected.labels(reason=reason).inc()
-        return resp
-
-    def _too_big(self) -> web.Response:
-        limit = self.config.limits.max_body_bytes
-        return json_error(
-            413,
-            f"Request body exceeds {limit} bytes.",
-            "invalid_request_error",
-            "request_too_large",
-            close=True,
-        )
-
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        limit = self.config.limits.max_body_bytes
-        parts: list[bytes] = []
-        total = 0
-        try:
-            async with asyncio.timeout(self.config.timeouts.body_s):
-                while True:
-                    chunk = await request.content.readany()
-                    if not chunk:
-                        break
-                    total += len(chunk)
-                    if total > limit:
-                        return self._reject("body_too_large", self._too_big())
-                    parts.append(chunk)
-        except TimeoutError:
-            return self._reject(
-                "body_timeout",
-                json_error(
-                    408,
-                    "Request body not received in time.",
-                    "invalid_request_error",
-                    "request_timeout",
-                    close=True,
-                ),
-            )
-        except aiohttp.web.HTTPException:
-            raise
-        except (aiohttp.ClientPayloadError, ValueError) as exc:
-            return self._reject(
-                "bad_body",
-                json_error(
-                    400,
-                    f"Malformed request body: {exc}",
-                    "invalid_request_error",
-                    "bad_body",
-                    close=True,
-                ),
-            )
-        return b"".join(parts)
-
-    def _header_bytes(self, request: web.Request) -> int:
-        return sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
         t0 = self.clock()
         self.arrivals.arrive(t0)
-        if self._header_bytes(request) > self.config.limits.max_header_bytes:
-            return self._reject(
-                "headers_too_large",
-                json_error(
-                    431,
-                    "Request headers too large.",
-                    "invalid_request_error",
-                    "headers_too_large",
-                    close=True,
-                ),
-            )
-        if self.draining:
-            return self._reject(
-                "draining",
-                json_error(
-                    503,
-                    "The router is shutting down.",
-                    "server_error",
-                    "draining",
-                    retry_after_s=1.0,
-                    close=True,
-                ),
-            )
-        lim = self.config.limits
-        if request.content_length is not None and request.content_length > lim.max_body_bytes:
-            return self._reject("body_too_large", self._too_big())
-        if self._slots.locked():
-            if self._waiting >= lim.queue:
-                return self._reject("overload", self._overloaded())
-            self._waiting += 1
-            self.metrics.queued.set(self._waiting)
-            try:
-                async with asyncio.timeout(lim.queue_timeout_s):
-                    await self._slots.acquire()
-            except TimeoutError:
-                return self._reject("queue_timeout", self._overloaded())
-            finally:
-                self._waiting -= 1
-                self.metrics.queued.set(self._waiting)
-        else:
-            await self._slots.acquire()
+        refused = self.admission.refuse_early(request, self.draining)
+        if refused is None:
+            refused = await self.admission.acquire()
+        if refused is not None:
+            return refused
         try:
             return await self._admitted(request, t0)
         finally:
-            self._slots.release()
-
-    def _overloaded(self) -> web.Response:
-        return json_error(
-            503,
-            "The router is at capacity; retry later.",
-            "server_error",
-            "overloaded",
-            retry_after_s=1.0,
-        )
+            self.admission.release()
 
     async def _admitted(self, request: web.Request, t0: float) -> web.StreamResponse:
-        body = await self._read_body(request)
+        body = await self.admission.read_body(request)
         if isinstance(body, web.Response):
             return body
         try:
@@ -406,9 +177,12 @@ class Router:
             )
             return resp
         request_id = request.headers.get("X-Request-Id", "")[:64] or secrets.token_hex(8)
-        views, serving, retry_after = self._views(parsed.model, t0)
+        views, serving, retry_after = engine_views(
+            self.fleet, self.signals, self.residency, parsed.model, t0
+        )
         if not serving:
-            return self._reject(
+            return reject(
+                self.metrics,
                 "model_not_found",
                 json_error(
                     404,
@@ -418,7 +192,8 @@ class Router:
                 ),
             )
         if not any(v.healthy for v in views):
-            return self._reject(
+            return reject(
+                self.metrics,
                 "no_engine",
                 json_error(
                     503,
@@ -437,11 +212,7 @@ class Router:
                     status=exc.status, body=exc.to_openai_json(), content_type="application/json"
                 )
         rv = to_request_view(parsed, request_id)
-        fleet = FleetStats(
-            now_s=t0,
-            arrival_rate_per_s=self.arrivals.rate(t0),
-            mean_wait_s=self.accounting.mean_wait_s(),
-        )
+        fleet = fleet_stats(t0, self.arrivals, self.accounting.mean_wait_s())
         session_key = parsed.session or (
             str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
         )
@@ -474,7 +245,7 @@ class Router:
                 parsed.body,
                 first,
                 new_tokens,
-                lambda tried: self._choose_retry(parsed.model, tried),
+                lambda tried: retry_engine(self.fleet, parsed.model, tried),
                 request_id,
                 exchange,
             )

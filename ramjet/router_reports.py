@@ -1,8 +1,9 @@
 """Signed engine reports in the router: what they add to each engine's view, and how the
 report runtime rides on the router's app.
 
-Views. `Router._views` builds one `EngineView` per engine from the router's own state
-(health, in-flight counters), the residency tables, and an `EngineSignals`:
+Views. `ramjet.fleet_views.engine_views` builds one `EngineView` per engine from the
+router's own state (health, in-flight counters), the residency tables, and an
+`EngineSignals`:
 
 - `trust(engine)`: the report processor's grade (APPROXIMATE before any report,
   DEGRADED after a gap, while a snapshot is pending or applying, or after
@@ -51,6 +52,7 @@ from ramjet.policy.base import EngineLoad
 from ramjet.profile import EngineProfile
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.runtime import ReportsRuntime
+from ramjet.residency.source import NoResidency
 from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId, TrustGrade
 
@@ -131,8 +133,6 @@ def attach_reports(
     `ResidencyTables` (reports can only feed the tables)."""
     if not wants_reports(config):
         return None
-    from ramjet.router import NoResidency  # the router imports this module
-
     tables = router.residency
     if isinstance(router.residency, NoResidency):
         tables = ResidencyTables(

@@ -35,10 +35,12 @@ from aiohttp.web_request import BaseRequest
 from prometheus_client import CollectorRegistry
 
 from ramjet.config import PolicyConfig
+from ramjet.decision_record import DecisionSink
 from ramjet.metrics import RouterMetrics
 from ramjet.proxy import error_body, json_error
 from ramjet.reload import admin_reload_handler, on_sighup
-from ramjet.router import DecisionSink, ResidencySource, Router
+from ramjet.residency.source import ResidencySource
+from ramjet.router import Router
 from ramjet.router_reports import attach_reports
 
 log = logging.getLogger(__name__)

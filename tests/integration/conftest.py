@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from fake_upstream import FakeUpstream
 
 from ramjet.config import PolicyConfig, parse_policy
-from ramjet.router import DecisionRecord
+from ramjet.decision_record import DecisionRecord
 from ramjet.server import RouterServer
 
 FAST: dict[str, Any] = {

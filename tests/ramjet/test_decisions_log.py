@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from ramjet.decision_record import DecisionRecord
 from ramjet.decisions import (
     DecisionLog,
     RealizedWork,
@@ -21,7 +22,6 @@ from ramjet.decisions import (
 )
 from ramjet.policy.base import Decision
 from ramjet.proxy import Attempt, ResponseTail
-from ramjet.router import DecisionRecord
 from ramjet.types import EngineId
 
 PW = {
