@@ -23,7 +23,7 @@ from aiohttp import web
 
 from ramjet.config import LimitsConfig
 from ramjet.metrics import RouterMetrics
-from ramjet.proxy import json_error
+from ramjet.openai_errors import json_error
 
 
 def reject(metrics: RouterMetrics, reason: str, resp: web.Response) -> web.Response:

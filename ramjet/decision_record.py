@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ramjet.exchange import Attempt
 from ramjet.policy.base import Decision, EngineView
-from ramjet.proxy import Attempt
 from ramjet.types import EngineId
 
 
@@ -44,7 +44,7 @@ class DecisionRecord:
     """The engine's `X-Ramjet-*` response headers (its account of the prompt work)."""
     views: tuple[EngineView, ...] = ()
     response_tail: bytes = b""
-    """The last bytes of the body sent to the client (`ramjet.proxy.ResponseTail`): the
+    """The last bytes of the body sent to the client (`ramjet.exchange.ResponseTail`): the
     accounting reads the engine's final usage (`prompt_work`) there."""
 
 

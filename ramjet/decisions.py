@@ -18,7 +18,7 @@ Contract of one line (schema version `v: 1`; `docs/decisions.md` has an example)
   (a non-stream's first byte comes after the whole decode), `ttft_source` says which.
 
 Realized usage is read from the tail of the body the client received
-(`ramjet.proxy.ResponseTail`, the last 16 KiB): the last `"usage"` key there, decoded
+(`ramjet.exchange.ResponseTail`, the last 16 KiB): the last `"usage"` key there, decoded
 with `json.JSONDecoder.raw_decode` from just after it. The last `"usage"` is the final
 SSE chunk's or the non-stream body's (a `"usage"` inside string content is escaped as
 `\\"usage\\"`, which does not match). Effort is bounded by the tail, not the body.

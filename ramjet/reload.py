@@ -25,9 +25,9 @@ from typing import Any
 from aiohttp import web
 
 from ramjet.config import PolicyConfig, PolicyFileError, load_policy
+from ramjet.openai_errors import json_error
 from ramjet.policy.base import RoutingPolicy
 from ramjet.policy.registry import PolicyConfigError, create_policy
-from ramjet.proxy import json_error
 from ramjet.router import Router
 
 log = logging.getLogger(__name__)

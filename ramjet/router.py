@@ -42,15 +42,17 @@ from ramjet.admission import Admission, reject
 from ramjet.config import PolicyConfig
 from ramjet.decision_record import DecisionRecord, DecisionSink
 from ramjet.engines import EngineState, Fleet, HealthProber
+from ramjet.exchange import Exchange, ForwardResult
 from ramjet.fleet_views import engine_views, fleet_stats, retry_engine
 from ramjet.keymodes import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.modes import ArrivalRate, ModeOutcome, ModeRunner
+from ramjet.openai_errors import json_error
 from ramjet.parsing import ParsedRequest, ParseLimits, RequestError, parse_request, to_request_view
 from ramjet.policy.base import EngineView
 from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.registry import create_policy
-from ramjet.proxy import Exchange, ForwardResult, Proxy, json_error
+from ramjet.proxy import Proxy
 from ramjet.residency.source import NoResidency, ResidencySource
 from ramjet.router_reports import EngineSignals, NoSignals
 from ramjet.types import EngineId

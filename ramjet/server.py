@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from ramjet.config import PolicyConfig
 from ramjet.decision_record import DecisionSink
 from ramjet.metrics import RouterMetrics
-from ramjet.proxy import error_body, json_error
+from ramjet.openai_errors import error_body, json_error
 from ramjet.reload import admin_reload_handler, on_sighup
 from ramjet.residency.source import ResidencySource
 from ramjet.router import Router

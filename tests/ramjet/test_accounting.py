@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from ramjet.accounting import Accounting, MeanWait
 from ramjet.decision_record import DecisionRecord
+from ramjet.exchange import Attempt
 from ramjet.policy.base import Decision
-from ramjet.proxy import Attempt
 from ramjet.types import EngineId
 
 E0, E1 = EngineId("e0"), EngineId("e1")

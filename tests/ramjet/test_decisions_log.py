@@ -20,8 +20,8 @@ from ramjet.decisions import (
     parse_realized,
     read_log,
 )
+from ramjet.exchange import Attempt, ResponseTail
 from ramjet.policy.base import Decision
-from ramjet.proxy import Attempt, ResponseTail
 from ramjet.types import EngineId
 
 PW = {
