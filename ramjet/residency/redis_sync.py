@@ -1,0 +1,360 @@
+"""`RedisSync`: the background sync between one replica's mirror and Redis.
+
+The store (`ramjet.residency.redis_store`) queues its writes here as batches
+(`ramjet.residency.redis_ops`); `run` (or `sync_once` in tests) flushes the queue with the
+`APPLY` script, then tails each engine's change log (`TAIL`) and replays every entry on
+the mirror (its own included, so all mirrors replay one order and converge).
+
+- The queue is bounded (`max_pending_writes` batches); the oldest are dropped and counted
+  when Redis is away too long (engine snapshots heal exact state, approximate entries age
+  out). Unsequenced writes to one engine coalesce into the queue's last batch.
+- A gap in the log's `gen` counter (trimmed log, Redis restarted) or a first start
+  triggers a full pull of the engine (index zsets + MGET), which is how a restarted
+  replica starts warm. When Redis answers `missing` (it holds no copy of an engine: it
+  restarted empty), the replica seeds it from its mirror; the first seed wins and the
+  other replicas pull.
+- A batch Redis refuses as `stale` was already applied to the mirror: the engine is
+  pulled again to undo it.
+- Fail open: every Redis call goes through `RedisLink` (short timeout, breaker). While
+  Redis is unreachable the mirror keeps serving and taking writes; when the breaker
+  closes again every engine is pulled in full (`ramjet_redis_resyncs_total`).
+
+The mirror is touched only on the event loop; one round runs at a time (a lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from ramjet.redis_link import RedisLink, RedisSettings, RedisUnavailable
+from ramjet.residency.redis_ops import (
+    CODE_TABLE,
+    Batch,
+    Clocks,
+    fields,
+    put_op,
+    replay,
+    text,
+)
+from ramjet.residency.redis_scripts import APPLY, KINDS, TAIL, EngineKeys
+from ramjet.residency.store import MemoryStore, Table
+from ramjet.types import EngineId, PrefixKey, Tier
+
+log = logging.getLogger(__name__)
+
+TAIL_COUNT = 500
+PULL_PAGE = 2000
+
+
+@dataclass
+class Tail:
+    """Where this replica's mirror stands in one engine's log."""
+
+    last_id: str = ""
+    gen: int = 0
+    synced: bool = False
+
+
+class StoreMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.resyncs = Counter(
+            "ramjet_redis_resyncs_total",
+            "Full resyncs of one engine's residency: pull (mirror from Redis) or push (seed "
+            "Redis from the mirror), by reason",
+            ["direction", "reason"],
+            registry=registry,
+        )
+        self.recoveries = Counter(
+            "ramjet_redis_recoveries_total",
+            "Times Redis came back after the breaker had opened",
+            registry=registry,
+        )
+        self.pending = Gauge(
+            "ramjet_redis_pending_batches",
+            "Residency write batches waiting for Redis",
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "ramjet_redis_dropped_batches_total",
+            "Residency write batches dropped because the queue was full while Redis was away",
+            registry=registry,
+        )
+        self.batches = Counter(
+            "ramjet_redis_batches_total",
+            "Residency write batches sent to Redis, by result (ok, dup, stale, missing)",
+            ["result"],
+            registry=registry,
+        )
+        self.applied = Counter(
+            "ramjet_redis_log_entries_applied_total",
+            "Change-log entries (any replica's) applied to this replica's mirror",
+            registry=registry,
+        )
+
+
+class RedisSync:
+    """Moves queued batches to Redis and the engines' change logs into the mirror."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        local: MemoryStore,
+        retention_ms: int,
+        clocks: Clocks,
+        metrics: StoreMetrics,
+        origin: str,
+    ) -> None:
+        self.link = link
+        self.settings: RedisSettings = link.settings
+        self.local = local
+        self.retention_ms = retention_ms
+        self.clocks = clocks
+        self.metrics = metrics
+        self.origin = origin
+        self.keys: dict[EngineId, EngineKeys] = {}
+        self.tails: dict[EngineId, Tail] = {}
+        self.cursor: dict[EngineId, tuple[int, int]] = {}
+        """(epoch, seq) of each engine's last report this replica knows applied."""
+        self.outbox: deque[Batch] = deque()
+        self.wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._recovered = False
+        self._stopping = False
+        self._caps = (
+            f"{self.settings.max_global_entries_per_engine},"
+            f"{self.settings.max_swa_entries_per_engine},{self.settings.log_max_entries}"
+        )
+
+    def track(self, engine: EngineId) -> EngineKeys:
+        keys = self.keys.get(engine)
+        if keys is None:
+            keys = self.keys[engine] = EngineKeys(self.settings.key_prefix, engine)
+            self.tails[engine] = Tail()
+        return keys
+
+    # -- the queue ----------------------------------------------------------------------
+
+    def enqueue(self, batch: Batch) -> None:
+        self.outbox.append(batch)
+        while len(self.outbox) > self.settings.max_pending_writes:
+            self.outbox.popleft()
+            self.metrics.dropped.inc()
+        self.metrics.pending.set(len(self.outbox))
+        self.wake.set()
+
+    def queue_free(self, engine: EngineId, op: list[Any]) -> None:
+        """Queue one unsequenced operation, coalesced into the queue's last batch when
+        that is one for `engine`."""
+        last = self.outbox[-1] if self.outbox else None
+        if last is not None and last.mode == "free" and last.engine == engine:
+            last.ops.append(op)  # coalesce: the queue's tail is never in flight
+            self.wake.set()
+            return
+        self.enqueue(Batch(engine, "free", ops=[op]))
+
+    def note_cursor(self, engine: EngineId, epoch: int, seq: int) -> None:
+        cur = self.cursor.get(engine)
+        if cur is None or (epoch, seq) > cur:
+            self.cursor[engine] = (epoch, seq)
+
+    def on_recover(self) -> None:
+        self._recovered = True
+        self.metrics.recoveries.inc()
+        self.wake.set()
+
+    # -- the rounds --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Sync until cancelled: on every write, and at least every `sync_interval_ms`."""
+        interval = self.settings.sync_interval_ms / 1000
+        # the flag, not only cancellation, ends the loop: on Python 3.11 a cancel that
+        # races with wait_for's own timeout can be swallowed, and the loop would go on
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self.wake.wait()
+            self.wake.clear()
+            try:
+                await self.sync_once()
+            except RedisUnavailable:
+                pass  # fail open; the breaker paces the retries
+            except Exception:  # never let the sync task die: routing depends on it
+                log.exception("residency sync round failed")
+                await asyncio.sleep(interval)
+
+    async def sync_once(self) -> None:
+        """Flush queued writes, then bring the mirror up to Redis. Raises
+        `RedisUnavailable` when Redis is away (the mirror keeps serving)."""
+        async with self._lock:
+            if self._recovered:
+                self._recovered = False
+                await self._flush()
+                for engine in list(self.keys):
+                    await self._pull(engine, "recovery")
+                return
+            await self._flush()
+            for engine in list(self.keys):
+                await self._tail(engine)
+
+    async def _flush(self) -> None:
+        stale: set[EngineId] = set()
+        while self.outbox:
+            batch = self.outbox[0]
+            status = await self._apply(batch)
+            if status == "missing":
+                await self._seed(batch.engine)
+                status = await self._apply(batch)
+            self.metrics.batches.labels(status).inc()
+            if status == "stale":
+                stale.add(batch.engine)  # the mirror took a change Redis refused: undo it
+            if self.outbox and self.outbox[0] is batch:
+                self.outbox.popleft()
+            self.metrics.pending.set(len(self.outbox))
+        for engine in stale:
+            await self._pull(engine, "stale_write")
+
+    async def _apply(self, batch: Batch) -> str:
+        keys = self.keys[batch.engine]
+        res = await self.link.script(
+            APPLY,
+            [keys.st, keys.log],
+            [
+                batch.mode,
+                batch.epoch,
+                batch.seq,
+                self.retention_ms,
+                json.dumps(batch.ops, separators=(",", ":")),
+                self._caps,
+                self.origin,
+            ],
+        )
+        return text(res[0])
+
+    async def _seed(self, engine: EngineId) -> None:
+        """Redis holds no copy of `engine`: offer it this mirror's (first seed wins)."""
+        ops: list[list[Any]] = [["P"]]
+        for table in Table:
+            for exact in (True, False):
+                for key, e in self.local.entries(table, engine, exact):
+                    ops.append(
+                        put_op(
+                            self.clocks, table, exact, e.tier, e.confirmed_at, e.expires_at, (key,)
+                        )
+                    )
+        epoch, seq = self.cursor.get(engine, (-1, -1))
+        seed = Batch(engine, "seed", epoch, seq, ops)
+        status = await self._apply(seed)
+        self.metrics.batches.labels(f"seed_{status}").inc()
+        if status == "ok":
+            self.metrics.resyncs.labels("push", "redis_empty").inc()
+        self.tails[engine] = Tail()  # re-read from Redis, whoever seeded
+
+    async def _tail(self, engine: EngineId) -> None:
+        keys = self.keys[engine]
+        tail = self.tails[engine]
+        if not tail.synced:
+            await self._pull(engine, "start")
+            return
+        res = await self.link.script(TAIL, [keys.st, keys.log], [tail.last_id, TAIL_COUNT])
+        gen, epoch, seq, entries = int(res[0]), int(res[1]), int(res[2]), res[3]
+        if gen < 0:  # Redis lost this engine (restart, expiry): seed it, then pull
+            if self.local.holds(engine) or engine in self.cursor:
+                await self._seed(engine)
+                await self._pull(engine, "redis_empty")
+            return
+        if not entries:
+            if gen != tail.gen:
+                await self._pull(engine, "gap")
+            return
+        first_gen = int(fields(entries[0][1])["gen"])
+        if first_gen != tail.gen + 1:
+            await self._pull(engine, "gap")
+            return
+        for entry_id, raw in entries:
+            self._apply_entry(engine, fields(raw))
+            tail.last_id = text(entry_id)
+            tail.gen += 1
+        if len(entries) < TAIL_COUNT and epoch >= 0:
+            self.note_cursor(engine, epoch, seq)
+
+    def _apply_entry(self, engine: EngineId, f: dict[str, str]) -> None:
+        """Replay one logged batch on the mirror."""
+        replay(self.local, engine, f, self.clocks)
+        self.metrics.applied.inc()
+
+    async def _pull(self, engine: EngineId, reason: str) -> None:
+        """Replace the mirror's copy of `engine` with Redis's (index zsets + MGET)."""
+        keys = self.keys[engine]
+        gen, epoch, seq, last_id = await self._head(keys)
+        if gen < 0:  # nothing in Redis for this engine
+            if self.local.holds(engine) or engine in self.cursor:
+                await self._seed(engine)
+                gen, epoch, seq, last_id = await self._head(keys)
+            if gen < 0:
+                self.tails[engine] = Tail(synced=True, last_id="0-0", gen=0)
+                return
+        loaded: list[tuple[str, list[tuple[str, int, bytes | None]]]] = []
+        for kind in KINDS:
+            loaded.append((kind, await self._dump(keys, kind)))
+        self.local.purge(engine)
+        now_local, now_wall = self.clocks.clock(), self.clocks.wall()
+        for kind, rows in loaded:
+            table, exact = CODE_TABLE[kind[0]], kind[1] == "x"
+            for k, exp_ms, value in rows:
+                if value is None:
+                    continue  # expired between ZRANGE and MGET
+                tier_s, confirmed_s = text(value).split(",")
+                self.local.put(
+                    table,
+                    engine,
+                    (PrefixKey(int(k, 16)),),
+                    Tier(int(tier_s)),
+                    now_local + (int(confirmed_s) / 1000 - now_wall),
+                    now_local + (exp_ms / 1000 - now_wall),
+                    exact,
+                )
+        self.tails[engine] = Tail(last_id=last_id or "0-0", gen=gen, synced=True)
+        if epoch >= 0:
+            self.note_cursor(engine, epoch, seq)
+        self.metrics.resyncs.labels("pull", reason).inc()
+
+    async def _head(self, keys: EngineKeys) -> tuple[int, int, int, str]:
+        """(gen, epoch, seq, last log id) of one engine in Redis; gen < 0: none there."""
+        res = await self.link.script(TAIL, [keys.st, keys.log], ["", 0])
+        return int(res[0]), int(res[1]), int(res[2]), text(res[4])
+
+    async def _dump(self, keys: EngineKeys, kind: str) -> list[tuple[str, int, bytes | None]]:
+        idx = keys.index(kind)
+        out: list[tuple[str, int, bytes | None]] = []
+        start = 0
+        while True:
+            page: list[tuple[bytes, float]] = await self.link.call(
+                lambda c, s=start: c.zrange(idx, s, s + PULL_PAGE - 1, withscores=True)  # type: ignore[misc]
+            )
+            if not page:
+                return out
+            names = [keys.entry(kind, text(m)) for m, _ in page]
+            values: list[bytes | None] = await self.link.call(lambda c, n=names: c.mget(n))  # type: ignore[misc]
+            out.extend((text(m), int(score), v) for (m, score), v in zip(page, values, strict=True))
+            if len(page) < PULL_PAGE:
+                return out
+            start += PULL_PAGE
+
+    def stop(self) -> None:
+        """Make `run` return at its next turn."""
+        self._stopping = True
+        self.wake.set()
+
+    async def close(self) -> None:
+        """Try once to flush queued writes (bounded by the link's timeout)."""
+        with contextlib.suppress(RedisUnavailable):
+            async with self._lock:
+                await self._flush()
