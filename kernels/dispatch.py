@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kernels import reference, torch_fast
-from kernels.reference import engram_hash_params, engram_primes, engram_table_rows
+from kernels.reference.engram import engram_hash_params, engram_primes, engram_table_rows
 
 __all__ = [
     "BACKENDS",

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from kernels.numerics import e4m3_decode, pow2
-from kernels.reference import ENGRAM_CONTEXT, ENGRAM_ORDERS, check_index
+from kernels.reference.checks import check_index
+from kernels.reference.engram import ENGRAM_CONTEXT, ENGRAM_ORDERS
 
 __all__ = ["engram_gate", "engram_gather", "engram_rows"]
 

@@ -4,7 +4,7 @@ index keys/queries (power-of-two scale per 32 channels).
 The tensor is viewed as groups of ``GS`` contiguous channels (one scale each). A program
 takes ``BLOCK_G`` groups; it loads the even and the odd channels of each group as two
 ``[BLOCK_G, GS/2]`` tiles, which are exactly the low and high nibbles of the packed bytes,
-so packing needs no shuffle. Formats: ``kernels.reference``.
+so packing needs no shuffle. Formats: ``kernels.reference.formats``.
 """
 
 import torch
@@ -19,7 +19,7 @@ from kernels.numerics import (
     e4m3_encode_abs,
     pow2,
 )
-from kernels.reference import FP4_AMAX_FLOOR, FP4_SCALE_BLOCK, POW2_MIN_EXP
+from kernels.reference.formats import FP4_AMAX_FLOOR, FP4_SCALE_BLOCK, POW2_MIN_EXP
 
 __all__ = [
     "fp4_dequantize",

@@ -2,7 +2,7 @@
 int8 exponents (Engram tables), dequantize, and quantize-dequantize (window KV).
 
 The tensor is viewed as ``[NG, BLOCK]`` groups; a program takes ``BLOCK_G`` groups.
-Formats: ``kernels.reference``.
+Formats: ``kernels.reference.formats``.
 """
 
 import torch
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.numerics import ceil_log2_ratio, e4m3_decode, e4m3_encode_abs, pow2
-from kernels.reference import FP8_AMAX_FLOOR
+from kernels.reference.formats import FP8_AMAX_FLOOR
 
 __all__ = ["fp8_dequantize", "fp8_qdq", "fp8_quantize"]
 

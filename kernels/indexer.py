@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.numerics import device_fn
-from kernels.reference import check_topk_args
+from kernels.reference.csa2 import check_topk_args
 
 __all__ = ["candidate_blocks", "indexer_scores", "indexer_topk"]
 

@@ -1,6 +1,6 @@
 """Triton device functions for the E4M3 and E2M1 number formats.
 
-Bit-exact twins of the helpers in ``kernels.reference`` (see its docstring for the
+Bit-exact twins of the helpers in ``kernels.reference.formats`` (see its docstring for the
 formats): exponents come from the fp32 bits, scaling is by exact powers of two, and
 E2M1 rounding compares against exact midpoint thresholds, so no result depends on how
 a backend rounds a division or a ``log2``.

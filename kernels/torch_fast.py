@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from kernels import reference as ref
-from kernels.reference import block_maxima, check_index, check_topk_args, order_key, visible_count
+from kernels.reference.checks import check_index
+from kernels.reference.csa2 import block_maxima, check_topk_args, order_key, visible_count
 
 # E2M1 value of each byte's two nibbles: _FP4_PAIR[b] = (value of b & 15, value of b >> 4).
 _CODES = torch.arange(16, dtype=torch.int32)

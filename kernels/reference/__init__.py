@@ -1,0 +1,101 @@
+"""The reference backend: plain torch for every CSA2 and Engram op; the Triton kernels and
+``kernels.torch_fast`` must match it.
+
+The ops live in ``formats`` (E4M3, E2M1, FP4 and FP8 quantization, bit for bit),
+``csa2`` (indexer, hierarchical top-k, sparse attention) and ``engram`` (hashed n-gram
+rows, table gather, gate, hash parameters); ``checks`` holds the index checks the gathers
+share. This namespace is the backend ``kernels.dispatch`` looks ops up in by name, so it
+names every op of the three.
+"""
+
+from kernels.reference.checks import check_index
+from kernels.reference.csa2 import (
+    block_maxima,
+    candidate_blocks,
+    check_topk_args,
+    indexer_scores,
+    indexer_select,
+    indexer_topk,
+    order_key,
+    sparse_attention,
+    visible_count,
+)
+from kernels.reference.engram import (
+    ENGRAM_CONTEXT,
+    ENGRAM_HEADS,
+    ENGRAM_ORDERS,
+    engram_gate,
+    engram_gather,
+    engram_hash_params,
+    engram_primes,
+    engram_rows,
+    engram_table_rows,
+    is_prime,
+    rms_normalize,
+)
+from kernels.reference.formats import (
+    E2M1_VALUES,
+    E4M3_MAX,
+    F32_ONE_SIXTH,
+    FP4_AMAX_FLOOR,
+    FP4_SCALE_BLOCK,
+    FP8_AMAX_FLOOR,
+    POW2_MIN_EXP,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode_abs,
+    floor_log2,
+    fp4_dequantize,
+    fp4_pow2_dequantize,
+    fp4_pow2_quantize,
+    fp4_quantize,
+    fp8_dequantize,
+    fp8_qdq,
+    fp8_quantize,
+    pow2,
+)
+
+__all__ = [
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "ENGRAM_CONTEXT",
+    "ENGRAM_HEADS",
+    "ENGRAM_ORDERS",
+    "F32_ONE_SIXTH",
+    "FP4_AMAX_FLOOR",
+    "FP4_SCALE_BLOCK",
+    "FP8_AMAX_FLOOR",
+    "POW2_MIN_EXP",
+    "block_maxima",
+    "candidate_blocks",
+    "check_index",
+    "check_topk_args",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e4m3_decode",
+    "e4m3_encode_abs",
+    "engram_gate",
+    "engram_gather",
+    "engram_hash_params",
+    "engram_primes",
+    "engram_rows",
+    "engram_table_rows",
+    "floor_log2",
+    "fp4_dequantize",
+    "fp4_pow2_dequantize",
+    "fp4_pow2_quantize",
+    "fp4_quantize",
+    "fp8_dequantize",
+    "fp8_qdq",
+    "fp8_quantize",
+    "indexer_scores",
+    "indexer_select",
+    "indexer_topk",
+    "is_prime",
+    "order_key",
+    "pow2",
+    "rms_normalize",
+    "sparse_attention",
+    "visible_count",
+]
