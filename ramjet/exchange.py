@@ -8,9 +8,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from ramjet.types import EngineId
+from ramjet.upstream import UpstreamResponse
 
 
 class UpstreamError(Exception):
@@ -74,7 +73,7 @@ class Exchange:
     __slots__ = ("shutdown", "upstream")
 
     def __init__(self) -> None:
-        self.upstream: aiohttp.ClientResponse | None = None
+        self.upstream: UpstreamResponse | None = None
         self.shutdown = False
 
     def abort(self) -> None:

@@ -27,7 +27,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -40,6 +39,7 @@ from ramjet.proxy_headers import upstream_request_headers
 from ramjet.retries import RETRY_STATUSES, RetryBudget, parse_retry_after
 from ramjet.stream_writer import StreamWriter
 from ramjet.types import EngineId
+from ramjet.upstream import EnginePool, UpstreamConnectError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -53,31 +53,22 @@ class Proxy:
         self._metrics = metrics
         self.budget = RetryBudget(config.retry.budget_ratio, config.retry.min_retries)
         self._writer = StreamWriter(config, fleet, metrics)
-        self._sessions: dict[EngineId, aiohttp.ClientSession] = {}
+        self._pools: dict[EngineId, EnginePool] = {}
 
     async def start(self) -> None:
-        t = self._cfg.timeouts
         for e in self._fleet.engines:
-            connector = aiohttp.TCPConnector(
+            self._pools[e.id] = EnginePool(
+                e.url,
                 limit=self._cfg.limits.connections_per_engine,
-                limit_per_host=0,
-                keepalive_timeout=30.0,
-            )
-            self._sessions[e.id] = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s),
-                auto_decompress=False,
-                skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-                read_bufsize=64 * 1024,
+                connect_s=self._cfg.timeouts.connect_s,
+                keepalive_s=30.0,
+                read_high=64 * 1024,
             )
 
     async def close(self) -> None:
-        for s in self._sessions.values():
-            await s.close()
-        self._sessions.clear()
-
-    def session(self, engine: EngineId) -> aiohttp.ClientSession:
-        return self._sessions[engine]
+        for p in self._pools.values():
+            await p.close()
+        self._pools.clear()
 
     def _gauge(self, e: EngineState) -> None:
         self._metrics.inflight_of(e.id).set(e.inflight_requests)
@@ -177,17 +168,13 @@ class Proxy:
     ) -> web.StreamResponse | None:
         """One attempt. Returns the client response, or None if it may be retried."""
         t = self._cfg.timeouts
-        session = self._sessions[engine.id]
-        upstream: aiohttp.ClientResponse | None = None
+        pool = self._pools[engine.id]
+        upstream: UpstreamResponse | None = None
         try:
             try:
                 async with asyncio.timeout(t.first_byte_s):
-                    upstream = await session.request(
-                        request.method,
-                        engine.url + request.rel_url.path_qs,
-                        data=body,
-                        headers=headers,
-                        allow_redirects=False,
+                    upstream = await pool.request(
+                        request.method, request.rel_url.path_qs, headers.items(), body
                     )
                     exchange.upstream = upstream
                     status = upstream.status
@@ -202,15 +189,17 @@ class Proxy:
                         if can_retry:
                             upstream.close()
                             return None
-                    first = await upstream.content.readany()
+                    first = await upstream.readany()
             except TimeoutError:
                 raise UpstreamError("first_byte_timeout") from None
-            except aiohttp.ClientConnectorError as exc:
+            except UpstreamConnectError as exc:
                 raise UpstreamError("connect", str(exc)) from None
-            except aiohttp.ConnectionTimeoutError as exc:
-                raise UpstreamError("connect", str(exc)) from None
-            except (aiohttp.ClientError, OSError) as exc:
+            except OSError as exc:
                 raise UpstreamError("disconnect", type(exc).__name__) from None
+        except asyncio.CancelledError:  # the client went away: abort the engine's request
+            if upstream is not None:
+                upstream.close()
+            raise
         except UpstreamError as exc:
             if upstream is not None:
                 upstream.close()

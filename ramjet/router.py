@@ -324,7 +324,8 @@ class Router:
             if e.ejected:
                 return declared
             try:
-                async with self.proxy.session(e.id).get(e.url + "/v1/models", timeout=timeout) as r:
+                assert self._probe_session is not None
+                async with self._probe_session.get(e.url + "/v1/models", timeout=timeout) as r:
                     if r.status != 200:
                         return declared
                     data = await r.json(content_type=None)

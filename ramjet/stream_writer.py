@@ -3,8 +3,8 @@
 Nothing is retried once the first byte was sent (`ramjet.proxy`). Then:
 
 - Writes to the client wait on the transport's high-water mark (`stream_buffer_bytes`),
-  which pauses the upstream read (aiohttp stops reading the engine's socket when its own
-  buffer fills); a write blocked longer than `send_s` ends the exchange (`slow_reader`).
+  which pauses the upstream read (`ramjet.upstream` stops reading the engine's socket
+  when its own buffer fills); a write blocked longer than `send_s` ends the exchange (`slow_reader`).
 - Each read takes everything the engine has delivered in one piece, waiting at most
   `idle_s` only when nothing is buffered. Bodies are forwarded byte-exact (no
   decompression, no re-encoding).
@@ -31,6 +31,7 @@ from ramjet.openai_errors import error_body
 from ramjet.proxy_headers import client_response_headers
 from ramjet.retries import RETRY_STATUSES
 from ramjet.types import EngineId
+from ramjet.upstream import UpstreamResponse
 
 _FRAMING_BYTES = 64
 """Upper bound on what a write adds to a body piece (chunk size line, CRLFs, terminator)."""
@@ -53,7 +54,7 @@ class StreamWriter:
     async def stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         first: bytes,
         engine: EngineState,
         res: ForwardResult,
@@ -73,7 +74,7 @@ class StreamWriter:
         res.engine, res.status = engine.id, status
         if request.transport is not None:
             request.transport.set_write_buffer_limits(high=self._cfg.limits.stream_buffer_bytes)
-        content = upstream.content
+        content = upstream
         # Without a Content-Length the body goes out chunked: the last piece and the
         # chunked terminator can leave in one write.
         open_ended = upstream.content_length is None
@@ -110,7 +111,7 @@ class StreamWriter:
                             chunk = await content.readany()
                 except TimeoutError:
                     raise UpstreamError("idle_timeout") from None
-                except (aiohttp.ClientError, OSError) as exc:
+                except OSError as exc:
                     raise UpstreamError("disconnect", type(exc).__name__) from None
             if upstream.content_length is not None and res.bytes_out < upstream.content_length:
                 raise UpstreamError("disconnect", "body shorter than Content-Length")

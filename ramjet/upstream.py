@@ -1,0 +1,544 @@
+"""A lean HTTP/1.1 client for the router's hop to an engine: one keep-alive pool per
+engine, on an `asyncio.Protocol`.
+
+Per request: the head and the body leave in one write; the response's status line and
+headers are parsed once they are complete (`\\r\\n\\r\\n`), then body bytes go to the
+reader as they arrive, unchanged (a chunked body is de-chunked; a body with neither
+Content-Length nor chunking runs to the connection's close). Nothing is decompressed.
+
+- Pool (`EnginePool`): at most `limit` open connections; a request past the limit waits
+  for one to be released. A connection goes back to the pool only when its response
+  body ended cleanly and neither side asked to close; idle ones are dropped after
+  `keepalive_s` or as soon as the engine closes them.
+- Backpressure: past `read_high` buffered body bytes the socket stops being read
+  until the reader takes them (`UpstreamResponse.read_nowait`/`readany`).
+- `UpstreamResponse.close()` before the body ended closes the connection, which is how
+  an engine's request is aborted (client gone, stream cut, shutdown); a reader waiting
+  on it is woken with `UpstreamClosed`.
+- Errors are `OSError`s: `UpstreamConnectError` (refused, unreachable, or not connected
+  within `connect_s`), `UpstreamClosed` (the engine closed or broke the connection, or
+  sent something that is not HTTP/1.x). Timeouts other than connect are the caller's
+  (`asyncio.timeout` around `request`/`readany`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from collections.abc import Iterable
+
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+_MAX_HEAD_BYTES = 64 * 1024
+"""A response head (status line and headers) longer than this is refused."""
+
+
+class UpstreamConnectError(OSError):
+    """The connection to the engine could not be made (refused, unreachable, timed out)."""
+
+
+class UpstreamClosed(OSError):
+    """The engine closed or broke the connection, or answered something not HTTP/1.x."""
+
+
+class UpstreamResponse:
+    """An engine's response: status, headers, and its body as it arrives."""
+
+    __slots__ = (
+        "_buf",
+        "_buffered",
+        "_conn",
+        "_eof",
+        "_error",
+        "_waiter",
+        "content_length",
+        "headers",
+        "reason",
+        "status",
+    )
+
+    def __init__(
+        self,
+        conn: _Conn,
+        status: int,
+        reason: str,
+        headers: CIMultiDictProxy[str],
+        content_length: int | None,
+    ) -> None:
+        self._conn: _Conn | None = conn
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.content_length = content_length
+        self._buf: list[bytes] = []
+        self._buffered = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -- fed by the connection --------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        self._buf.append(data)
+        self._buffered += len(data)
+        self._wake()
+
+    def _end(self) -> None:
+        self._eof = True
+        self._conn = None
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._eof and self._error is None:
+            self._error = exc
+        self._conn = None
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    # -- read by the caller -----------------------------------------------------------
+
+    def at_eof(self) -> bool:
+        """The body ended and every byte of it was read."""
+        return self._eof and not self._buf
+
+    def read_nowait(self) -> bytes:
+        """Every body byte buffered now, in one piece (b"" if none)."""
+        buf = self._buf
+        if not buf:
+            return b""
+        data = buf[0] if len(buf) == 1 else b"".join(buf)
+        buf.clear()
+        self._buffered = 0
+        conn = self._conn
+        if conn is not None and conn.paused:
+            conn.resume()
+        return data
+
+    async def readany(self) -> bytes:
+        """The next body bytes (everything buffered), b"" at the end of the body; raises
+        `UpstreamClosed` if the body was cut."""
+        while not self._buf:
+            if self._eof:
+                return b""
+            if self._error is not None:
+                raise self._error
+            w = asyncio.get_running_loop().create_future()
+            self._waiter = w
+            try:
+                await w
+            finally:
+                self._waiter = None
+        return self.read_nowait()
+
+    def close(self) -> None:
+        """Done with the response: a connection whose body has not ended is closed (the
+        engine sees its request aborted); one that ended already went back to the pool."""
+        conn = self._conn
+        if conn is not None:
+            conn.abort_response()
+        elif not self._eof and self._error is None:
+            self._error = UpstreamClosed("response closed")
+        self._wake()
+
+
+class _Conn(asyncio.Protocol):
+    """One connection to an engine, one request at a time."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.paused = False
+        self.idle_since = 0.0
+        self._closed = False
+        self._lost: BaseException | None = None
+        # Response state: waiting for the head, then the body in one of three framings.
+        self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
+        self._buf = b""
+        self._resp: UpstreamResponse | None = None
+        self._keep_alive = True
+        self._remaining = -1  # Content-Length bytes still due; -1: not length-framed
+        self._chunked = False
+        self._chunk_left = 0  # bytes of the current chunk still due (+2 for its CRLF)
+        self._trailers = False
+        self._until_close = False
+
+    # -- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport; they have its methods.
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.pool._gone(self)
+        resp, self._resp = self._resp, None
+        if resp is not None:
+            if self._until_close and exc is None and not self._buf:
+                resp._end()
+            else:
+                resp._fail(UpstreamClosed("engine closed the connection mid-body"))
+        w, self._head_waiter = self._head_waiter, None
+        if w is not None and not w.done():
+            w.set_exception(UpstreamClosed("engine closed the connection before answering"))
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def data_received(self, data: bytes) -> None:
+        if self._resp is not None:
+            self._body(data)
+            return
+        if self._head_waiter is None:  # nothing asked for: not HTTP as we speak it
+            self._close()
+            return
+        buf = self._buf + data if self._buf else data
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > _MAX_HEAD_BYTES:
+                self._fail_head("response head too large")
+            else:
+                self._buf = buf
+            return
+        self._buf = b""
+        try:
+            resp = self._parse_head(buf[:end])
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._fail_head(f"malformed response head: {exc}")
+            return
+        if resp is None:  # 1xx: wait for the real head
+            rest = buf[end + 4 :]
+            if rest:
+                self.data_received(rest)
+            return
+        w, self._head_waiter = self._head_waiter, None
+        self._resp = resp
+        if not w.done():
+            w.set_result(resp)
+        rest = buf[end + 4 :]
+        if self._remaining == 0:
+            self._finish()
+            if rest:
+                self._close()  # bytes past the body: the connection is not reusable
+        elif rest:
+            self._body(rest)
+
+    # -- parsing ----------------------------------------------------------------------
+
+    def _parse_head(self, head: bytes) -> UpstreamResponse | None:
+        lines = head.decode("utf-8", "surrogateescape").split("\r\n")
+        version, _, rest = lines[0].partition(" ")
+        code, _, reason = rest.partition(" ")
+        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+            raise ValueError(repr(lines[0][:80]))
+        status = int(code)
+        headers: CIMultiDict[str] = CIMultiDict()
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip():
+                raise ValueError(f"bad header line {line[:80]!r}")
+            headers.add(name, value.strip())
+        if 100 <= status < 200:
+            return None
+        conn_tokens = headers.get("Connection", "").lower()
+        self._keep_alive = version == "HTTP/1.1" and "close" not in conn_tokens
+        te = headers.get("Transfer-Encoding")
+        length: int | None = None
+        self._chunked = self._until_close = self._trailers = False
+        self._chunk_left = 0
+        if status in (204, 304):
+            self._remaining = 0
+        elif te is not None:
+            if te.lower().rsplit(",", 1)[-1].strip() != "chunked":
+                raise ValueError(f"unsupported Transfer-Encoding {te!r}")
+            self._chunked = True
+            self._remaining = -1
+        elif "Content-Length" in headers:
+            cl = headers["Content-Length"]
+            if not cl.isdigit() or len(headers.getall("Content-Length")) > 1:
+                raise ValueError(f"bad Content-Length {cl!r}")
+            length = int(cl)
+            self._remaining = length
+        else:
+            self._until_close = True
+            self._keep_alive = False
+            self._remaining = -1
+        return UpstreamResponse(self, status, reason, CIMultiDictProxy(headers), length)
+
+    def _body(self, data: bytes) -> None:
+        resp = self._resp
+        assert resp is not None
+        if self._chunked:
+            self._dechunk(data)
+        elif self._until_close:
+            resp._feed(data)
+        else:
+            n = self._remaining
+            if len(data) < n:
+                self._remaining = n - len(data)
+                resp._feed(data)
+            else:
+                if n:
+                    resp._feed(data if len(data) == n else data[:n])
+                self._remaining = 0
+                self._finish()
+                if len(data) > n:
+                    self._close()
+                return
+        if (
+            self._resp is resp
+            and resp._buffered > self.pool.read_high
+            and not self.paused
+            and self.transport is not None
+        ):
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _dechunk(self, data: bytes) -> None:
+        resp = self._resp
+        assert resp is not None
+        buf = self._buf + data if self._buf else data
+        self._buf = b""
+        pos, n = 0, len(buf)
+        while pos < n:
+            if self._trailers:  # trailer lines until an empty one
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    self._buf = buf[pos:]
+                    return
+                if eol == pos:
+                    self._finish()
+                    if eol + 2 < n:
+                        self._close()
+                    return
+                pos = eol + 2
+                continue
+            left = self._chunk_left
+            if left > 2:  # chunk data (the last 2 are its CRLF)
+                take = min(left - 2, n - pos)
+                resp._feed(buf[pos : pos + take])
+                pos += take
+                self._chunk_left = left - take
+                continue
+            if left > 0:  # the CRLF after the chunk data
+                need = buf[pos : pos + left]
+                if b"\r\n"[2 - left : 2 - left + len(need)] != need:
+                    self._fail_body("bad chunk terminator")
+                    return
+                pos += len(need)
+                self._chunk_left = left - len(need)
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                if n - pos > 1024:
+                    self._fail_body("chunk size line too long")
+                else:
+                    self._buf = buf[pos:]
+                return
+            size_s = buf[pos:eol].split(b";", 1)[0].strip()
+            try:
+                size = int(size_s, 16)
+            except ValueError:
+                self._fail_body("bad chunk size")
+                return
+            pos = eol + 2
+            if size == 0:
+                self._trailers = True
+            else:
+                self._chunk_left = size + 2
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        """The body ended: hand the end to the reader, the connection to the pool."""
+        resp, self._resp = self._resp, None
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        if resp is not None:
+            resp._end()
+        if self._keep_alive and not self._closed:
+            self.pool._release(self)
+        else:
+            self._close()
+
+    def _fail_head(self, msg: str) -> None:
+        w, self._head_waiter = self._head_waiter, None
+        if w is not None and not w.done():
+            w.set_exception(UpstreamClosed(msg))
+        self._close()
+
+    def _fail_body(self, msg: str) -> None:
+        resp, self._resp = self._resp, None
+        if resp is not None:
+            resp._fail(UpstreamClosed(msg))
+        self._close()
+
+    def resume(self) -> None:
+        self.paused = False
+        if self.transport is not None:
+            self.transport.resume_reading()
+
+    def abort_response(self) -> None:
+        resp, self._resp = self._resp, None
+        if resp is not None:
+            resp._fail(UpstreamClosed("response closed"))
+        self._close()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.pool._gone(self)
+            if self.transport is not None:
+                self.transport.close()
+
+    @property
+    def usable(self) -> bool:
+        return not self._closed and self.transport is not None and not self.transport.is_closing()
+
+    def send(self, data: bytes) -> asyncio.Future[UpstreamResponse]:
+        assert self.transport is not None
+        w: asyncio.Future[UpstreamResponse] = self.pool.loop.create_future()
+        self._head_waiter = w
+        self.transport.write(data)
+        return w
+
+
+class EnginePool:
+    """Keep-alive connections to one engine (`url`: http(s)://host[:port]), at most
+    `limit` open."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        limit: int,
+        connect_s: float,
+        keepalive_s: float = 30.0,
+        read_high: int = 64 * 1024,
+    ) -> None:
+        u = URL(url)
+        if u.scheme not in ("http", "https") or not u.host or u.port is None:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.host: str = u.host
+        self.port: int = u.port
+        self._ssl = ssl.create_default_context() if u.scheme == "https" else None
+        authority = u.raw_authority if not u.is_default_port() else (u.raw_host or u.host)
+        if ":" in authority and not authority.startswith("[") and u.is_default_port():
+            authority = f"[{authority}]"
+        self.limit = limit
+        self.connect_s = connect_s
+        self.keepalive_s = keepalive_s
+        self.read_high = read_high
+        self.loop = asyncio.get_running_loop()
+        self._host_header = f"Host: {authority}\r\n"
+        self._idle: collections.deque[_Conn] = collections.deque()
+        self._open: set[_Conn] = set()
+        self._connecting = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closed = False
+
+    # -- the pool ---------------------------------------------------------------------
+
+    def _release(self, conn: _Conn) -> None:
+        if self._closed:
+            conn._close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+        self._wake_one()
+
+    def _gone(self, conn: _Conn) -> None:
+        if conn in self._open:
+            self._open.discard(conn)
+            try:
+                self._idle.remove(conn)
+            except ValueError:
+                pass
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    async def _acquire(self) -> _Conn:
+        while True:
+            idle = self._idle
+            while idle:
+                conn = idle.pop()  # the most recently used: least likely to be stale
+                if conn.usable and time.monotonic() - conn.idle_since < self.keepalive_s:
+                    return conn
+                conn._close()
+            if len(self._open) + self._connecting < self.limit:
+                return await self._connect()
+            w = self.loop.create_future()
+            self._waiters.append(w)
+            try:
+                await w
+            except BaseException:
+                if w.done() and not w.cancelled():
+                    self._wake_one()  # pass the wake-up on
+                raise
+
+    async def _connect(self) -> _Conn:
+        self._connecting += 1
+        try:
+            async with asyncio.timeout(self.connect_s):
+                _, proto = await self.loop.create_connection(
+                    lambda: _Conn(self), self.host, self.port, ssl=self._ssl
+                )
+        except TimeoutError:
+            raise UpstreamConnectError(
+                f"connect to {self.host}:{self.port} timed out after {self.connect_s}s"
+            ) from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"connect to {self.host}:{self.port}: {exc}") from None
+        finally:
+            self._connecting -= 1
+            if len(self._open) + self._connecting < self.limit:
+                self._wake_one()
+        self._open.add(proto)
+        return proto
+
+    # -- requests ---------------------------------------------------------------------
+
+    async def request(
+        self, method: str, path_qs: str, headers: Iterable[tuple[str, str]], body: bytes
+    ) -> UpstreamResponse:
+        """Send one request; returns once the response head arrived (the body is read
+        from the returned response, which the caller must `close`)."""
+        lines = [f"{method} {path_qs} HTTP/1.1\r\n", self._host_header]
+        accept = False
+        for k, v in headers:
+            lines.append(f"{k}: {v}\r\n")
+            if not accept and k.lower() == "accept":
+                accept = True
+        if not accept:
+            lines.append("Accept: */*\r\n")
+        lines.append(f"Content-Length: {len(body)}\r\n\r\n")
+        data = "".join(lines).encode("utf-8", "surrogateescape") + body
+        if self._closed:
+            raise UpstreamClosed("pool closed")
+        conn = await self._acquire()
+        try:
+            return await conn.send(data)
+        except BaseException:
+            conn._close()
+            raise
+
+    async def close(self) -> None:
+        self._closed = True
+        for conn in list(self._open):
+            conn._close()
+        self._idle.clear()

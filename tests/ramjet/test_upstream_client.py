@@ -1,0 +1,183 @@
+"""The lean engine client (`ramjet.upstream`) against raw loopback servers: framing
+(Content-Length, chunked split anywhere, until-close), keep-alive reuse, cut bodies,
+refused connects and the pool's connection limit."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from ramjet.upstream import EnginePool, UpstreamClosed, UpstreamConnectError
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _serve(handler: Handler) -> tuple[asyncio.Server, str, list[int]]:
+    """A server that counts its connections (list of one int)."""
+    conns = [0]
+
+    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns[0] += 1
+        try:
+            await handler(r, w)
+        finally:
+            w.close()
+
+    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    return srv, f"http://127.0.0.1:{port}", conns
+
+
+async def _read_request(r: asyncio.StreamReader) -> bytes:
+    head = await r.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await r.readexactly(length)
+
+
+async def _body(pool: EnginePool, body: bytes = b"x") -> tuple[int, bytes]:
+    resp = await pool.request("POST", "/p", [("X-A", "1")], body)
+    out = b""
+    try:
+        while chunk := await resp.readany():
+            out += chunk
+    finally:
+        resp.close()
+    return resp.status, out
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[list[object]]:
+    things: list[object] = []
+    yield things
+    for t in things:
+        if isinstance(t, EnginePool):
+            await t.close()
+        elif isinstance(t, asyncio.Server):
+            t.close()
+            await t.wait_closed()
+
+
+async def test_chunked_body_split_anywhere_is_dechunked_and_the_connection_reused(
+    closing: list[object],
+) -> None:
+    payload = b"data: one\n\ndata: two\n\n"
+    wire = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+        b"b;ext=1\r\ndata: one\n\n\r\nb\r\ndata: two\n\n\r\n0\r\nX-T: 1\r\n\r\n"
+    )
+    seen: list[bytes] = []
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        for split in range(1, len(wire)):
+            seen.append(await _read_request(r))
+            w.write(wire[:split])
+            await w.drain()
+            await asyncio.sleep(0)
+            w.write(wire[split:])
+            await w.drain()
+
+    srv, url, conns = await _serve(handler)
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    for _ in range(1, len(wire)):
+        status, body = await _body(pool, b"hello")
+        assert (status, body) == (200, payload)
+    assert conns[0] == 1
+    assert seen[0].startswith(b"POST /p HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"\r\nX-A: 1\r\n" in seen[0] and seen[0].endswith(b"Content-Length: 5\r\n\r\nhello")
+
+
+async def test_content_length_and_connection_close(closing: list[object]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(r)
+            w.write(b"HTTP/1.1 201 Created\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc")
+            await w.drain()
+
+    srv, url, conns = await _serve(handler)
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    assert await _body(pool) == (201, b"abc")
+    assert await _body(pool) == (201, b"abc")
+    assert conns[0] == 2  # the engine asked to close: not reused
+
+
+async def test_body_without_length_runs_to_close(closing: list[object]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\n\r\nuntil")
+        await w.drain()
+        w.write(b" close")
+
+    srv, url, _ = await _serve(handler)
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    assert await _body(pool) == (200, b"until close")
+
+
+async def test_cut_body_and_silent_close_raise(closing: list[object]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        req = await _read_request(r)
+        if req.endswith(b"cut"):
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+            await w.drain()
+
+    srv, url, _ = await _serve(handler)
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    with pytest.raises(UpstreamClosed):
+        await _body(pool, b"cut")
+    with pytest.raises(UpstreamClosed):
+        await _body(pool, b"silent")
+
+
+async def test_refused_connect() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = EnginePool(f"http://127.0.0.1:{port}", limit=4, connect_s=1.0)
+    with pytest.raises(UpstreamConnectError):
+        await pool.request("POST", "/", [], b"")
+    await pool.close()
+
+
+async def test_pool_limit_queues_requests_and_close_aborts(closing: list[object]) -> None:
+    release = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+            await w.drain()
+            await release.wait()
+            w.write(b"cd")
+            await w.drain()
+
+    srv, url, conns = await _serve(handler)
+    pool = EnginePool(url, limit=1, connect_s=1.0)
+    closing += [pool, srv]
+    first = await pool.request("POST", "/", [], b"")
+    assert await first.readany() == b"ab"
+    second = asyncio.create_task(_body(pool))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # waiting for the one connection
+    release.set()
+    assert await first.readany() == b"cd" and await first.readany() == b""
+    assert await second == (200, b"abcd")
+    assert conns[0] == 1
+    release.clear()
+    third = await pool.request("POST", "/", [], b"")
+    assert await third.readany() == b"ab"
+    third.close()  # mid-body: the connection is closed, a reader is told
+    with pytest.raises(UpstreamClosed):
+        await third.readany()
+    release.set()
+    assert await _body(pool) == (200, b"abcd")
+    assert conns[0] == 2
