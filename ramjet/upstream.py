@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 import ssl
 import time
 from collections.abc import Iterable
@@ -176,6 +177,9 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport; they have its methods.
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a request leaves in one write: never hold it back (Nagle)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -303,57 +307,65 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
 
     def _dechunk(self, data: bytes) -> None:
+        """Chunked framing off: the chunk data of `data` goes to the reader in one piece.
+        A chunk-size line or CRLF split across reads waits in `_buf`."""
         resp = self._resp
         assert resp is not None
         buf = self._buf + data if self._buf else data
         self._buf = b""
+        out: list[bytes] = []
         pos, n = 0, len(buf)
-        while pos < n:
-            if self._trailers:  # trailer lines until an empty one
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    self._buf = buf[pos:]
-                    return
-                if eol == pos:
-                    self._finish()
-                    if eol + 2 < n:
-                        self._close()
-                    return
-                pos = eol + 2
-                continue
-            left = self._chunk_left
-            if left > 2:  # chunk data (the last 2 are its CRLF)
-                take = min(left - 2, n - pos)
-                resp._feed(buf[pos : pos + take])
-                pos += take
-                self._chunk_left = left - take
-                continue
-            if left > 0:  # the CRLF after the chunk data
-                need = buf[pos : pos + left]
-                if b"\r\n"[2 - left : 2 - left + len(need)] != need:
-                    self._fail_body("bad chunk terminator")
-                    return
-                pos += len(need)
-                self._chunk_left = left - len(need)
-                continue
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                if n - pos > 1024:
-                    self._fail_body("chunk size line too long")
+        left = self._chunk_left  # chunk data still due, plus its 2-byte CRLF
+        try:
+            while pos < n:
+                if left > 2:  # chunk data
+                    take = left - 2
+                    if take > n - pos:
+                        take = n - pos
+                    out.append(buf[pos : pos + take])
+                    pos += take
+                    left -= take
+                elif left > 0:  # the CRLF after the chunk data
+                    need = buf[pos : pos + left]
+                    if b"\r\n"[2 - left : 2 - left + len(need)] != need:
+                        self._fail_body("bad chunk terminator")
+                        return
+                    pos += len(need)
+                    left -= len(need)
                 else:
-                    self._buf = buf[pos:]
-                return
-            size_s = buf[pos:eol].split(b";", 1)[0].strip()
-            try:
-                size = int(size_s, 16)
-            except ValueError:
-                self._fail_body("bad chunk size")
-                return
-            pos = eol + 2
-            if size == 0:
-                self._trailers = True
-            else:
-                self._chunk_left = size + 2
+                    eol = buf.find(b"\r\n", pos)
+                    if eol < 0:
+                        if n - pos > 1024:
+                            self._fail_body("chunk size line too long")
+                        else:
+                            self._buf = buf[pos:]
+                        return
+                    if self._trailers:  # trailer lines until an empty one
+                        if eol == pos:
+                            self._chunk_left = 0
+                            if out:
+                                resp._feed(out[0] if len(out) == 1 else b"".join(out))
+                                out = []
+                            self._finish()
+                            if eol + 2 < n:
+                                self._close()
+                            return
+                        pos = eol + 2
+                        continue
+                    size_s = buf[pos:eol].split(b";", 1)[0].strip()
+                    if not size_s or size_s.strip(b"0123456789abcdefABCDEF"):
+                        self._fail_body("bad chunk size")
+                        return
+                    pos = eol + 2
+                    size = int(size_s, 16)
+                    if size == 0:
+                        self._trailers = True
+                    else:
+                        left = size + 2
+        finally:
+            self._chunk_left = left
+            if out:
+                resp._feed(out[0] if len(out) == 1 else b"".join(out))
 
     # -- lifecycle --------------------------------------------------------------------
 
