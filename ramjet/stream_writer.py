@@ -107,8 +107,7 @@ class StreamWriter:
                     # idle timeout) only when nothing is buffered.
                     chunk = content.read_nowait()
                     if not chunk and not content.at_eof():
-                        async with asyncio.timeout(t.idle_s):
-                            chunk = await content.readany()
+                        chunk = await content.readany(t.idle_s)
                 except TimeoutError:
                     raise UpstreamError("idle_timeout") from None
                 except OSError as exc:

@@ -52,8 +52,10 @@ class UpstreamResponse:
         "_buf",
         "_buffered",
         "_conn",
+        "_deadline",
         "_eof",
         "_error",
+        "_timer",
         "_waiter",
         "content_length",
         "headers",
@@ -79,6 +81,8 @@ class UpstreamResponse:
         self._eof = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- fed by the connection --------------------------------------------------------
 
@@ -124,25 +128,49 @@ class UpstreamResponse:
             conn.resume()
         return data
 
-    async def readany(self) -> bytes:
+    async def readany(self, idle_s: float | None = None) -> bytes:
         """The next body bytes (everything buffered), b"" at the end of the body; raises
-        `UpstreamClosed` if the body was cut."""
+        `UpstreamClosed` if the body was cut, `TimeoutError` if nothing came within
+        `idle_s` (None: no limit).
+
+        The idle limit costs no timer per wait: one timer per response is armed at the
+        first wait's deadline; each later wait only moves the deadline, and a timer that
+        fires early re-arms itself at the current one."""
         while not self._buf:
             if self._eof:
                 return b""
             if self._error is not None:
                 raise self._error
-            w = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            w = loop.create_future()
             self._waiter = w
+            if idle_s is not None:
+                self._deadline = loop.time() + idle_s
+                if self._timer is None:
+                    self._timer = loop.call_at(self._deadline, self._idle_check)
             try:
                 await w
             finally:
                 self._waiter = None
         return self.read_nowait()
 
+    def _idle_check(self) -> None:
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done():  # not waiting now: the next wait arms a new timer
+            return
+        loop = w.get_loop()
+        if loop.time() >= self._deadline:
+            w.set_exception(TimeoutError())
+        else:
+            self._timer = loop.call_at(self._deadline, self._idle_check)
+
     def close(self) -> None:
         """Done with the response: a connection whose body has not ended is closed (the
         engine sees its request aborted); one that ended already went back to the pool."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         conn = self._conn
         if conn is not None:
             conn.abort_response()

@@ -181,3 +181,29 @@ async def test_pool_limit_queues_requests_and_close_aborts(closing: list[object]
     release.set()
     assert await _body(pool) == (200, b"abcd")
     assert conns[0] == 2
+
+
+async def test_idle_limit_applies_to_each_wait(closing: list[object]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n")
+        for piece in (b"ab", b"cd"):  # each within the limit, together past it
+            await asyncio.sleep(0.12)
+            w.write(piece)
+            await w.drain()
+        await asyncio.sleep(5)
+
+    srv, url, _ = await _serve(handler)
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    resp = await pool.request("POST", "/", [], b"")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await resp.readany(0.2) == b"ab"
+    assert await resp.readany(0.2) == b"cd"
+    t1 = loop.time()
+    with pytest.raises(TimeoutError):
+        await resp.readany(0.2)
+    assert t1 - t0 > 0.2  # the limit is per wait, not per response
+    assert 0.15 < loop.time() - t1 < 1.0
+    resp.close()
