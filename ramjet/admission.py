@@ -127,6 +127,13 @@ class Admission:
     async def read_body(self, request: web.Request) -> bytes | web.Response:
         """The whole body, or the refusal (413, 408, 400) if it is too big, late or bad."""
         limit = self.limits.max_body_bytes
+        content = request.content
+        if content.is_eof() and content.exception() is None:
+            # The whole body arrived with the headers (the common case): no wait, no timer.
+            data = content.read_nowait()
+            if len(data) > limit:
+                return reject(self.metrics, "body_too_large", too_big(limit))
+            return data
         parts: list[bytes] = []
         total = 0
         try:

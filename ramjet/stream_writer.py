@@ -75,9 +75,9 @@ class StreamWriter:
         if request.transport is not None:
             request.transport.set_write_buffer_limits(high=self._cfg.limits.stream_buffer_bytes)
         content = upstream
-        # Without a Content-Length the body goes out chunked: the last piece and the
-        # chunked terminator can leave in one write.
-        open_ended = upstream.content_length is None
+        # The last piece ends the body in the same write (for a chunked body, with the
+        # terminator); a length-framed body only once it is complete.
+        length = upstream.content_length
         tail = b"\n\n"
         try:
             await resp.prepare(request)
@@ -86,7 +86,7 @@ class StreamWriter:
             # the write buffer once.
             extra = _FRAMING_BYTES + sum(len(k) + len(v) + 4 for k, v in out_headers.items())
             while chunk:
-                last = open_ended and content.at_eof()
+                last = content.at_eof() and (length is None or res.bytes_out + len(chunk) >= length)
                 if not await self._send(request, resp, chunk, last, extra):
                     res.end = "slow_reader"
                     self._metrics.stream_errors.labels(reason="slow_reader").inc()
