@@ -390,13 +390,18 @@ async def check_prometheus(s: aiohttp.ClientSession, prom: str, tmp: Path) -> No
     targets = (await api(s, prom, "/api/v1/targets"))["activeTargets"]
     assert len(targets) == 4 and all(t["health"] == "up" for t in targets), targets
 
-    empty = []
-    for where, expr in board:
-        if not await query(s, prom, expr):
-            empty.append(f"{where}: {expr}")
+    # A rate() needs two samples of a series inside its window: a series born in the last
+    # scrape has one. Poll until every panel answers (bounded), then judge.
+    pending = list(board) + [
+        (f"record {r['record']}: {r['expr']}", r["record"]) for r in all_rules if "record" in r
+    ]
+    deadline = time.monotonic() + 30
+    while pending and time.monotonic() < deadline:
+        pending = [(w, e) for w, e in pending if not await query(s, prom, e)]
+        if pending:
+            await asyncio.sleep(1.0)
+    empty = [where if where.startswith("record ") else f"{where}: {e}" for where, e in pending]
     for rule in all_rules:
-        if "record" in rule and not await query(s, prom, rule["record"]):
-            empty.append(f"record {rule['record']}: {rule['expr']}")
         if "alert" in rule:
             lhs, op, thr = alert_signal(rule["expr"])
             result = await query(s, prom, f"({lhs}) {op} bool {thr}")
