@@ -23,7 +23,12 @@ import torch
 
 from kernels import reference as ref
 from kernels.reference.checks import check_index
-from kernels.reference.csa2 import block_maxima, check_topk_args, order_key, visible_count
+from kernels.reference.csa2 import check_topk_args, visible_count
+from kernels.torch_fast_indexer import candidate_blocks as candidate_blocks
+from kernels.torch_fast_indexer import fill_sorted as _fill_sorted
+from kernels.torch_fast_indexer import indexer_scores as indexer_scores
+from kernels.torch_fast_indexer import indexer_topk as indexer_topk
+from kernels.torch_fast_indexer import rank_key as _rank_key
 
 # E2M1 value of each byte's two nibbles: _FP4_PAIR[b] = (value of b & 15, value of b >> 4).
 _CODES = torch.arange(16, dtype=torch.int32)
@@ -32,7 +37,7 @@ _FP4_PAIR = torch.stack((_E2M1[torch.arange(256) & 15], _E2M1[torch.arange(256) 
 _E4M3 = ref.e4m3_decode(torch.arange(256, dtype=torch.int32))  # fp32 value of each E4M3 byte
 _LUTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _BAND_ROWS = 32  # query rows per band block: keys span rows + window - 1
-_POS_BITS = 26  # positions below 2^26 fit beside the 32-bit score key in an int64
+_FLOOR = -(1 << 62)
 
 
 def _luts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,111 +109,6 @@ def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------
 # indexer
-
-
-def _mask_invisible(scores: torch.Tensor, q_pos: torch.Tensor, m: int) -> torch.Tensor:
-    """-inf where s >= (q_pos + 1) // m, touching only the columns some row cannot see."""
-    t, s = scores.shape
-    if t == 0 or s == 0:
-        return scores
-    vis = visible_count(q_pos, m, s)
-    v0 = int(vis.min())
-    if v0 < s:
-        cols = torch.arange(v0, s, device=scores.device)[None, :]
-        scores[:, v0:].masked_fill_(cols >= vis[:, None], float("-inf"))
-    return scores
-
-
-def indexer_scores(
-    q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, m: int
-) -> torch.Tensor:
-    t, h, di = q.shape
-    s = k.shape[0]
-    dots = torch.relu_(q.reshape(t * h, di).float() @ k.float().T).view(t, h, s)
-    scores = torch.bmm(w.float().unsqueeze(1), dots).squeeze(1)
-    return _mask_invisible(scores, q_pos, m)
-
-
-def _rank_key(x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 key: score order first, then the lower position on ties (the reference's
-    rule); ``pos`` (x's shape, < 2^26) defaults to the column index."""
-    if pos is None:
-        n = x.shape[-1]
-        if n >= 1 << _POS_BITS:
-            raise ValueError("too many positions for the ranking key")
-        pos = torch.arange(n, device=x.device)
-    return (order_key(x) << _POS_BITS) | ((1 << _POS_BITS) - 1 - pos)
-
-
-def _fill_sorted(out: torch.Tensor, sel: torch.Tensor, s: int) -> torch.Tensor:
-    """out[:, :width] = the selected positions ascending, ``s`` (nothing) becoming -1."""
-    sel = sel.sort(dim=1).values
-    out[:, : sel.shape[1]] = torch.where(sel == s, -1, sel).to(torch.int32)
-    return out
-
-
-_FLOOR = -(1 << 62)
-
-
-def candidate_blocks(
-    scores: torch.Tensor, block: int, keep: int, q_pos: torch.Tensor, m: int
-) -> torch.Tensor:
-    bmax, forced, eligible = block_maxima(scores, block, keep, q_pos, m)
-    out = forced.clone()
-    k = min(keep - 1, bmax.shape[1])
-    if k > 0:
-        key = torch.where(eligible, _rank_key(bmax), _FLOOR)
-        top = key.topk(k, dim=1)
-        out.scatter_(1, top.indices, top.values != _FLOOR)
-        out |= forced
-    return out
-
-
-def indexer_topk(
-    scores: torch.Tensor,
-    topk: int,
-    q_pos: torch.Tensor,
-    m: int,
-    cand_mask: torch.Tensor | None = None,
-    block: int = 8,
-) -> torch.Tensor:
-    """Float ``topk`` on the eligible scores; the few rows whose k-th value ties with an
-    unselected eligible entry are redone with exact ranking keys (lower position wins)."""
-    t, s = scores.shape
-    check_topk_args(topk, cand_mask, t, s, block)
-    out = torch.full((t, topk), -1, dtype=torch.int32, device=scores.device)
-    if s == 0 or t == 0:
-        return out
-    sc = _mask_invisible(scores.float().clone(), q_pos, m)
-    if cand_mask is not None:
-        nb = cand_mask.shape[1]
-        full = s // block
-        off = ~cand_mask.bool()
-        if full:
-            sc[:, : full * block].view(t, full, block).masked_fill_(
-                off[:, :full, None], float("-inf")
-            )
-        if full < nb:
-            sc[:, full * block :].masked_fill_(off[:, full:], float("-inf"))
-    width = min(topk, s)
-    # One extra value tells whether an unselected entry ties with the k-th.
-    vals, idx = sc.topk(min(width + 1, s), dim=1)
-    if vals.shape[1] > width:
-        tie = torch.isfinite(vals[:, width]) & (vals[:, width] == vals[:, width - 1])
-        vals, idx = vals[:, :width], idx[:, :width]
-    else:
-        tie = torch.zeros(t, dtype=torch.bool, device=sc.device)
-    if bool(tie.any()):
-        rows = tie.nonzero().squeeze(1)
-        key = _rank_key(sc[rows])
-        key = torch.where(torch.isfinite(sc[rows]), key, _FLOOR)
-        idx[rows] = key.topk(width, dim=1).indices
-    sel = torch.where(torch.isfinite(vals) | tie[:, None], idx, s)
-    if bool(tie.any()):
-        rows = tie.nonzero().squeeze(1)
-        ok = torch.isfinite(sc[rows].gather(1, idx[rows]))
-        sel[rows] = torch.where(ok, idx[rows], s)
-    return _fill_sorted(out, sel, s)
 
 
 def indexer_select(

@@ -135,3 +135,29 @@ def test_memo_works_through_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> N
     model.decode_batch([st], [int(st.last_logits.argmax())])  # type: ignore[union-attr]
     index_layers = len(cfg.full_layers) + len(cfg.reindex_layers)
     assert calls == {"plan": 2, "glob": 2 * index_layers}
+
+
+def test_long_row_topk_and_candidates_match_reference() -> None:
+    """Rows long enough for the two-level top-k (block maxima first): exact, including
+    rows of ties (all-zero scores), rows that see only a few entries, and integer scores."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(6):
+        t, s, m = 24, 2400 + 700 * trial, 1 + trial % 2
+        q = torch.randn(t, 4, 32, generator=g)
+        w = torch.randn(t, 4, generator=g)
+        k = torch.randn(s, 32, generator=g)
+        w[:4] = -w[:4].abs()  # every score <= 0: ties at 0 decide the selection
+        if trial % 2:
+            q, k, w = torch.round(q), torch.round(k), torch.round(w)
+        pos = torch.randint(s * m // 2, s * m, (t,), generator=g)
+        pos[4:8] = torch.tensor([0, 3, 20, 40])  # few visible entries
+        a, b = R.indexer_scores(q, w, k, pos, m), F.indexer_scores(q, w, k, pos, m)
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        assert torch.allclose(a[torch.isfinite(a)], b[torch.isfinite(b)], atol=1e-4)
+        for sc in (a, b):
+            for topk in (16, 1):
+                want = R.indexer_topk(sc, topk, pos, m, None, 4)
+                assert torch.equal(F.indexer_topk(sc, topk, pos, m, None, 4), want), trial
+            assert torch.equal(
+                R.candidate_blocks(sc, 4, 8, pos, m), F.candidate_blocks(sc, 4, 8, pos, m)
+            )
