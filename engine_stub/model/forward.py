@@ -92,7 +92,10 @@ class Backbone:
         rot = rope_rot(pos, c.rope_dim, c.rope_theta)
         win_idx, prev_len = self._window_index(segs, lens)
 
-        h = w.embed[ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        # The C residual copies as h [C, N, dim]: collapsing them is one GEMV and mixing
+        # them one [C, C] x [C, N*dim] GEMM (as [N, C, dim] both were N tiny GEMMs).
+        cm, nrows, dim = c.hc_mult, ids.shape[0], c.dim
+        h = w.embed[ids].unsqueeze(0).expand(cm, -1, -1).contiguous()
         ctx = _LayerCtx(pos=pos, rot=rot, win_idx=win_idx, starts=starts)
         hidden_rows: list[torch.Tensor] = []
         last_rows = torch.tensor([s - 1 for s in starts[1:]], device=dev)
@@ -101,19 +104,24 @@ class Backbone:
             if layer in w.engram:
                 ew = w.engram[layer]
                 emb = engram.get(layer)
-                h = ops.engram_gate(h, emb @ ew.wk, emb @ ew.wv)
-            x = rmsnorm(torch.matmul(bw.hc_pre[0], h))
+                hg = ops.engram_gate(h.transpose(0, 1), emb @ ew.wk, emb @ ew.wv)
+                h = hg.transpose(0, 1).contiguous()
+            hf = h.view(cm, -1)
+            x = rmsnorm((bw.hc_pre[0] @ hf).view(nrows, dim))
             a = self._attention(layer, bw.attn, x, segs, lens, prev_len, ctx)
-            h = torch.matmul(bw.hc_res[0], h) + bw.hc_post[0].view(1, -1, 1) * a.unsqueeze(1)
-            x = rmsnorm(torch.matmul(bw.hc_pre[1], h))
+            h = (bw.hc_res[0] @ hf).view(cm, nrows, dim)
+            h.addcmul_(bw.hc_post[0].view(-1, 1, 1), a.unsqueeze(0))
+            hf = h.view(cm, -1)
+            x = rmsnorm((bw.hc_pre[1] @ hf).view(nrows, dim))
             assert bw.w13 is not None
             g13 = x @ bw.w13
             hid = c.ffn_hidden
             f = (torch.nn.functional.silu(g13[:, :hid]) * g13[:, hid:]) @ bw.w2
-            h = torch.matmul(bw.hc_res[1], h) + bw.hc_post[1].view(1, -1, 1) * f.unsqueeze(1)
+            h = (bw.hc_res[1] @ hf).view(cm, nrows, dim)
+            h.addcmul_(bw.hc_post[1].view(-1, 1, 1), f.unsqueeze(0))
             if layer >= c.n_layers - 2:
-                hidden_rows.append(torch.matmul(w.final_pre, h[last_rows]))
-        hfin = rmsnorm(torch.matmul(w.final_pre, h if all_logits else h[last_rows]))
+                hidden_rows.append(_collapse(w.final_pre, h[:, last_rows]))
+        hfin = rmsnorm(_collapse(w.final_pre, h if all_logits else h[:, last_rows]))
         logits = hfin @ w.head
         hidden = torch.stack(hidden_rows, dim=1)  # [B, 2, dim]
         return ForwardOut(logits=logits, hidden=[hidden[i] for i in range(len(segs))])
@@ -304,6 +312,11 @@ class _LayerCtx:
                 )
             self._glob[src] = got
         return got
+
+
+def _collapse(p: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """sum_c p[c] h[c]: p [C], h [C, N, dim] -> [N, dim]."""
+    return (p @ h.reshape(h.shape[0], -1)).view(h.shape[1], h.shape[2])
 
 
 def _compressed_table(vocab: int) -> list[int]:
