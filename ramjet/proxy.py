@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
-from multidict import CIMultiDict
 
 from ramjet.config import PolicyConfig
 from ramjet.engines import EngineState, Fleet, Outcome, Ticket, classify_status
@@ -53,7 +52,21 @@ class Proxy:
         self._metrics = metrics
         self.budget = RetryBudget(config.retry.budget_ratio, config.retry.min_retries)
         self._writer = StreamWriter(config, fleet, metrics)
+        # The in-flight gauges read the engines' counters when scraped, instead of
+        # being set twice per attempt.
+        for e in fleet.engines:
+            self._watch(e)
         self._pools: dict[EngineId, EnginePool] = {}
+
+    def _watch(self, e: EngineState) -> None:
+        def requests() -> float:
+            return e.inflight_requests
+
+        def prompt_tokens() -> float:
+            return e.inflight_prompt_tokens
+
+        self._metrics.inflight_of(e.id).set_function(requests)
+        self._metrics.inflight_prompt_tokens_of(e.id).set_function(prompt_tokens)
 
     async def start(self) -> None:
         for e in self._fleet.engines:
@@ -69,10 +82,6 @@ class Proxy:
         for p in self._pools.values():
             await p.close()
         self._pools.clear()
-
-    def _gauge(self, e: EngineState) -> None:
-        self._metrics.inflight_of(e.id).set(e.inflight_requests)
-        self._metrics.inflight_prompt_tokens_of(e.id).set(e.inflight_prompt_tokens)
 
     async def forward(
         self,
@@ -97,7 +106,6 @@ class Proxy:
                 attempt = Attempt(engine.id)
                 res.attempts.append(attempt)
                 ticket = Ticket(engine, prompt_tokens)
-                self._gauge(engine)
                 nxt = None
                 if len(res.attempts) < self._cfg.retry.max_attempts:
                     nxt = choose_next(tried)
@@ -117,7 +125,6 @@ class Proxy:
                     )
                 finally:
                     ticket.close()
-                    self._gauge(engine)
                     if retrying:
                         self.budget.release()
                         retrying = False
@@ -157,7 +164,7 @@ class Proxy:
         self,
         request: web.Request,
         body: bytes,
-        headers: CIMultiDict[str],
+        headers: list[tuple[str, str]],
         engine: EngineState,
         ticket: Ticket,
         attempt: Attempt,
@@ -174,7 +181,7 @@ class Proxy:
             try:
                 async with asyncio.timeout(t.first_byte_s):
                     upstream = await pool.request(
-                        request.method, request.rel_url.path_qs, headers.items(), body
+                        request.method, request.rel_url.path_qs, headers, body
                     )
                     exchange.upstream = upstream
                     status = upstream.status

@@ -35,17 +35,20 @@ _DROP_TO_ENGINE = HOP_BY_HOP | {"host", "content-length", "expect"}
 _DROP_TO_CLIENT = HOP_BY_HOP | {"content-length"}
 
 
-def upstream_request_headers(client: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    """What the engine sees of the client's headers, plus the router's own."""
+def upstream_request_headers(
+    client: CIMultiDictProxy[str], request_id: str
+) -> list[tuple[str, str]]:
+    """What the engine sees of the client's headers (in their order), plus the router's
+    own; `ramjet.upstream` writes them as they are."""
     drop = _DROP_TO_ENGINE
     if "Connection" in client:
         drop = drop | _connection_tokens(client)
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in client.items():
-        lk = k.lower()
-        if lk not in drop and not lk.startswith(INTERNAL_PREFIX):
-            out.add(k, v)
-    out["X-Ramjet-Request-Id"] = request_id
+    out = [
+        (k, v)
+        for k, v in client.items()
+        if (lk := k.lower()) not in drop and not lk.startswith(INTERNAL_PREFIX)
+    ]
+    out.append(("X-Ramjet-Request-Id", request_id))
     return out
 
 

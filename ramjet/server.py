@@ -85,11 +85,13 @@ class _Handler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         idle = not self._request_in_progress and not self._messages
-        if data and idle:
-            self._arm()
         super().data_received(data)
         if self._request_in_progress or self._messages:
             self._disarm()
+        elif data and idle:
+            # The first bytes of a request whose headers are not complete yet. (A
+            # request that arrives whole, the common case, never arms the timer.)
+            self._arm()
 
     def _headers_late(self) -> None:
         self._deadline = None

@@ -558,16 +558,14 @@ class EnginePool:
     ) -> UpstreamResponse:
         """Send one request; returns once the response head arrived (the body is read
         from the returned response, which the caller must `close`)."""
-        lines = [f"{method} {path_qs} HTTP/1.1\r\n", self._host_header]
-        accept = False
-        for k, v in headers:
-            lines.append(f"{k}: {v}\r\n")
-            if not accept and k.lower() == "accept":
-                accept = True
-        if not accept:
-            lines.append("Accept: */*\r\n")
-        lines.append(f"Content-Length: {len(body)}\r\n\r\n")
-        data = "".join(lines).encode("utf-8", "surrogateescape") + body
+        fields = "".join([f"{k}: {v}\r\n" for k, v in headers])
+        # Header names hold no CR/LF, so a line starting "accept:" is an Accept header.
+        accept = "" if ("\r\n" + fields).lower().find("\r\naccept:") >= 0 else "Accept: */*\r\n"
+        head = (
+            f"{method} {path_qs} HTTP/1.1\r\n{self._host_header}{fields}{accept}"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        data = head.encode("utf-8", "surrogateescape") + body
         if self._closed:
             raise UpstreamClosed("pool closed")
         conn = await self._acquire()
