@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -82,6 +82,10 @@ class SnapshotApply:
     abandoned: bool = False
 
 
+async def _yield_to_loop() -> None:
+    await asyncio.sleep(0)
+
+
 class ReportProcessor:
     def __init__(
         self,
@@ -97,6 +101,8 @@ class ReportProcessor:
         (0: in one step, as `submit` does)."""
         self.config = config or ReportsConfig()
         self.snapshot_chunk_keys = snapshot_chunk_keys
+        self.piece_pause: Callable[[], Awaitable[None]] = _yield_to_loop
+        """Awaited between snapshot pieces; tests replace it to hold an apply mid-way."""
         self.keyring = keyring
         self.tables = tables
         self._clock = clock or tables.clock
@@ -311,7 +317,7 @@ class ReportProcessor:
         try:
             for piece in self._pieces(job.body, job.transit_s, self.snapshot_chunk_keys):
                 self._add_piece(staging, piece)
-                await asyncio.sleep(0)
+                await self.piece_pause()
                 if job.abandoned:
                     return
             staging.commit()

@@ -94,8 +94,17 @@ async def test_a_snapshot_is_applied_once_and_reaches_the_other_replica(
     assert isinstance(await a.submit(delta(1, [PrefixKey(1)]), E0), Accepted)
     for store in (sa, sb):  # steady state: Redis holds the delta's batch (epoch 1, seq 1)
         await store.sync_once()
+    gate = asyncio.Event()
+
+    async def hold() -> None:  # the apply waits after its first piece until the delta is in
+        await asyncio.sleep(0)
+        await gate.wait()
+
+    pa.piece_pause = hold
     task = asyncio.create_task(a.submit(snapshot(1), E0))  # same seq as the delta, later
-    if chunk:
+    if not chunk:
+        gate.set()
+    else:
         deadline = time.monotonic() + 5
         while pa.state(E0).applying is None:  # claimed; pieces begin
             assert time.monotonic() < deadline and not task.done()
@@ -106,6 +115,7 @@ async def test_a_snapshot_is_applied_once_and_reaches_the_other_replica(
         # a delta accepted meanwhile applies at once and survives the swap
         assert isinstance(await a.submit(delta(2, [PrefixKey(7)]), E0), Accepted)
         assert held(sa, 7) and not task.done()  # live at once, replayed at the swap
+        gate.set()
     assert isinstance(await task, Accepted)
     if not chunk:
         assert isinstance(await a.submit(delta(2, [PrefixKey(7)]), E0), Accepted)
