@@ -48,6 +48,14 @@ def _luts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return got
 
 
+def _fp4_values(packed: torch.Tensor) -> torch.Tensor:
+    """[..., D//2] uint8 -> [..., D] fp32 E2M1 values: one lookup per byte of both nibbles'
+    values as one 8-byte word (half the work of looking up [256, 2] rows)."""
+    pair, _ = _luts(packed.device)
+    words = pair.view(torch.int64).view(256)
+    return torch.take(words, packed.long()).view(torch.float32)
+
+
 def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ref.pow2(e.to(torch.int32))
 
@@ -77,8 +85,7 @@ def fp8_quantize(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
 def fp4_dequantize(
     packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    pair, _ = _luts(packed.device)
-    vals = pair[packed.long()].flatten(-2)  # [..., D]
+    vals = _fp4_values(packed)  # [..., D]
     s = scale.view(torch.float8_e4m3fn).float()
     # the block count from the scales, not -1: a view of 0 rows cannot infer it
     out = vals.view(*vals.shape[:-1], s.shape[-1], ref.FP4_SCALE_BLOCK) * s.unsqueeze(-1)
@@ -88,8 +95,7 @@ def fp4_dequantize(
 def fp4_pow2_dequantize(
     packed: torch.Tensor, exp: torch.Tensor, block: int = 32, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    pair, _ = _luts(packed.device)
-    vals = pair[packed.long()].flatten(-2)
+    vals = _fp4_values(packed)
     out = vals.view(*vals.shape[:-1], exp.shape[-1], block) * _pow2(exp).unsqueeze(-1)
     return out.flatten(-2).to(dtype)
 
@@ -215,7 +221,8 @@ def _uniform_band(
 def _band_mask(
     t: int, w: int, last0: int, lo: int, rows: int, device: torch.device
 ) -> torch.Tensor:
-    """[nb, rows, 1, span] bool: key o of block b is in row r's window (see _band_scores)."""
+    """[nb, rows, 1, span] bool: key o of block b is in row r's window (see
+    _uniform_attention)."""
     nb = -(-t // rows)
     span = rows + w - 1
     o = torch.arange(span, device=device)
@@ -225,25 +232,51 @@ def _band_mask(
     return (band[None] & (o[None, None, :] >= thr[:, None, None])).unsqueeze(2)
 
 
-def _band_scores(
-    qf: torch.Tensor, kvw: torch.Tensor, w: int, last0: int, rows: int, ok: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window scores of all rows at once, block by block without a gather.
+def _uniform_attention(
+    qf: torch.Tensor,
+    kvw: torch.Tensor,
+    w: int,
+    last0: int,
+    rows: int,
+    bias: torch.Tensor,
+    sink: torch.Tensor,
+    sg: torch.Tensor | None,
+    gk: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of all rows of one prefill segment, block by block without a gather.
 
     Rows are split in blocks of `rows`; block b's keys are the contiguous span of
     rows + w - 1 window rows ending at its last row (an unfold view of the left- and
-    right-padded KV). -> (scores [nb, rows, H, span] with -inf outside each row's
-    window, keys [nb, span, D])."""
+    right-padded KV); bias [nb, rows, 1, span] is 0 where key o of block b is in row r's
+    window, else -inf (_band_bias). Each row's logits [span window | K global | sink] sit side by side
+    in one [nb, rows, H, span + K + 1] tensor (-inf outside the row's window and for
+    missing global entries), so one fused softmax normalises window, global and sink
+    together. qf [T, H, D] (scaled), sg [T, H, K] global logits, gk [T, K, D] -> [T, H, D].
+    """
     t, h, d = qf.shape
-    nb = ok.shape[0]
+    nb = bias.shape[0]
     span = rows + w - 1
+    kk = 0 if sg is None else sg.shape[-1]
     pad_r = max(0, last0 + nb * rows - kvw.shape[0])
     kvp = torch.cat((kvw.new_zeros(w - 1, d), kvw, kvw.new_zeros(pad_r, d)))
     keys = kvp[last0 : last0 + nb * rows + w - 1].unfold(0, span, rows).transpose(1, 2)
     qp = qf if nb * rows == t else torch.cat((qf, qf.new_zeros(nb * rows - t, h, d)))
-    sc = torch.bmm(qp.view(nb, rows * h, d), keys.transpose(1, 2)).view(nb, rows, h, span)
-    sc.masked_fill_(~ok, float("-inf"))
-    return sc, keys
+    sc = torch.empty(nb, rows, h, span + kk + 1, dtype=torch.float32, device=qf.device)
+    sw = torch.bmm(qp.view(nb, rows * h, d), keys.transpose(1, 2))
+    # + bias (0 inside the window, -inf outside) in one pass into the slice: masked_fill
+    # on the strided slice with a broadcast mask costs four times as much.
+    torch.add(sw.view(nb, rows, h, span), bias, out=sc[..., :span])
+    flat = sc.view(nb * rows, h, -1)
+    if sg is not None:
+        flat[:t, :, span:-1] = sg
+        flat[t:, :, span:-1] = float("-inf")
+    flat[:, :, -1] = sink
+    p = torch.softmax(sc, -1)
+    o = torch.bmm(p[..., :span].reshape(nb, rows * h, span), keys)
+    o = o.view(nb * rows, h, d)[:t]
+    if gk is not None:
+        o = o + torch.bmm(p.view(nb * rows, h, -1)[:t, :, span:-1], gk)
+    return o
 
 
 def _gather_fp4(packed: torch.Tensor, scale: torch.Tensor, gi: torch.Tensor) -> torch.Tensor:
@@ -254,7 +287,7 @@ def _gather_fp4(packed: torch.Tensor, scale: torch.Tensor, gi: torch.Tensor) -> 
 
 def _window_plan(win_idx: torch.Tensor) -> tuple[Any, ...] | None:
     """What sparse_attention needs to know about a window index, computed once per tensor:
-    None (gather), ("band", first, count) or ("uniform", first, count, last0, mask)."""
+    None (gather), ("band", first, count) or ("uniform", first, count, last0, bias, rows)."""
     band = _banded(win_idx)
     if band is None:
         return None
@@ -265,7 +298,8 @@ def _window_plan(win_idx: torch.Tensor) -> tuple[Any, ...] | None:
     t, w = win_idx.shape
     rows = min(_BAND_ROWS, t)
     mask = _band_mask(t, w, uni[0], uni[1], rows, win_idx.device)
-    return ("uniform", first, count, uni[0], mask, rows)
+    bias = torch.zeros(mask.shape, device=win_idx.device).masked_fill_(~mask, float("-inf"))
+    return ("uniform", first, count, uni[0], bias, rows)
 
 
 def sparse_attention(
@@ -300,21 +334,18 @@ def sparse_attention(
         sg = torch.bmm(qf, gk.transpose(1, 2))  # [T, H, K]
         sg.masked_fill_((gi < 0)[:, None, :], float("-inf"))
     if plan[0] == "uniform":
-        rows = plan[5]
-        sw, keys = _band_scores(qf, kvw, win_idx.shape[1], plan[3], rows, plan[4])
-        nb = sw.shape[0]
-        mx = torch.maximum(sw.amax(-1).view(nb * rows, h)[:t], sk)  # [T, H]
-        if has_glob:
-            mx = torch.maximum(mx, sg.amax(-1))
-            eg = torch.exp(sg - mx[..., None])
-        mxp = mx if nb * rows == t else torch.cat((mx, mx.new_zeros(nb * rows - t, h)))
-        ew = torch.exp(sw - mxp.view(nb, rows, h, 1))
-        denom = ew.sum(-1).view(nb * rows, h)[:t] + torch.exp(sk - mx)
-        o = torch.bmm(ew.view(nb, rows * h, -1), keys).view(nb * rows, h, d)[:t]
-        if has_glob:
-            denom = denom + eg.sum(-1)
-            o = o + torch.bmm(eg, gk)
-        return (o / denom[..., None]).to(q.dtype)
+        o = _uniform_attention(
+            qf,
+            kvw,
+            win_idx.shape[1],
+            plan[3],
+            plan[5],
+            plan[4],
+            sink.float(),
+            sg if has_glob else None,
+            gk if has_glob else None,
+        )
+        return o.to(q.dtype)
     out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
     wmax = int(count.max()) if t else 0
     blk = _BAND_ROWS
