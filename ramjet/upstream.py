@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import socket
 import ssl
 import time
@@ -35,6 +36,10 @@ from yarl import URL
 
 _MAX_HEAD_BYTES = 64 * 1024
 """A response head (status line and headers) longer than this is refused."""
+_MAX_HEADERS = 256
+"""A response head with more header lines than this is refused."""
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""A header name (RFC 9110 token)."""
 
 
 class UpstreamConnectError(OSError):
@@ -233,24 +238,25 @@ class _Conn(asyncio.Protocol):
             self._close()
             return
         buf = self._buf + data if self._buf else data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > _MAX_HEAD_BYTES:
-                self._fail_head("response head too large")
-            else:
-                self._buf = buf
-            return
-        self._buf = b""
-        try:
-            resp = self._parse_head(buf[:end])
-        except (ValueError, UnicodeDecodeError) as exc:
-            self._fail_head(f"malformed response head: {exc}")
-            return
-        if resp is None:  # 1xx: wait for the real head
-            rest = buf[end + 4 :]
-            if rest:
-                self.data_received(rest)
-            return
+        while True:  # interim (1xx) heads are skipped: a loop, since one read may hold many
+            end = buf.find(b"\r\n\r\n")
+            if end < 0 or end > _MAX_HEAD_BYTES:
+                if len(buf) > _MAX_HEAD_BYTES:
+                    self._fail_head("response head too large")
+                else:
+                    self._buf = buf
+                return
+            self._buf = b""
+            try:
+                resp = self._parse_head(buf[:end])
+            except (ValueError, UnicodeDecodeError) as exc:
+                self._fail_head(f"malformed response head: {exc}")
+                return
+            if resp is not None:
+                break
+            buf = buf[end + 4 :]
+            if not buf:
+                return
         w, self._head_waiter = self._head_waiter, None
         self._resp = resp
         if not w.done():
@@ -266,23 +272,32 @@ class _Conn(asyncio.Protocol):
     # -- parsing ----------------------------------------------------------------------
 
     def _parse_head(self, head: bytes) -> UpstreamResponse | None:
+        # A CR or LF other than a line's CRLF, or a NUL, would reach the client's response
+        # as written (response splitting): refused, as are bare-LF line ends.
+        crlf = head.count(b"\r\n")
+        if head.count(b"\r") != crlf or head.count(b"\n") != crlf or b"\0" in head:
+            raise ValueError("CR, LF or NUL inside a line")
+        if crlf >= _MAX_HEADERS:
+            raise ValueError(f"more than {_MAX_HEADERS} header lines")
         lines = head.decode("utf-8", "surrogateescape").split("\r\n")
         version, _, rest = lines[0].partition(" ")
         code, _, reason = rest.partition(" ")
-        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+        if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isascii() or not code.isdigit():
             raise ValueError(repr(lines[0][:80]))
         status = int(code)
+        if not 100 <= status <= 599 or len(code) != 3 or status == 101:
+            raise ValueError(repr(lines[0][:80]))  # 101: no upgrade was asked for
         headers: CIMultiDict[str] = CIMultiDict()
         for line in lines[1:]:
             name, sep, value = line.partition(":")
-            if not sep or not name or name != name.strip():
+            if not sep or _TOKEN.fullmatch(name) is None:
                 raise ValueError(f"bad header line {line[:80]!r}")
             headers.add(name, value.strip())
-        if 100 <= status < 200:
+        if status < 200:
             return None
-        conn_tokens = headers.get("Connection", "").lower()
+        conn_tokens = ",".join(headers.getall("Connection", ())).lower()
         self._keep_alive = version == "HTTP/1.1" and "close" not in conn_tokens
-        te = headers.get("Transfer-Encoding")
+        te = ",".join(headers.getall("Transfer-Encoding", ())) or None
         length: int | None = None
         self._chunked = self._until_close = self._trailers = False
         self._chunk_left = 0
@@ -293,9 +308,11 @@ class _Conn(asyncio.Protocol):
                 raise ValueError(f"unsupported Transfer-Encoding {te!r}")
             self._chunked = True
             self._remaining = -1
+            if "Content-Length" in headers:  # both framings: a smuggling attempt or a bug
+                self._keep_alive = False
         elif "Content-Length" in headers:
             cl = headers["Content-Length"]
-            if not cl.isdigit() or len(headers.getall("Content-Length")) > 1:
+            if not (cl.isascii() and cl.isdigit()) or len(headers.getall("Content-Length")) > 1:
                 raise ValueError(f"bad Content-Length {cl!r}")
             length = int(cl)
             self._remaining = length
@@ -405,7 +422,15 @@ class _Conn(asyncio.Protocol):
             self.transport.resume_reading()
         if resp is not None:
             resp._end()
-        if self._keep_alive and not self._closed:
+        # Part of the request still unsent: the engine answered without reading it all,
+        # and what it reads next would be the rest of that body, not our next request.
+        t = self.transport
+        if (
+            self._keep_alive
+            and not self._closed
+            and t is not None
+            and not t.get_write_buffer_size()
+        ):
             self.pool._release(self)
         else:
             self._close()

@@ -207,3 +207,113 @@ async def test_idle_limit_applies_to_each_wait(closing: list[object]) -> None:
     assert t1 - t0 > 0.2  # the limit is per wait, not per response
     assert 0.15 < loop.time() - t1 < 1.0
     resp.close()
+
+
+# -- a hostile or buggy engine ------------------------------------------------------------
+
+
+def _answer_with(wire: bytes) -> Handler:
+    """Answers each request on a connection with `wire`."""
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await _read_request(r)
+                w.write(wire)
+                await w.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+
+    return handler
+
+
+_OK_TAIL = b"Content-Length: 2\r\n\r\nok"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 200 OK\r\nX-A: a\nSet-Cookie: evil=1\r\n",  # bare LF: response splitting
+        b"HTTP/1.1 200 OK\r\nX-A: a\rSet-Cookie: evil=1\r\n",  # bare CR
+        b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\n",  # NUL
+        b"HTTP/1.1 200 OK\nSet-Cookie: evil=1\r\n",  # LF in the reason
+        b"HTTP/1.1 200 OK\r\nX A: 1\r\n",  # not a token
+        b"HTTP/1.1 099 Low\r\n",
+        b"HTTP/1.1 600 High\r\n",
+        b"HTTP/1.10 200 OK\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\nHTTP/1.1 200 OK\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"X-B: 1\r\n" * 1000,  # too many header lines
+        b"HTTP/1.1 200 OK\r\nX-Big: " + b"b" * 70_000 + b"\r\n",  # head past the limit
+    ],
+)
+async def test_a_malformed_head_is_refused(head: bytes, closing: list[object]) -> None:
+    srv, url, _ = await _serve(_answer_with(head + _OK_TAIL))
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    with pytest.raises(UpstreamClosed):
+        await _body(pool)
+
+
+async def test_many_interim_responses_in_one_read(closing: list[object]) -> None:
+    wire = b"HTTP/1.1 100 Continue\r\n\r\n" * 20_000 + b"HTTP/1.1 200 OK\r\n" + _OK_TAIL
+    srv, url, _ = await _serve(_answer_with(wire))
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    assert await _body(pool) == (200, b"ok")
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        # Both framings: chunked wins, and the connection is not trusted again.
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nConnection: close\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n",
+    ],
+)
+async def test_a_suspect_connection_is_not_reused(head: bytes, closing: list[object]) -> None:
+    srv, url, conns = await _serve(_answer_with(head + b"2\r\nok\r\n0\r\n\r\n"))
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    assert await _body(pool) == (200, b"ok")
+    assert await _body(pool) == (200, b"ok")
+    assert conns[0] == 2
+
+
+async def test_a_huge_chunk_size_streams_and_a_cut_is_an_error(closing: list[object]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 40 + b"\r\nab")
+        await w.drain()
+
+    srv, url, _ = await _serve(handler)
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    resp = await pool.request("POST", "/", [], b"")
+    try:
+        assert await resp.readany() == b"ab"
+        with pytest.raises(UpstreamClosed):
+            await resp.readany(2.0)
+    finally:
+        resp.close()
+
+
+async def test_an_answer_before_the_body_was_sent_retires_the_connection(
+    closing: list[object],
+) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")  # the head only: answers before taking the body
+        w.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 2\r\n\r\nno")
+        await w.drain()
+        while await r.read(1 << 20):  # then drains what it is sent, answering nothing more
+            pass
+
+    srv, url, conns = await _serve(handler)
+    pool = EnginePool(url, limit=4, connect_s=1.0)
+    closing += [pool, srv]
+    async with asyncio.timeout(5):
+        # More than loopback's socket buffers hold: part of it is still ours to write.
+        assert await _body(pool, b"x" * (32 << 20)) == (413, b"no")
+        assert await _body(pool) == (413, b"no")  # not queued behind the first body
+    assert conns[0] == 2
