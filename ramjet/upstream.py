@@ -197,6 +197,12 @@ class _Conn(asyncio.Protocol):
         # Response state: waiting for the head, then the body in one of three framings.
         self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
         self._buf = b""
+        # A head that came in pieces: the pieces, their length, the last 3 bytes. One copy
+        # and one scan per piece, not of all so far (a 60 KB head sent a byte at a time
+        # cost ~1 s of CPU that way).
+        self._head_parts: list[bytes] = []
+        self._head_len = 0
+        self._head_tail = b""
         self._resp: UpstreamResponse | None = None
         self._keep_alive = True
         self._remaining = -1  # Content-Length bytes still due; -1: not length-framed
@@ -237,16 +243,30 @@ class _Conn(asyncio.Protocol):
         if self._head_waiter is None:  # nothing asked for: not HTTP as we speak it
             self._close()
             return
-        buf = self._buf + data if self._buf else data
+        if self._head_parts:
+            probe = self._head_tail + data
+            self._head_parts.append(data)
+            self._head_len += len(data)
+            if probe.find(b"\r\n\r\n") < 0:
+                if self._head_len > _MAX_HEAD_BYTES:
+                    self._fail_head("response head too large")
+                else:
+                    self._head_tail = probe[-3:]
+                return
+            buf = b"".join(self._head_parts)
+            self._head_parts = []
+        else:
+            buf = data
         while True:  # interim (1xx) heads are skipped: a loop, since one read may hold many
             end = buf.find(b"\r\n\r\n")
             if end < 0 or end > _MAX_HEAD_BYTES:
                 if len(buf) > _MAX_HEAD_BYTES:
                     self._fail_head("response head too large")
                 else:
-                    self._buf = buf
+                    self._head_parts = [buf]
+                    self._head_len = len(buf)
+                    self._head_tail = buf[-3:]
                 return
-            self._buf = b""
             try:
                 resp = self._parse_head(buf[:end])
             except (ValueError, UnicodeDecodeError) as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -317,3 +318,41 @@ async def test_an_answer_before_the_body_was_sent_retires_the_connection(
         assert await _body(pool, b"x" * (32 << 20)) == (413, b"no")
         assert await _body(pool) == (413, b"no")  # not queued behind the first body
     assert conns[0] == 2
+
+
+class _Wire:
+    """The transport seam of one `_Conn`: takes writes, holds nothing."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+async def test_a_head_sent_a_byte_at_a_time_costs_linear_cpu() -> None:
+    from ramjet.upstream import _Conn
+
+    pool = EnginePool("http://127.0.0.1:9", limit=1, connect_s=1.0)
+    conn = _Conn(pool)
+    conn.connection_made(_Wire())  # type: ignore[arg-type]
+    head = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 60_000 + b"\r\nContent-Length: 2\r\n\r\n"
+    answer = conn.send(b"")
+    t0 = time.process_time()
+    for i in range(len(head)):
+        conn.data_received(head[i : i + 1])
+    cpu_s = time.process_time() - t0
+    resp = answer.result()
+    conn.data_received(b"ok")
+    assert (resp.status, len(resp.headers["X-Pad"]), resp.read_nowait()) == (200, 60_000, b"ok")
+    assert cpu_s < 0.4  # ~0.04 s; copying and scanning the whole head per byte: ~1 s
+    await pool.close()
