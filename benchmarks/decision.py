@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
@@ -162,12 +163,10 @@ async def router_cpu_per_request(
         async with aiohttp.ClientSession() as s:
             deadline = time.monotonic() + 30
             while True:
-                try:
+                with contextlib.suppress(aiohttp.ClientError):  # not listening yet
                     async with s.get(f"http://127.0.0.1:{port}/healthz") as r:
                         if r.status == 200:
                             break
-                except aiohttp.ClientError:
-                    pass
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError("router did not start")
                 await asyncio.sleep(0.1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -121,11 +122,9 @@ def cpu_seconds(pids: list[int]) -> float:
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError, IndexError):  # the process has already exited
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError):
-            pass
     return total
 
 

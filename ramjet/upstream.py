@@ -544,10 +544,8 @@ class EnginePool:
     def _gone(self, conn: _Conn) -> None:
         if conn in self._open:
             self._open.discard(conn)
-            try:
+            if conn in self._idle:
                 self._idle.remove(conn)
-            except ValueError:
-                pass
             self._wake_one()
 
     def _wake_one(self) -> None:

@@ -41,6 +41,7 @@ of the fetch jobs; ``wait_seconds`` = time the forward blocked for rows (exposed
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -256,10 +257,9 @@ class EngramFetch:
         self._finished = True
         for fut in self.futures.values():
             if not fut.cancel():
-                try:
+                # the pass is already failing; its error is the one to see, not the fetch's
+                with contextlib.suppress(Exception):
                     self._done.append(fut.result())
-                except Exception:  # the pass is already failing; its error is the one to see
-                    pass
         self.futures.clear()
         self.pf._account(self._done, self._waited)
 

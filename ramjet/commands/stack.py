@@ -102,7 +102,7 @@ def _wait_ready(what: str, child: subprocess.Popen[bytes], ready: object, timeou
 
 
 class _Stop(Exception):
-    pass
+    """SIGINT/SIGTERM reached the stack: stop every child, then exit."""
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:

@@ -60,7 +60,7 @@ class _Rotor:
 
 
 class RoundRobinParams(_Params):
-    pass
+    """round_robin takes no parameters (any key is an error naming its path)."""
 
 
 class RoundRobin:

@@ -50,7 +50,7 @@ _STATUS = {Reason.OVERSIZE: 413, Reason.RATE_LIMITED: 429}
 
 
 class ResponseTooLarge(Exception):
-    pass
+    """An engine's reports response exceeded the size cap; nothing of it was parsed."""
 
 
 async def _read_limited(stream: aiohttp.StreamReader, limit: int) -> bytes:

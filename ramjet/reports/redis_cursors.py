@@ -245,8 +245,9 @@ class SharedReports:
         while not self._stopping:
             try:
                 await self.sync_once()
-            except RedisUnavailable:
-                pass
+            except RedisUnavailable:  # fail open: the link counts it; the next tick retries
+                await asyncio.sleep(every)
+                continue
             except Exception:
                 log.exception("shared report state sync failed")
             await asyncio.sleep(every)

@@ -103,7 +103,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    pass
+    """The engine dropped every block of every medium (it carries no fields)."""
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
