@@ -43,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 from fake_upstream import FakeUpstream
 from prefix_keys import make_body
 
-from ramjet.parsing import ParseLimits, parse_request, to_request_view
+from ramjet.keys.prefix import compute_keys, key_seed, render_chat
 from ramjet.policy.base import EngineLoad, EngineView, FleetStats
 from ramjet.policy.baselines import PrefixAffinity
 from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.tier_aware import TierAware
-from ramjet.prefix import compute_keys, key_seed, render_chat
+from ramjet.request.parse import ParseLimits, parse_request, to_request_view
 from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId
 

@@ -31,11 +31,11 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 from redis_server import redis_server
 
-from ramjet.parsing import ParseLimits, parse_request, to_request_view
 from ramjet.policy.base import EngineLoad, EngineView, FleetStats, RequestView
 from ramjet.policy.registry import create_policy
-from ramjet.redis_link import RedisLink, RedisSettings
+from ramjet.request.parse import ParseLimits, parse_request, to_request_view
 from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.redis_link import RedisLink, RedisSettings
 from ramjet.residency.redis_scripts import EngineKeys, key16
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.store import Table

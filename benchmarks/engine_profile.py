@@ -32,7 +32,7 @@ from engine_stub.profiler import Profiler
 from engine_stub.prompt_cache import PromptCache
 from engine_stub.request import PromptWork
 from engine_stub.swa_pool import SWAPool
-from ramjet.prefix import compute_keys, key_seed, render_chat
+from ramjet.keys.prefix import compute_keys, key_seed, render_chat
 
 
 def session(turns: int) -> list[list[dict[str, str]]]:

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from ramjet.malloc_tuning import tune_malloc
-from ramjet.parsing import ParseLimits, parse_request
-from ramjet.prefix import compute_keys, key_seed, render_chat
+from ramjet.keys.prefix import compute_keys, key_seed, render_chat
+from ramjet.request.parse import ParseLimits, parse_request
+from ramjet.runtime.malloc import tune_malloc
 
 PATH = "/v1/chat/completions"
 LIMITS = ParseLimits(max_body_bytes=64 << 20)

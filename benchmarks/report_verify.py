@@ -37,7 +37,9 @@ from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
 
+from ramjet.app.server import RouterServer
 from ramjet.config import parse_policy
+from ramjet.fleet.signals import REPORTS_KEY
 from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body
 from ramjet.reports.config import ReportsConfig
 from ramjet.reports.envelope import Envelope, decode, sign
@@ -46,8 +48,6 @@ from ramjet.reports.keys import KeyRing, public_key_b64
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.publisher import ReportPublisher
 from ramjet.residency.tables import ResidencyTables
-from ramjet.router_reports import REPORTS_KEY
-from ramjet.server import RouterServer
 from ramjet.types import EngineId, PrefixKey
 
 E0 = EngineId("e0")

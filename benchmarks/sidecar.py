@@ -34,15 +34,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine_stub.vllm_events import ZmqEventPublisher
+from ramjet.app.server import RouterServer
 from ramjet.config import parse_policy
+from ramjet.keys.tokens import chain_keys, token_key_seed
 from ramjet.reports.bodies import DeltaBuilder
 from ramjet.residency.store import MemoryStore, Table
 from ramjet.residency.tables import ResidencyTables
-from ramjet.server import RouterServer
 from ramjet.sidecar.runner import Sidecar, SidecarSettings
 from ramjet.sidecar.tracker import VLLM_MEDIA, ResidencyTracker
 from ramjet.sidecar.wire import BlockStored, EventBatch, decode_batch, encode_batch
-from ramjet.tokens import chain_keys, token_key_seed
 from ramjet.types import EngineId
 
 B = 16

@@ -3,7 +3,7 @@ three real tiers.
 
 Each entry is the model's serialized global state for one block of `block_tokens` tokens
 (`MiniV4.export_global(state, start, start + block_tokens)`), keyed by the chained block
-key of `ramjet.prefix.compute_keys` for the same bytes (the tokenizer is byte-level, so a
+key of `ramjet.keys.prefix.compute_keys` for the same bytes (the tokenizer is byte-level, so a
 token block is a key block).
 
 Tiers (`ramjet.types.Tier`), each with a capacity in tokens:

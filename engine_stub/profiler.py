@@ -1,5 +1,5 @@
 """The engine's profiler: measures, on the machine it runs on, the figures the router's cost
-model predicts TTFT from, as a `ramjet.profile.EngineProfile`.
+model predicts TTFT from, as a `ramjet.policy.profile.EngineProfile`.
 
 - Prefill curve: one sequence is grown through context lengths c_0 < c_1 < ...; at each
   c_i, prefilling `probe` new tokens is timed, giving seconds per token at c_i. The fixed
@@ -29,7 +29,7 @@ from typing import Any
 
 from engine_stub.kvstore import GlobalKVStore
 from engine_stub.speculation import Speculator
-from ramjet.profile import CurvePoint, EngineProfile, TierCost
+from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 from ramjet.types import PrefixKey, Tier
 
 _MODES: dict[str, dict[str, Any]] = {

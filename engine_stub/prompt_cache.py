@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 from engine_stub.kvstore import GlobalKVStore
 from engine_stub.swa_pool import SWAPool
-from ramjet.prefix import PrefixKeys
-from ramjet.prompt_work import PromptWork
+from ramjet.decisions.prompt_work import PromptWork
+from ramjet.keys.prefix import PrefixKeys
 
 
 class CacheableModel(Protocol):

@@ -28,7 +28,7 @@ from engine_stub.engine import Engine
 from engine_stub.events import CacheEvent
 from ramjet.reports.bodies import DeltaBuilder, LoadBody, SwaStates, TierKeys
 from ramjet.reports.publisher import ReportPublisher
-from ramjet.tasks import cancel_and_wait
+from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.types import EngineId, PrefixKey
 
 log = logging.getLogger("engine_stub.reports")

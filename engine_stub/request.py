@@ -1,5 +1,5 @@
 """One generation request inside the engine: its prompt (tokens and router keys), its
-sampling parameters, what restoring its prompt cost (`ramjet.prompt_work.PromptWork`, the
+sampling parameters, what restoring its prompt cost (`ramjet.decisions.prompt_work.PromptWork`, the
 `usage.prompt_work` schema the router reads), and the channel its tokens flow back through.
 
 Threads. The server creates a `Request` on the event loop and hands it to the scheduler;
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ramjet.prefix import PrefixKeys
-from ramjet.prompt_work import PromptWork
+from ramjet.decisions.prompt_work import PromptWork
+from ramjet.keys.prefix import PrefixKeys
 
 _ids = itertools.count(1)
 

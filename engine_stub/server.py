@@ -7,7 +7,7 @@ Routes:
   `prompt_tokens_details.cached_tokens` and `prompt_work` (where the prompt came from and
   what it cost); in a stream, the final chunk carries it.
 - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `GET /profile`
-  (`ramjet.profile.EngineProfile` as JSON), `GET /load`, `GET /cache` (resident keys).
+  (`ramjet.policy.profile.EngineProfile` as JSON), `GET /load`, `GET /cache` (resident keys).
 Every response carries `X-Engine-Id` and `X-Engine-Epoch`. Errors are OpenAI-style
 `{"error": {"message", "type", "param", "code"}}`; a full queue is 503 with Retry-After.
 
@@ -32,8 +32,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from engine_stub.engine import Engine
 from engine_stub.request import Request, SamplingParams
 from engine_stub.scheduler import QueueFull
-from ramjet.prefix import PromptError, Rendered, compute_keys, render_chat, render_completion
-from ramjet.tasks import cancel_and_wait
+from ramjet.keys.prefix import PromptError, Rendered, compute_keys, render_chat, render_completion
+from ramjet.runtime.tasks import cancel_and_wait
 
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("engine", Engine)
 

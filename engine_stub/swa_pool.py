@@ -9,7 +9,7 @@ global KV: the pool keeps it in host memory under
   entries ("capacity");
 - an idle TTL (default 60 s): an entry not used for `ttl_s` expires ("ttl").
 
-Entries are keyed by the boundary key (`ramjet.prefix.compute_keys(...).boundaries`) of the
+Entries are keyed by the boundary key (`ramjet.keys.prefix.compute_keys(...).boundaries`) of the
 prompt's end, so the router's SWA table and the engine agree on names. A later request
 whose rendering passes through that boundary resumes from it without replay.
 

@@ -23,10 +23,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ramjet.keymodes import KeyPoolConfig, check_pools
-from ramjet.redis_link import StoreConfig
+from ramjet.keys.pools import KeyPoolConfig, check_pools
 from ramjet.reports.config import KeysConfig, ReportsConfig
 from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.redis_link import StoreConfig
 
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _URL = re.compile(r"^https?://[^/\s?#]+(:\d+)?/?$")
@@ -152,7 +152,7 @@ class LoggingConfig(_Frozen):
     level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
     decisions_path: str | None = None
-    """JSON-lines decision log (`ramjet.decisions`); None disables it."""
+    """JSON-lines decision log (`ramjet.decisions.log`); None disables it."""
     decisions_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     """The log rotates before a line would take it past this size."""
     decisions_backups: int = Field(default=5, ge=0)
@@ -185,7 +185,7 @@ class PolicyConfig(_Frozen):
     keys: KeysConfig = KeysConfig()
     """Engines' report public keys and retired key ids (`ramjet.reports.config`)."""
     key_pools: tuple[KeyPoolConfig, ...] = ()
-    """Key mode per engine pool: text or token-block keys (`ramjet.keymodes`)."""
+    """Key mode per engine pool: text or token-block keys (`ramjet.keys.pools`)."""
 
     @field_validator("mode", mode="before")
     @classmethod

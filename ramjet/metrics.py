@@ -28,12 +28,12 @@ _LATENCY_BUCKETS = (
 UPSTREAM_ERROR_KINDS = (
     "connect", "first_byte_timeout", "idle_timeout", "disconnect", "status_5xx", "backpressure",
 )  # fmt: skip
-"""The `kind` values of `ramjet_upstream_errors_total` (`ramjet.proxy`)."""
+"""The `kind` values of `ramjet_upstream_errors_total` (`ramjet.proxy.forward`)."""
 POLICY_ERROR_KINDS = {
     "candidate": ("raised", "invalid", "slow", "skipped"),
     "incumbent": ("raised", "invalid"),
 }
-"""The (`role`, `kind`) series of `ramjet_policy_errors_total` (`ramjet.modes`)."""
+"""The (`role`, `kind`) series of `ramjet_policy_errors_total` (`ramjet.app.modes`)."""
 
 
 class Children(Generic[M]):
@@ -71,7 +71,7 @@ class RouterMetrics:
             registry=r,
         )
         # Agreement is `ramjet_policy_compared_total` / `ramjet_policy_agreed_total` by mode
-        # (`ramjet.accounting`): one pair, counted for every mode.
+        # (`ramjet.decisions.accounting`): one pair, counted for every mode.
         self.policy_errors = Counter(
             "ramjet_policy_errors_total",
             "Policy picks that failed and were contained, by role (candidate, incumbent) and "

@@ -13,7 +13,7 @@ EngineId = NewType("EngineId", str)
 """Operator-chosen name of an engine, unique within a policy file (e.g. "e0")."""
 
 PrefixKey = NewType("PrefixKey", int)
-"""A 64-bit chained xxh3 key of a prompt prefix (see `ramjet.prefix`), 0 <= key < 2**64."""
+"""A 64-bit chained xxh3 key of a prompt prefix (see `ramjet.keys.prefix`), 0 <= key < 2**64."""
 
 Epoch = NewType("Epoch", int)
 """An engine's incarnation. Changes whenever the engine restarts and loses volatile state."""

@@ -1,7 +1,7 @@
 """Write or check the prefix-key test vectors (`tests/vectors/prefix_keys.json`).
 
     python scripts/gen_prefix_vectors.py            # write the file if it does not exist
-    python scripts/gen_prefix_vectors.py --check    # exit 1 if the file differs from ramjet.prefix
+    python scripts/gen_prefix_vectors.py --check    # exit 1 if the file differs from ramjet.keys.prefix
     python scripts/gen_prefix_vectors.py --force    # overwrite (only with a SPEC_VERSION bump)
 
 The vectors pin the specification (`docs/prefix-keys.md`): a change to the rendering or
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ramjet.prefix import (
+from ramjet.keys.prefix import (
     BLOCK_BYTES,
     SPEC_VERSION,
     compute_keys,
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         if existing == text:
             print(f"{args.out}: up to date ({len(build()['cases'])} cases)")
             return 0
-        print(f"{args.out}: DIFFERS from ramjet.prefix (or is missing)", file=sys.stderr)
+        print(f"{args.out}: DIFFERS from ramjet.keys.prefix (or is missing)", file=sys.stderr)
         return 1
     if existing is not None and existing != text and not args.force:
         print(

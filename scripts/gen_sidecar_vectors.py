@@ -1,7 +1,7 @@
 """Write (or --check) the test vectors of token-block keys, engine block hashes and KV
 event messages: `tests/vectors/token_keys.json` and `tests/vectors/kv_events.json`.
 
-Token keys follow `docs/prefix-keys.md` section 7 (`ramjet.tokens`); engine hashes the
+Token keys follow `docs/prefix-keys.md` section 7 (`ramjet.keys.tokens`); engine hashes the
 engines' documented algorithms (`ramjet.sidecar.engine_hashes`); event messages the wire
 format of `ramjet.sidecar.wire` (both encodings, both replay framings), plus `tolerance`:
 batches as a newer engine might send them (extra fields, an unknown event type, one
@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from ramjet.keys.tokens import compute_token_keys, token_key_seed
 from ramjet.sidecar.engine_hashes import (
     VLLM_HASH_ALGOS,
     cbor_canonical,
@@ -38,7 +39,6 @@ from ramjet.sidecar.wire import (
     live_frames,
     replay_frames,
 )
-from ramjet.tokens import compute_token_keys, token_key_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = [1, 22, 333, 4444, 55555, 666666, 7777777, 2**32 - 1, 0, 9, 10, 11, 12]

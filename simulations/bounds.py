@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ramjet.policy.base import GlobalMatch
 from ramjet.policy.cost import prompt_work
-from ramjet.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile
 from ramjet.types import PrefixKey
 from simulations.workload import Request
 

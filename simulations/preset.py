@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE
-from ramjet.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile
 from simulations.plan import Deployment
 
 PRESETS = ("v41-flash-tp4-rtx6000",)

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from ramjet.decision_summary import cached_error, estimated_gain, load, table, ttft_error
+from ramjet.decisions.summary import cached_error, estimated_gain, load, table, ttft_error
 
 _COLUMNS = (
     ("wait_s", "wait_s"),

@@ -1,6 +1,6 @@
 """`ramjet report LOG [LOG...] [--rotated] [--plot PNG]`: the promotion summary of a
 decision log: agreement, TTFT and cached-token prediction error percentiles, estimated
-gain, by UTC hour and overall (`ramjet.decision_summary`), as a table; and a plot of
+gain, by UTC hour and overall (`ramjet.decisions.summary`), as a table; and a plot of
 predicted vs realized TTFT (matplotlib with the Agg backend, imported only here, so the
 router never needs it). Exit 1 if the log holds no decision lines, 2 if it cannot be read.
 """
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ramjet.decision_summary import load, predicted, summarize, table
+from ramjet.decisions.summary import load, predicted, summarize, table
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -30,7 +30,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     import uvloop
 
-    from ramjet.server import serve
+    from ramjet.app.server import serve
 
     try:
         uvloop.run(serve(config, args.host, args.port, policy_path=args.policy))

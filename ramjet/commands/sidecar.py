@@ -20,7 +20,7 @@ import logging
 import signal
 import sys
 
-from ramjet.profile import TierCost
+from ramjet.policy.profile import TierCost
 from ramjet.reports.envelope import ID_PATTERN
 from ramjet.reports.keys import KeyError_, load_private_key
 

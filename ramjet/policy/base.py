@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ramjet.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile
 from ramjet.types import EngineId, PrefixKey, TrustGrade
 
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from ramjet.policy.base import EngineView, FleetStats, GlobalMatch, RequestView
 from ramjet.policy.candidates import outstanding_prompt_tokens
-from ramjet.profile import CurvePoint, EngineProfile, TierCost
+from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 from ramjet.types import EngineId, TrustGrade
 
 V41_FLASH_TP4_ESTIMATE = EngineProfile(

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from ramjet.policy.candidates import eligible
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, EngineEstimate, estimate
-from ramjet.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile
 
 
 class TierAwareParams(BaseModel):

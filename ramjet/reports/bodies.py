@@ -7,7 +7,7 @@ of keys a report can carry (4 MiB -> at most ~390k keys; a million keys need 10.
 and are refused by the size check before anything is parsed). The explicit caps below
 are checked while parsing: a key string is refused by its length before it is decoded.
 
-Keys are the router's prefix keys (`ramjet.prefix`): global KV one key per 256-token
+Keys are the router's prefix keys (`ramjet.keys.prefix`): global KV one key per 256-token
 block, SWA state keyed by message-boundary keys.
 
 - `delta`:   what changed since the previous report (stored, moved, evicted; SWA
@@ -15,7 +15,7 @@ block, SWA state keyed by message-boundary keys.
 - `snapshot`: the engine's whole residency by tier and its live SWA states, consistent
              with exactly the reports up to and including the envelope's `seq`.
 - `load`:    queue and batch figures.
-- `profile`: `ramjet.profile.EngineProfile`, as is.
+- `profile`: `ramjet.policy.profile.EngineProfile`, as is.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 
-from ramjet.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile
 from ramjet.types import PrefixKey, Tier
 
 MAX_KEYS_PER_LIST = 1 << 19
@@ -149,7 +149,7 @@ class LoadBody(_Body):
 
 
 class ProfileBody(EngineProfile):
-    """A `profile` report carries `ramjet.profile.EngineProfile` unchanged."""
+    """A `profile` report carries `ramjet.policy.profile.EngineProfile` unchanged."""
 
     def key_count(self) -> int:
         return 0

@@ -38,7 +38,7 @@ from aiohttp import web
 from ramjet.reports import transport as tp
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.verify import Accepted, Reason, Rejected
-from ramjet.tasks import cancel_and_wait
+from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 SubmitFn = Callable[[bytes, EngineId | None], Awaitable[Accepted | Rejected]]

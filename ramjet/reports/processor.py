@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from ramjet.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile
 from ramjet.reports.bodies import DeltaBody, LoadBody, ProfileBody, SnapshotBody
 from ramjet.reports.config import ReportsConfig
 from ramjet.reports.keys import KeyRing

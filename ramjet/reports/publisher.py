@@ -41,7 +41,7 @@ import aiohttp
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ramjet.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile
 from ramjet.reports import transport as tp
 from ramjet.reports.bodies import (
     Body,
@@ -54,7 +54,7 @@ from ramjet.reports.bodies import (
     profile_body,
 )
 from ramjet.reports.envelope import Envelope, ReportKind, sign
-from ramjet.tasks import cancel_and_wait
+from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)

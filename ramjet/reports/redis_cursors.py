@@ -53,10 +53,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from ramjet.redis_link import LuaScript, RedisLink, RedisUnavailable
 from ramjet.reports.bodies import BodyError, LoadBody, ProfileBody, parse_body
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected
+from ramjet.residency.redis_link import LuaScript, RedisLink, RedisUnavailable
 from ramjet.residency.redis_scripts import EngineKeys
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.tables import ViewMode

@@ -9,7 +9,7 @@
     rt.processor.trust(engine), .load(engine), .profile(engine)
     await rt.stop()
 
-The router builds it through `ramjet.router_reports.attach_reports`.
+The router builds it through `ramjet.fleet.signals.attach_reports`.
 
 Shared verification: when the tables sit over a `RedisStore` (`store.kind: redis`,
 several replicas), the runtime wraps the processor in `SharedReports`
@@ -42,7 +42,7 @@ from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.redis_cursors import SharedReports
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.tables import ResidencyTables
-from ramjet.tasks import cancel_and_wait
+from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 

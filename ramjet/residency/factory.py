@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from ramjet.config import PolicyConfig
-from ramjet.redis_link import RedisLink, RedisUnavailable
+from ramjet.residency.redis_link import RedisLink, RedisUnavailable
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.tables import ResidencyTables
-from ramjet.tasks import cancel_and_wait
+from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import re
 
-from ramjet.redis_link import LuaScript
+from ramjet.residency.redis_link import LuaScript
 from ramjet.types import EngineId
 
 _ENGINE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

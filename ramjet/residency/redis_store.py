@@ -43,8 +43,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ramjet.redis_link import RedisLink, RedisSettings
 from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.redis_link import RedisLink, RedisSettings
 from ramjet.residency.redis_ops import Batch, Clocks, put_op, remove_op, replace_op
 from ramjet.residency.redis_sync import RedisSync, StoreMetrics
 from ramjet.residency.store import Entry, MemoryStore, Table

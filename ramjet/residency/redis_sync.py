@@ -34,7 +34,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ramjet.redis_link import RedisLink, RedisSettings, RedisUnavailable
+from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
 from ramjet.residency.redis_ops import (
     CODE_TABLE,
     Batch,

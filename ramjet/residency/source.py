@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from ramjet.keys.prefix import PrefixKeys
 from ramjet.policy.base import GlobalMatch, ResidencyView
-from ramjet.prefix import PrefixKeys
 from ramjet.residency.pending import PendingTicket
 from ramjet.types import EngineId, PrefixKey
 

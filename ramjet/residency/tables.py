@@ -25,7 +25,7 @@ exists; `GlobalMatch.pending` says how many of the matched HBM tokens are pendin
 
 Longest match. A block key names a whole prefix, so on an engine a resident block
 implies its predecessors are resident. `global_match` binary-searches for the first
-non-resident block (`ramjet.prefix.longest_prefix`, O(log n) lookups), then reads the
+non-resident block (`ramjet.keys.prefix.longest_prefix`, O(log n) lookups), then reads the
 matched blocks once in C-level passes (`ResidencyStore.get_many`, `map`/`compress`, no
 Python loop per block) to split the tokens by tier, stopping at the first hole should
 the table break monotonicity (a lost eviction, a shorter TTL): the result is exactly the
@@ -53,8 +53,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ramjet.keys.prefix import PrefixKeys, longest_prefix
 from ramjet.policy.base import GlobalMatch, ResidencyView
-from ramjet.prefix import PrefixKeys, longest_prefix
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.pending import PendingOverlay, PendingTicket
 from ramjet.residency.store import Entry, ExactStaging, MemoryStore, ResidencyStore, Table

@@ -1,6 +1,6 @@
 """The engines' own block hashes, from their documented algorithms.
 
-Ramjet keys residency by token blocks of its own (`ramjet.tokens`), computed from the
+Ramjet keys residency by token blocks of its own (`ramjet.keys.tokens`), computed from the
 `token_ids` the events carry, and maps each engine hash onto the key of the same block
 (`ramjet.sidecar.tracker`), as llm-d does. These functions recompute the engines'
 hashes from tokens: the sidecar uses them to check that an engine's events describe the

@@ -1,4 +1,4 @@
-"""The engine's profile from timed probe requests (`ramjet.profile.EngineProfile`).
+"""The engine's profile from timed probe requests (`ramjet.policy.profile.EngineProfile`).
 
 vLLM and SGLang publish no cost profile, so the sidecar measures one through the engine's
 own API (`/v1/completions`, `max_tokens` 1, temperature 0), before it serves traffic or
@@ -34,7 +34,7 @@ from typing import Any
 
 import aiohttp
 
-from ramjet.profile import CurvePoint, EngineProfile, TierCost
+from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 
 
 @dataclass(frozen=True, slots=True)

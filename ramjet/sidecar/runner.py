@@ -37,16 +37,16 @@ from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ramjet.profile import EngineProfile, TierCost
+from ramjet.policy.profile import EngineProfile, TierCost
 from ramjet.reports.bodies import DeltaBuilder, LoadBody, SwaStates, TierKeys
 from ramjet.reports.publisher import ReportPublisher
+from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.sidecar.metrics import SidecarMetrics
 from ramjet.sidecar.probe import probe_profile
 from ramjet.sidecar.scrape import LoadScraper
 from ramjet.sidecar.stream import EventStream
 from ramjet.sidecar.tracker import MEDIA, ResidencyTracker
 from ramjet.sidecar.wire import Message
-from ramjet.tasks import cancel_and_wait
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 State, per KV-cache group (`group_idx`; the engines send one event per group):
 - the group's kind, learned from its stores' `kv_cache_spec_kind` (None: full attention);
 - `engine hash -> router key` for every block the group holds: the router key is the
-  token-block key (`ramjet.tokens.chain_keys`) computed from the event's `token_ids`,
+  token-block key (`ramjet.keys.tokens.chain_keys`) computed from the event's `token_ids`,
   chained from the parent block's key (or the seed of the model and adapter for a first
   block), so a later `BlockRemoved` that names only engine hashes resolves;
 - copies per key and tier: a block can be stored more than once (GPU and CPU, or a
@@ -37,9 +37,9 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ramjet.keys.tokens import chain_keys, token_key_seed
 from ramjet.reports.bodies import DeltaBuilder, TierKeys
 from ramjet.sidecar.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
-from ramjet.tokens import chain_keys, token_key_seed
 from ramjet.types import PrefixKey, Tier
 
 VLLM_MEDIA: Mapping[str, Tier] = {"GPU": Tier.HBM, "CPU": Tier.HOST, "STORAGE": Tier.SSD}

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from fake_upstream import FakeUpstream
 
+from ramjet.app.server import RouterServer
 from ramjet.config import PolicyConfig, parse_policy
-from ramjet.decision_record import DecisionRecord
-from ramjet.server import RouterServer
+from ramjet.decisions.record import DecisionRecord
 
 FAST: dict[str, Any] = {
     "timeouts": {

@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from engines import EngineProcess, free_port, http_json
 
+from ramjet.app.server import RouterServer
 from ramjet.config import parse_policy
-from ramjet.decisions import read_log
+from ramjet.decisions.log import read_log
 from ramjet.residency.tables import ResidencyTables
-from ramjet.server import RouterServer
 
 SWA_TTL_S = 6.0
 EXPIRY_PAUSE_S = SWA_TTL_S + 0.5

@@ -25,10 +25,10 @@ from aiohttp import web
 from conftest import Records, router_config
 from fake_upstream import FakeUpstream
 
-from ramjet.decisions import read_log
+from ramjet.app.server import RouterServer
+from ramjet.decisions.log import read_log
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from ramjet.residency.tables import ResidencyTables
-from ramjet.server import RouterServer
 
 SYSTEM = "You are a careful agent. " * 20
 

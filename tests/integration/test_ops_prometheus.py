@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from engines import EngineProcess, free_port
 from redis_server import redis_server
 
+from ramjet.app.server import RouterServer
 from ramjet.config import PolicyConfig, parse_policy
 from ramjet.reports.keys import public_key_b64, write_keypair
 from ramjet.reports.runtime import ReportsRuntime
 from ramjet.residency.factory import ResidencyRuntime, build_residency
-from ramjet.server import RouterServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -14,7 +14,7 @@ from conftest import Records, RouterFactory
 from fake_upstream import Behavior, FakeUpstream
 from proxy_client import CHAT, post
 
-from ramjet.server import RouterServer
+from ramjet.app.server import RouterServer
 
 
 def _metric(router: RouterServer, name: str, labels: dict[str, str] | None = None) -> float:

@@ -13,7 +13,7 @@ from conftest import RouterFactory
 from fake_upstream import FakeUpstream
 from proxy_client import post
 
-from ramjet.server import RouterServer
+from ramjet.app.server import RouterServer
 
 PATH = b"/v1/chat/completions"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()

@@ -13,9 +13,9 @@ from conftest import Records, router_config
 from fake_upstream import Behavior, FakeUpstream
 from proxy_client import post
 
+from ramjet.app.server import RouterServer
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.tables import ResidencyTables, ViewMode
-from ramjet.server import RouterServer
 from ramjet.types import EngineId
 
 SYSTEM = "You are a careful assistant. " * 700  # ~20 KB: a long shared prefix

@@ -19,8 +19,8 @@ from redis.asyncio.cluster import RedisCluster
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from redis_server import RedisProcess, redis_cluster
 
-from ramjet.redis_link import RedisLink, RedisSettings
 from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.redis_link import RedisLink, RedisSettings
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.store import Table
 from ramjet.types import EngineId, PrefixKey, Tier

@@ -32,11 +32,11 @@ from conftest import Records, router_config
 from fake_upstream import FakeUpstream
 from redis_server import RedisProcess, redis_server
 
-from ramjet.parsing import ParseLimits, parse_request, to_request_view
+from ramjet.app.server import RouterServer
 from ramjet.policy.base import EngineLoad, EngineView, FleetStats
 from ramjet.policy.baselines import PrefixAffinity
+from ramjet.request.parse import ParseLimits, parse_request, to_request_view
 from ramjet.residency.factory import ResidencyRuntime, build_residency
-from ramjet.server import RouterServer
 from ramjet.types import EngineId
 
 pytestmark = pytest.mark.redis

@@ -42,14 +42,14 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from redis_server import RedisProcess, free_port, redis_server
 
+from ramjet.app.server import RouterServer
+from ramjet.fleet.signals import REPORTS_KEY
 from ramjet.reports.bodies import DeltaBody, TierKeys, encode_body
 from ramjet.reports.envelope import Envelope, sign
 from ramjet.reports.keys import public_key_b64
 from ramjet.reports.publisher import ReportPublisher
 from ramjet.residency.factory import ResidencyRuntime, build_residency
 from ramjet.residency.store import Table
-from ramjet.router_reports import REPORTS_KEY
-from ramjet.server import RouterServer
 from ramjet.types import EngineId, PrefixKey, TrustGrade
 
 pytestmark = pytest.mark.redis

@@ -32,15 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from engines import EngineProcess, free_port
 
+from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
+from ramjet.fleet.signals import REPORTS_KEY
 from ramjet.reports.bodies import SnapshotBody, parse_body
 from ramjet.reports.envelope import decode, verify_signature
 from ramjet.reports.keys import load_private_key, write_keypair
 from ramjet.reports.runtime import ReportsRuntime
 from ramjet.residency.store import MemoryStore, Table
 from ramjet.residency.tables import ResidencyTables
-from ramjet.router_reports import REPORTS_KEY
-from ramjet.server import RouterServer
 from ramjet.types import EngineId
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,14 +26,14 @@ from conftest import Records, router_config
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fake_upstream import FakeUpstream
 
-from ramjet.parsing import ParseLimits, parse_request
+from ramjet.app.server import RouterServer
+from ramjet.fleet.signals import REPORTS_KEY
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE
 from ramjet.reports.bodies import DeltaBody, LoadBody, TierKeys, encode_body
 from ramjet.reports.envelope import Envelope, sign
 from ramjet.reports.keys import public_key_b64
 from ramjet.reports.publisher import ReportPublisher
-from ramjet.router_reports import REPORTS_KEY
-from ramjet.server import RouterServer
+from ramjet.request.parse import ParseLimits, parse_request
 from ramjet.types import EngineId, PrefixKey, TrustGrade
 
 E0 = EngineId("e0")

@@ -35,14 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from engines import REPO, EngineProcess, free_port
 
+from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
-from ramjet.prefix import compute_keys, key_seed, render_chat
+from ramjet.keys.prefix import compute_keys, key_seed, render_chat
+from ramjet.keys.tokens import compute_token_keys, token_key_seed
 from ramjet.reports.bodies import DeltaBody, encode_body
 from ramjet.reports.envelope import Envelope, sign
 from ramjet.residency.store import MemoryStore, Table
 from ramjet.residency.tables import ResidencyTables
-from ramjet.server import RouterServer
-from ramjet.tokens import compute_token_keys, token_key_seed
 from ramjet.types import EngineId
 
 pytestmark = pytest.mark.timeout(90)

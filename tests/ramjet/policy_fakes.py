@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ramjet.policy.base import EngineLoad, EngineView, GlobalMatch, RequestView
-from ramjet.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile
 from ramjet.types import EngineId, PrefixKey, TrustGrade
 
 

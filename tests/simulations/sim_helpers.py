@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ramjet.profile import CurvePoint, EngineProfile, TierCost
+from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 from simulations.preset import EngineSpec
 from simulations.workload import Request, chain_keys, finish
 

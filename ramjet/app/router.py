@@ -1,0 +1,370 @@
+"""The request path: admit → read body → parse once → views → policies → mode → forward
+→ account.
+
+1. Admission: while draining, or when `limits.max_concurrent` requests are forwarding
+   and `limits.queue` more are waiting, a request is refused at once with 503 and
+   Retry-After; a queued one waits at most `limits.queue_timeout_s`.
+2. The body is read up to `limits.max_body_bytes` (a declared Content-Length over it is
+   refused before reading anything; a chunked body is cut off as soon as it passes it),
+   then parsed once (`ramjet.request.parse`). Steps 1-2 are `ramjet.request.admission`. Every refusal is an OpenAI error object; nothing
+   is forwarded.
+3. Views: `RequestView` from the parse; one `EngineView` per engine serving the model,
+   `healthy` meaning routable now (probe ok, not ejected, not backing off; all engines
+   in panic), load from the router's in-flight counters merged with the engine's signed
+   load report, trust and profile from its reports (`router.signals`, set by
+   `ramjet.fleet.signals`), residency from the tables (`ramjet.fleet.views`).
+4. The mode runner (`ramjet.app.modes`) asks the policies and fixes the live pick.
+5. `ramjet.proxy.forward` forwards; a retry goes to the least-loaded routable engine not tried.
+   As it forwards, the prompt's blocks become pending residency on the engine
+   (`ResidencySource.add_pending`) until its report confirms them or the forward fails,
+   and the engine's in-flight prompt tokens count the prompt's predicted uncached tokens
+   there (`ramjet.policy.candidates.uncached_prompt_tokens`), not the whole prompt.
+6. On the end, the routed prefix is recorded as approximate residency, metrics are
+   updated and a `DecisionRecord` goes to the `DecisionSink`: `ramjet.decisions.accounting`,
+   which measures it, logs it (`ramjet.decisions.log`), feeds the mean wait back into
+   `FleetStats`, then passes it to the sink given to the router, if any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
+from ramjet.config import PolicyConfig
+from ramjet.decisions.accounting import Accounting
+from ramjet.decisions.record import DecisionRecord, DecisionSink
+from ramjet.fleet.engines import EngineState, Fleet, HealthProber
+from ramjet.fleet.signals import EngineSignals, NoSignals
+from ramjet.fleet.views import engine_views, fleet_stats, retry_engine
+from ramjet.keys.pools import KeyPools
+from ramjet.metrics import RouterMetrics
+from ramjet.policy.base import EngineView
+from ramjet.policy.candidates import uncached_prompt_tokens
+from ramjet.policy.registry import create_policy
+from ramjet.proxy.exchange import Exchange, ForwardResult
+from ramjet.proxy.forward import Proxy
+from ramjet.request.admission import Admission, reject
+from ramjet.request.openai_errors import json_error
+from ramjet.request.parse import (
+    ParsedRequest,
+    ParseLimits,
+    RequestError,
+    parse_request,
+    to_request_view,
+)
+from ramjet.residency.source import NoResidency, ResidencySource
+from ramjet.types import EngineId
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(
+        self,
+        config: PolicyConfig,
+        *,
+        metrics: RouterMetrics | None = None,
+        residency: ResidencySource | None = None,
+        sink: DecisionSink | None = None,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or RouterMetrics()
+        self.residency: ResidencySource = residency or NoResidency()
+        self.signals: EngineSignals = NoSignals()
+        self.clock = clock
+        lg = config.logging
+        self.accounting = Accounting(
+            self.metrics.registry,
+            log_path=lg.decisions_path,
+            log_max_bytes=lg.decisions_max_bytes,
+            log_backups=lg.decisions_backups,
+            log_queue=lg.decisions_queue,
+            downstream=sink,
+            clock=clock,
+        )
+        self.sink: DecisionSink = self.accounting
+        self.fleet = Fleet(
+            config.engines, config.health, config.retry, clock, on_eject=self._on_eject
+        )
+        self.metrics.init_engines(e.id for e in config.engines)
+        self.proxy = Proxy(config, self.fleet, self.metrics)
+        incumbent = create_policy(
+            config.incumbent.name, config.incumbent.params, path="incumbent.params"
+        )
+        candidate = None
+        if config.candidate is not None:
+            candidate = create_policy(
+                config.candidate.name, config.candidate.params, path="candidate.params"
+            )
+        self.modes = ModeRunner(config.mode, incumbent, candidate, self.metrics, clock=clock)
+        self.arrivals = ArrivalRate()
+        self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
+        self.key_pools = KeyPools(config.key_pools)
+        self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
+        self.draining = False
+        self._exchanges: set[Exchange] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._probe_session: aiohttp.ClientSession | None = None
+        self._prober: HealthProber | None = None
+
+    def _on_eject(self, engine: EngineId, duration_s: float) -> None:
+        self.metrics.ejections.labels(engine=engine).inc()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.proxy.start()
+        self._probe_session = aiohttp.ClientSession()
+        self._prober = HealthProber(
+            self.fleet, self._probe_session, self.config.health, self.config.timeouts.probe_s
+        )
+        await self._prober.probe_all()
+        self._prober.start()
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Refuse new requests; let in-flight ones finish for up to `timeout_s`, then end
+        the rest (streams get an error event)."""
+        self.draining = True
+        limit = self.config.timeouts.drain_s if timeout_s is None else timeout_s
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit):
+                await self._idle.wait()
+        for ex in list(self._exchanges):
+            ex.abort()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(1.0, limit)):
+                await self._idle.wait()
+
+    async def stop(self) -> None:
+        if self._prober is not None:
+            await self._prober.stop()
+        if self._probe_session is not None:
+            await self._probe_session.close()
+        await self.proxy.close()
+        await asyncio.to_thread(self.accounting.close)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._exchanges)
+
+    # -- handlers -----------------------------------------------------------------------
+
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        t0 = self.clock()
+        self.arrivals.arrive(t0)
+        refused = self.admission.refuse_early(request, self.draining)
+        if refused is None:
+            refused = await self.admission.acquire()
+        if refused is not None:
+            return refused
+        try:
+            return await self._admitted(request, t0)
+        finally:
+            self.admission.release()
+
+    async def _admitted(self, request: web.Request, t0: float) -> web.StreamResponse:
+        body = await self.admission.read_body(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            parsed = parse_request(request.path, body, request.headers, self.parse_limits)
+        except RequestError as exc:
+            self.metrics.rejected.labels(reason=exc.code).inc()
+            resp = web.Response(
+                status=exc.status, body=exc.to_openai_json(), content_type="application/json"
+            )
+            return resp
+        request_id = request.headers.get("X-Request-Id", "")[:64] or secrets.token_hex(8)
+        views, serving, retry_after = engine_views(
+            self.fleet, self.signals, self.residency, parsed.model, t0
+        )
+        if not serving:
+            return reject(
+                self.metrics,
+                "model_not_found",
+                json_error(
+                    404,
+                    f"The model {parsed.model!r} is not served here.",
+                    "invalid_request_error",
+                    "model_not_found",
+                ),
+            )
+        if not any(v.healthy for v in views):
+            return reject(
+                self.metrics,
+                "no_engine",
+                json_error(
+                    503,
+                    "Every engine is backing off; retry later.",
+                    "server_error",
+                    "engines_unavailable",
+                    retry_after_s=max(retry_after, 1.0),
+                ),
+            )
+        if self.key_pools:  # token-block keys for a pool of tokenizing engines
+            try:
+                parsed = self.key_pools.rekey(parsed, [v.id for v in views])
+            except RequestError as exc:
+                self.metrics.rejected.labels(reason=exc.code).inc()
+                return web.Response(
+                    status=exc.status, body=exc.to_openai_json(), content_type="application/json"
+                )
+        rv = to_request_view(parsed, request_id)
+        fleet = fleet_stats(t0, self.arrivals, self.accounting.mean_wait_s())
+        session_key = parsed.session or (
+            str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
+        )
+        outcome = self.modes.decide(rv, views, fleet, session_key)
+        live = next((v for v in views if v.id == outcome.live.engine), None)
+        new = uncached_prompt_tokens(rv, live) if live is not None else parsed.prompt_tokens
+        return await self._forward(request, parsed, outcome, request_id, t0, tuple(views), new)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        outcome: ModeOutcome,
+        request_id: str,
+        t0: float,
+        views: tuple[EngineView, ...],
+        new_tokens: int,
+    ) -> web.StreamResponse:
+        """`new_tokens`: the prompt tokens predicted uncached on the live engine, counted
+        in flight there until the first byte (a retry counts the same figure)."""
+        first = self.fleet.get(outcome.live.engine)
+        pending = self.residency.add_pending(first.id, parsed.keys, self.clock())
+        exchange = Exchange()
+        self._exchanges.add(exchange)
+        self._idle.clear()
+        res = ForwardResult()
+        try:
+            resp, res = await self.proxy.forward(
+                request,
+                parsed.body,
+                first,
+                new_tokens,
+                lambda tried: retry_engine(self.fleet, parsed.model, tried),
+                request_id,
+                exchange,
+            )
+            if res.engine is not None and res.status < 400:
+                self.residency.record_routed(res.engine, parsed.keys, self.clock())
+            return resp
+        except asyncio.CancelledError:
+            res.end = "client_gone"
+            raise
+        finally:
+            ok = res.engine if res.status < 400 else None
+            self.residency.settle_pending(pending, ok, self.clock())
+            self._exchanges.discard(exchange)
+            if not self._exchanges:
+                self._idle.set()
+            self._account(parsed, outcome, request_id, t0, res, views)
+
+    def _account(
+        self,
+        parsed: ParsedRequest,
+        outcome: ModeOutcome,
+        request_id: str,
+        t0: float,
+        res: ForwardResult,
+        views: tuple[EngineView, ...],
+    ) -> None:
+        m = self.metrics
+        duration = self.clock() - t0
+        engine = res.engine or "none"
+        m.requests_of(engine, str(res.status), outcome.live.policy).inc()
+        m.decisions_of("live", outcome.live.policy, outcome.live.engine).inc()
+        if outcome.incumbent is not None:
+            m.decisions_of("incumbent", outcome.incumbent.policy, outcome.incumbent.engine).inc()
+        if outcome.candidate is not None:
+            m.decisions_of("candidate", outcome.candidate.policy, outcome.candidate.engine).inc()
+        if res.ttft_s is not None and res.engine is not None:
+            m.ttft_of(res.engine).observe(res.ttft_s)
+        m.duration_of(engine).observe(duration)
+        record = DecisionRecord(
+            request_id=request_id,
+            time_unix=time.time(),
+            model=parsed.model,
+            session=parsed.session,
+            prompt_tokens=parsed.prompt_tokens,
+            stream=parsed.stream,
+            mode=self.config.mode.kind,
+            live_role=outcome.live_role,
+            live=outcome.live,
+            incumbent=outcome.incumbent,
+            candidate=outcome.candidate,
+            candidate_error=outcome.candidate_error,
+            candidate_s=outcome.candidate_s,
+            engine=res.engine,
+            status=res.status,
+            attempts=tuple(res.attempts),
+            ttft_s=res.ttft_s,
+            duration_s=duration,
+            end=res.end,
+            engine_headers=res.engine_headers,
+            views=views,
+            response_tail=res.tail.bytes(),
+        )
+        try:
+            self.sink.on_decision(record)
+        except Exception:  # accounting must never fail a request
+            log.exception("decision sink failed")
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """The union of the engines' models (live from each admitted engine, else config)."""
+        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.probe_s)
+
+        async def one(e: EngineState) -> list[dict[str, Any]]:
+            declared = [{"id": m, "object": "model", "owned_by": e.id} for m in e.models]
+            if e.ejected:
+                return declared
+            try:
+                assert self._probe_session is not None
+                async with self._probe_session.get(e.url + "/v1/models", timeout=timeout) as r:
+                    if r.status != 200:
+                        return declared
+                    data = await r.json(content_type=None)
+                    got = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+                    return got + declared
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+                return declared
+
+        merged: dict[str, dict[str, Any]] = {}
+        for models in await asyncio.gather(*(one(e) for e in self.fleet.engines)):
+            for m in models:
+                merged.setdefault(str(m["id"]), m)
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def handle_healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def handle_readyz(self, request: web.Request) -> web.Response:
+        engines = {
+            e.id: {"healthy": e.healthy, "probe_ok": e.probe_ok, "ejected": e.ejected}
+            for e in self.fleet.engines
+        }
+        ready = self.fleet.ready() and not self.draining
+        return web.json_response(
+            {"ready": ready, "draining": self.draining, "engines": engines},
+            status=200 if ready else 503,
+        )
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        now = self.clock()
+        for e in self.fleet.engines:
+            self.metrics.engine_healthy.labels(engine=e.id).set(1 if e.healthy else 0)
+        self.metrics.arrival_rate.set(self.arrivals.rate(now))
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )

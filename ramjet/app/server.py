@@ -1,0 +1,292 @@
+"""The router's HTTP server: aiohttp app, connection-level limits, lifecycle.
+
+Connection-level protections live below the app, in a `RequestHandler` subclass:
+
+- **Header deadline** (slowloris): once a connection has sent the first byte of a
+  request (or right after connect), its headers must be complete within
+  `timeouts.header_deadline_s`, else it gets 408 and is closed. Other connections are
+  unaffected (the timer is per connection, on the event loop).
+- **Parser refusals**: aiohttp's strict parser rejects Content-Length with
+  Transfer-Encoding, duplicate Content-Length, bare LF, CR/LF in header values, too many
+  headers and over-long header lines. They are answered with an OpenAI error object
+  (431 for too many headers, else 400) and the connection is closed; nothing reaches an
+  engine because no handler ever runs.
+
+Public API for tests and the CLI:
+
+- `create_app(config, ...) -> web.Application` (the `Router` is at `app[ROUTER_KEY]`);
+- `RouterServer(config, host, port=0)`: `await start()`, `.url`, `.router`,
+  `await stop(drain_s=...)`;
+- `serve(config, host, port)`: runs until SIGTERM/SIGINT, then drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+from prometheus_client import CollectorRegistry
+
+from ramjet.app.reload import admin_reload_handler, on_sighup
+from ramjet.app.router import Router
+from ramjet.config import PolicyConfig
+from ramjet.decisions.record import DecisionSink
+from ramjet.fleet.signals import attach_reports
+from ramjet.metrics import RouterMetrics
+from ramjet.request.openai_errors import error_body, json_error
+from ramjet.residency.source import ResidencySource
+from ramjet.runtime.gc import tune_gc
+
+log = logging.getLogger(__name__)
+
+ROUTER_KEY = web.AppKey("router", Router)
+
+
+def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class _Handler(RequestHandler):
+    """aiohttp's connection handler plus a header deadline and OpenAI-style refusals."""
+
+    def __init__(self, manager: Any, *, header_deadline_s: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._deadline_s = header_deadline_s
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self._loop.call_later(self._deadline_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        idle = not self._request_in_progress and not self._messages
+        super().data_received(data)
+        if self._request_in_progress or self._messages:
+            self._disarm()
+        elif data and idle:
+            # The first bytes of a request whose headers are not complete yet. (A
+            # request that arrives whole, the common case, never arms the timer.)
+            self._arm()
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if self._request_in_progress or self._messages or self.transport is None:
+            return
+        self.transport.write(
+            _raw_error(
+                408, "Request Timeout", "Request headers not received in time.", "request_timeout"
+            )
+        )
+        self.force_close()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError):
+            text = str(exc.message).strip().splitlines()[0] if exc.message else "Bad request"
+            if "Too many headers" in text:
+                resp = json_error(
+                    431, text, "invalid_request_error", "too_many_headers", close=True
+                )
+            else:
+                code = "header_too_large" if isinstance(exc, LineTooLong) else "bad_request"
+                resp = json_error(400, text, "invalid_request_error", code, close=True)
+            log.debug("refused malformed request: %s", text)
+            return resp
+        if status == 500 and exc is not None:
+            log.error("unhandled error", exc_info=exc)
+        return json_error(
+            status, message or "Internal error.", "server_error", f"http_{status}", close=True
+        )
+
+
+class _Server(web.Server):
+    def __init__(self, *args: Any, header_deadline_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_deadline_s = header_deadline_s
+
+    def __call__(self) -> RequestHandler:
+        return _Handler(
+            self, loop=self._loop, header_deadline_s=self._header_deadline_s, **self._kwargs
+        )
+
+
+class _Runner(web.AppRunner):
+    def __init__(self, app: web.Application, *, header_deadline_s: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._header_deadline_s = header_deadline_s
+
+    async def _make_server(self) -> web.Server:
+        loop = asyncio.get_running_loop()
+        app = self._app
+        app._set_loop(loop)
+        app.on_startup.freeze()
+        await app.startup()
+        app.freeze()
+        return _Server(
+            app._handle,
+            request_factory=app._make_request,
+            loop=loop,
+            header_deadline_s=self._header_deadline_s,
+            **self._kwargs,
+        )
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        resp: web.StreamResponse = await handler(request)
+        return resp
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return json_error(exc.status, exc.reason, "invalid_request_error", f"http_{exc.status}")
+
+
+def create_app(
+    config: PolicyConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    residency: ResidencySource | None = None,
+    sink: DecisionSink | None = None,
+    router: Router | None = None,
+    policy_path: str | None = None,
+) -> web.Application:
+    """The router as an aiohttp app; start/stop ride on the app's lifecycle.
+    `policy_path` is the file `POST /admin/reload` reloads (`ramjet.app.reload`); key files
+    in its `keys:` section resolve against its directory. A policy with engine keys gets
+    the signed-report runtime (`ramjet.fleet.signals`)."""
+    r = router or Router(config, metrics=RouterMetrics(registry), residency=residency, sink=sink)
+    app = web.Application(middlewares=[_errors], client_max_size=config.limits.max_body_bytes)
+    app[ROUTER_KEY] = r
+    attach_reports(app, r, config, policy_path)
+    app.router.add_post("/v1/chat/completions", r.handle_completion)
+    app.router.add_post("/v1/completions", r.handle_completion)
+    app.router.add_get("/v1/models", r.handle_models)
+    app.router.add_get("/healthz", r.handle_healthz)
+    app.router.add_get("/readyz", r.handle_readyz)
+    app.router.add_get("/metrics", r.handle_metrics)
+    app.router.add_post("/admin/reload", admin_reload_handler(r, policy_path))
+
+    async def on_startup(_: web.Application) -> None:
+        await r.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await r.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+class RouterServer:
+    """A router listening on a socket (port 0 picks a free one)."""
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        registry: CollectorRegistry | None = None,
+        residency: ResidencySource | None = None,
+        sink: DecisionSink | None = None,
+        policy_path: str | None = None,
+    ) -> None:
+        self.config = config
+        self.host = host
+        self.port = port
+        self.app = create_app(
+            config, registry=registry, residency=residency, sink=sink, policy_path=policy_path
+        )
+        self.router = self.app[ROUTER_KEY]
+        lim = config.limits
+        self._runner = _Runner(
+            self.app,
+            header_deadline_s=config.timeouts.header_deadline_s,
+            handler_cancellation=True,
+            access_log=logging.getLogger("ramjet.access") if config.logging.access_log else None,
+            max_line_size=lim.max_header_line_bytes,
+            max_field_size=lim.max_header_line_bytes,
+            max_headers=lim.max_headers,
+            shutdown_timeout=1.0,
+            lingering_time=config.timeouts.linger_s,
+        )
+        self._site: web.TCPSite | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
+        await self._site.start()
+        server = self._site._server
+        if self.port == 0 and server is not None:
+            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+
+    async def stop(self, drain_s: float | None = None) -> None:
+        """Drain (refuse new, finish or end in-flight), then close everything."""
+        await self.router.drain(drain_s)
+        await self._runner.cleanup()
+
+
+async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then drain for `timeouts.drain_s` and exit. SIGHUP
+    reloads mode and policies from `policy_path` (`ramjet.app.reload`)."""
+    shared = None
+    if config.store.kind == "redis":  # residency shared with other replicas (docs/redis.md)
+        from ramjet.residency.factory import build_residency
+
+        registry = CollectorRegistry()
+        shared = build_residency(config, registry)
+        await shared.start()
+        server = RouterServer(
+            config, host, port, registry=registry, residency=shared.tables, policy_path=policy_path
+        )
+    else:
+        server = RouterServer(config, host, port, policy_path=policy_path)
+    await server.start()
+    tune_gc()  # start-up state frozen, fewer young collections (`ramjet.runtime.gc`)
+    log.info("ramjet listening on %s (mode %s)", server.url, config.mode.kind)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if policy_path is not None:
+        loop.add_signal_handler(signal.SIGHUP, on_sighup, server.router, policy_path)
+    await stop.wait()
+    log.info("draining (up to %.0fs)", config.timeouts.drain_s)
+    await server.stop()
+    if shared is not None:
+        await shared.stop()

@@ -1,0 +1,319 @@
+"""Accounting: every decision record, once its response has ended, becomes metrics, a
+line in the decision log (`ramjet.decisions.log`), and a sample of the fleet's mean wait.
+
+`Accounting` is the router's `DecisionSink`. On the event loop, per record, it does
+bounded work only: parse the engine's usage from the response tail (at most 16 KiB),
+update counters and histograms, fold the wait into an EWMA, and hand the record to the
+log's queue. What it measures, by `mode` (observe / canary / enforce):
+
+- agreement: `ramjet_policy_compared_total` counts records where both the incumbent and
+  the candidate picked, `ramjet_policy_agreed_total` those where they picked the same
+  engine; agreement rate = agreed / compared.
+- TTFT prediction error: the candidate's predicted `ttft_s` for the engine that answered
+  minus the realized TTFT (`decisions.realized_ttft`), in seconds and relative to the
+  realized value. Positive = the model was pessimistic. (A histogram with negative
+  buckets exposes no `_sum`; `ramjet_ttft_prediction_abs_error_seconds` gives the mean
+  absolute error.) `ramjet_ttft_predicted_seconds` and `ramjet_ttft_realized_seconds`
+  observe the two sides of each such pair, so dashboards can plot predicted vs realized.
+- cached-token prediction error: predicted `resume_tokens` (the tokens the model expects
+  not to prefill) minus the engine's realized cached tokens (all tiers and SWA); the
+  two sides are also summed (`ramjet_cached_tokens_{predicted,realized}_tokens_total`).
+- estimated gain of the candidate over the incumbent: the candidate's own predicted TTFT
+  for the incumbent's pick minus for its own pick. It is a prediction, not a measurement
+  (only one of the two picks ran); positive = the candidate expects to be faster. Summed
+  as two counters (gain, loss) because a Prometheus counter never falls, and observed
+  as a histogram.
+
+Fleet stats: `mean_wait_s(now)` is an EWMA (time constant `wait_tau_s`) of the realized
+`prompt_work.queue_ms`, the W of the cost model's λ·W externality; the router reads it
+into `FleetStats` next to its arrival-rate EWMA (λ, `ramjet.app.modes.ArrivalRate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ramjet.decisions.log import (
+    DecisionLog,
+    RealizedWork,
+    parse_realized,
+    predicted_for,
+    realized_ttft,
+)
+from ramjet.decisions.record import DecisionRecord, DecisionSink
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_SIGNED_SECONDS = (*sorted(-b for b in _SECONDS), 0.0, *_SECONDS, float("inf"))
+_RELATIVE = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, float("inf"))
+_TOKENS = (16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
+_SIGNED_TOKENS = (*sorted(-b for b in _TOKENS), 0.0, *_TOKENS, float("inf"))
+
+
+class MeanWait:
+    """Time-weighted EWMA of samples (seconds): each sample x moves the mean by
+    (1 - exp(-dt/tau)) of the way to x, dt being the time since the previous sample; the
+    first sample sets it. With no samples it holds its value (no traffic, no λ·W)."""
+
+    def __init__(self, tau_s: float = 10.0) -> None:
+        if tau_s <= 0:
+            raise ValueError("tau_s must be > 0")
+        self.tau_s = tau_s
+        self._value = 0.0
+        self._last: float | None = None
+
+    def add(self, now: float, sample_s: float) -> None:
+        if self._last is None:
+            self._value = sample_s
+        else:
+            dt = max(now - self._last, 0.0)
+            # A burst of samples at one instant still moves the mean a little each.
+            alpha = max(1.0 - math.exp(-dt / self.tau_s), 1.0 / 64)
+            self._value += alpha * (sample_s - self._value)
+        self._last = now if self._last is None else max(now, self._last)
+
+    def mean(self) -> float:
+        return self._value
+
+
+class AccountingMetrics:
+    """The accounting's metrics, on the registry passed in (see module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.compared = Counter(
+            "ramjet_policy_compared_total",
+            "Answered requests where both incumbent and candidate picked, by mode",
+            ["mode"],
+            registry=r,
+        )
+        self.agreed = Counter(
+            "ramjet_policy_agreed_total",
+            "Answered requests where incumbent and candidate picked the same engine, by mode",
+            ["mode"],
+            registry=r,
+        )
+        self.ttft_error = Histogram(
+            "ramjet_ttft_prediction_error_seconds",
+            "Candidate-predicted TTFT on the answering engine minus realized TTFT",
+            ["mode"],
+            buckets=_SIGNED_SECONDS,
+            registry=r,
+        )
+        self.ttft_abs_error = Histogram(
+            "ramjet_ttft_prediction_abs_error_seconds",
+            "|predicted - realized| TTFT (the signed histograms expose no _sum: negative "
+            "buckets; this one gives the mean absolute error)",
+            ["mode"],
+            buckets=(*_SECONDS, float("inf")),
+            registry=r,
+        )
+        self.ttft_relative_error = Histogram(
+            "ramjet_ttft_prediction_relative_error_ratio",
+            "(predicted - realized) / realized TTFT",
+            ["mode"],
+            buckets=_RELATIVE,
+            registry=r,
+        )
+        self.ttft_predicted = Histogram(
+            "ramjet_ttft_predicted_seconds",
+            "Candidate-predicted TTFT on the answering engine (observed with "
+            "ramjet_ttft_realized_seconds, one pair per request: compare their means)",
+            ["mode"],
+            buckets=(*_SECONDS, float("inf")),
+            registry=r,
+        )
+        self.ttft_realized = Histogram(
+            "ramjet_ttft_realized_seconds",
+            "Realized TTFT of the requests observed in ramjet_ttft_predicted_seconds",
+            ["mode"],
+            buckets=(*_SECONDS, float("inf")),
+            registry=r,
+        )
+        self.cached_predicted = Counter(
+            "ramjet_cached_tokens_predicted_tokens_total",
+            "Predicted resume tokens, summed over the requests in the cached-token error",
+            ["mode"],
+            registry=r,
+        )
+        self.cached_realized = Counter(
+            "ramjet_cached_tokens_realized_tokens_total",
+            "Realized cached tokens (all tiers and SWA) of the same requests",
+            ["mode"],
+            registry=r,
+        )
+        self.cached_error = Histogram(
+            "ramjet_cached_tokens_prediction_error_tokens",
+            "Predicted resume tokens minus the engine's realized cached tokens",
+            ["mode"],
+            buckets=_SIGNED_TOKENS,
+            registry=r,
+        )
+        self.gain = Histogram(
+            "ramjet_candidate_gain_estimate_seconds",
+            "Predicted TTFT on the incumbent's pick minus on the candidate's pick",
+            ["mode"],
+            buckets=_SIGNED_SECONDS,
+            registry=r,
+        )
+        self.gain_total = Counter(
+            "ramjet_candidate_gain_seconds_total",
+            "Sum of positive estimated gains of the candidate over the incumbent",
+            ["mode"],
+            registry=r,
+        )
+        self.loss_total = Counter(
+            "ramjet_candidate_loss_seconds_total",
+            "Sum of negative estimated gains (as positive seconds)",
+            ["mode"],
+            registry=r,
+        )
+        self.realized_tokens = Counter(
+            "ramjet_realized_prompt_tokens_total",
+            "Prompt tokens by where the engine got them (hbm, host, ssd, swa, replayed, "
+            "prefilled), from its usage.prompt_work",
+            ["engine", "source"],
+            registry=r,
+        )
+        self.usage_missing = Counter(
+            "ramjet_realized_usage_missing_total",
+            "Answered requests whose response carried no readable usage.prompt_work",
+            ["engine"],
+            registry=r,
+        )
+        self.mean_wait = Gauge(
+            "ramjet_mean_wait_seconds",
+            "EWMA of the engines' realized queue wait (usage.prompt_work.queue_ms)",
+            registry=r,
+        )
+        self.log_lines = Counter(
+            "ramjet_decision_log_lines_total", "Decision records written", registry=r
+        )
+        self.log_dropped = Counter(
+            "ramjet_decision_log_dropped_total",
+            "Decision records dropped because the writer queue was full",
+            registry=r,
+        )
+        self.log_rotations = Counter(
+            "ramjet_decision_log_rotations_total", "Decision log file rotations", registry=r
+        )
+        self.reloads = Counter(
+            "ramjet_policy_reloads_total",
+            "Live reloads of mode and policies (ramjet.app.reload), by result (ok, refused)",
+            ["result"],
+            registry=r,
+        )
+
+
+class Accounting:
+    """The router's decision sink (see module docstring). `log` may be None (no file);
+    `downstream` receives every record afterwards (tests, other consumers)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        log_path: str | None = None,
+        log_max_bytes: int = 64 * 1024 * 1024,
+        log_backups: int = 5,
+        log_queue: int = 10_000,
+        downstream: DecisionSink | None = None,
+        clock: Clock = time.monotonic,
+        wait_tau_s: float = 10.0,
+    ) -> None:
+        self.metrics = AccountingMetrics(registry)
+        self.downstream = downstream
+        self.clock = clock
+        self.waits = MeanWait(wait_tau_s)
+        m = self.metrics
+        self.log: DecisionLog | None = None
+        if log_path is not None:
+            self.log = DecisionLog(
+                log_path,
+                max_bytes=log_max_bytes,
+                backups=log_backups,
+                queue_size=log_queue,
+                on_written=m.log_lines.inc,
+                on_dropped=m.log_dropped.inc,
+                on_rotated=m.log_rotations.inc,
+            )
+
+    def mean_wait_s(self) -> float:
+        return self.waits.mean()
+
+    def on_decision(self, record: DecisionRecord) -> None:
+        realized = parse_realized(record.response_tail) if record.engine is not None else None
+        try:
+            self._measure(record, realized)
+        except Exception:  # accounting must never fail a request
+            log.exception("accounting failed for %s", record.request_id)
+        if self.log is not None:
+            self.log.submit(record, realized)
+        if self.downstream is not None:
+            self.downstream.on_decision(record)
+
+    def _measure(self, record: DecisionRecord, realized: RealizedWork | None) -> None:
+        m, mode = self.metrics, record.mode
+        inc, cand = record.incumbent, record.candidate
+        if inc is not None and cand is not None and record.status and record.status < 500:
+            m.compared.labels(mode=mode).inc()
+            m.gain_total.labels(mode=mode)  # both series exist from the first comparison
+            m.loss_total.labels(mode=mode)
+            agreed = m.agreed.labels(mode=mode)  # at 0 until the first agreement: rate 0
+            if inc.engine == cand.engine:
+                agreed.inc()
+            on_inc = predicted_for(cand, inc.engine, "ttft_s")
+            on_cand = predicted_for(cand, cand.engine, "ttft_s")
+            if on_inc is not None and on_cand is not None:
+                gain = on_inc - on_cand
+                m.gain.labels(mode=mode).observe(gain)
+                if gain > 0:
+                    m.gain_total.labels(mode=mode).inc(gain)
+                elif gain < 0:
+                    m.loss_total.labels(mode=mode).inc(-gain)
+        if record.engine is None or record.status >= 400:
+            return
+        if realized is None:
+            m.usage_missing.labels(engine=record.engine).inc()
+        else:
+            self.waits.add(self.clock(), realized.queue_ms / 1e3)
+            m.mean_wait.set(self.waits.mean())
+            for source, n in (
+                ("hbm", realized.hbm_tokens),
+                ("host", realized.host_tokens),
+                ("ssd", realized.ssd_tokens),
+                ("swa", realized.swa_tokens),
+                ("replayed", realized.replayed_tokens),
+                ("prefilled", realized.prefilled_tokens),
+            ):
+                if n:
+                    m.realized_tokens.labels(engine=record.engine, source=source).inc(n)
+        predicted = predicted_for(cand, record.engine, "ttft_s")
+        real, _ = realized_ttft(record, realized)
+        if predicted is not None and real is not None:
+            m.ttft_error.labels(mode=mode).observe(predicted - real)
+            m.ttft_abs_error.labels(mode=mode).observe(abs(predicted - real))
+            m.ttft_predicted.labels(mode=mode).observe(predicted)
+            m.ttft_realized.labels(mode=mode).observe(real)
+            if real > 0:
+                m.ttft_relative_error.labels(mode=mode).observe((predicted - real) / real)
+        resume = predicted_for(cand, record.engine, "resume_tokens")
+        if resume is not None and realized is not None:
+            m.cached_error.labels(mode=mode).observe(resume - realized.cached_tokens)
+            m.cached_predicted.labels(mode=mode).inc(max(resume, 0))
+            m.cached_realized.labels(mode=mode).inc(realized.cached_tokens)
+
+    def start(self) -> None:
+        return None
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self.log is not None:
+            self.log.close(timeout_s)

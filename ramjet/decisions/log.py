@@ -1,0 +1,366 @@
+"""Decision records: what the router decided for a request, what it predicted, and what the
+engine then reported it did; one JSON object per line in a size-rotating file.
+
+Contract of one line (schema version `v: 1`; `docs/decisions.md` has an example):
+
+- identity: `id` (request id), `t` (unix seconds at the end), `model`, `session`,
+  `prompt_tokens`, `stream`;
+- the decision: `mode`, `live` / `incumbent` / `candidate` (each `{engine, policy,
+  notes}` or null), `live_role`, `candidate_error`, `candidate_ms`;
+- the prediction: `predicted[engine]` is the candidate's `Decision.components` for every
+  engine it weighed (`wait_s`, `work_s`, `restore_s`, `replay_s`, `prefill_s`, `cost_s`,
+  `ttft_s`, `hbm_tokens`/`host_tokens`/`ssd_tokens`/`swa_tokens`, `resume_tokens`, ...);
+  `incumbent_components` likewise for the incumbent when it gives any;
+- the outcome: `engine` (that answered), `status`, `end`, `attempts`, router-observed
+  `ttft_s` (forward start to first byte sent) and `duration_s`, and `realized`: the
+  engine's `usage.prompt_work` (null when the response carried none). `realized_ttft_s`
+  is the router's TTFT for a stream, else the engine's queue + restore + prefill time
+  (a non-stream's first byte comes after the whole decode), `ttft_source` says which.
+
+Realized usage is read from the tail of the body the client received
+(`ramjet.proxy.exchange.ResponseTail`, the last 16 KiB): the last `"usage"` key there, decoded
+with `json.JSONDecoder.raw_decode` from just after it. The last `"usage"` is the final
+SSE chunk's or the non-stream body's (a `"usage"` inside string content is escaped as
+`\\"usage\\"`, which does not match). Effort is bounded by the tail, not the body.
+
+The log: `DecisionLog.submit` puts the (record, realized) pair on a bounded queue and
+returns at once; a daemon thread builds the JSON line and appends it, rotating when the
+file would pass `max_bytes` (`path` → `path.1` → ... → `path.<backups>`, the oldest
+dropped; `backups: 0` truncates). A full queue drops the record and counts it: the
+request path never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ramjet.decisions.prompt_work import COUNT_FIELDS, TTFT_MS_FIELDS, PromptWork
+from ramjet.decisions.record import DecisionRecord
+from ramjet.policy.base import Decision
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+_USAGE_KEY = b'"usage"'
+_DECODER = json.JSONDecoder()
+_INT_FIELDS = COUNT_FIELDS
+_MS_FIELDS = TTFT_MS_FIELDS  # restore_io_ms (a part of restore_ms) is not read
+
+
+@dataclass(slots=True)
+class RealizedWork(PromptWork):
+    """The engine's own account of a prompt (`usage.prompt_work`, the schema in
+    `ramjet.decisions.prompt_work`), with `usage.prompt_tokens`."""
+
+    prompt_tokens: int | None = None
+    """usage.prompt_tokens, when present."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The decision line's `realized` object (the fields the router reads)."""
+        out: dict[str, Any] = {f: getattr(self, f) for f in _INT_FIELDS + _MS_FIELDS}
+        out["cached_tokens"] = self.cached_tokens
+        if self.prompt_tokens is not None:
+            out["prompt_tokens"] = self.prompt_tokens
+        return out
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    f = float(v)
+    return f if f == f and f >= 0 else None  # NaN and negatives are not figures
+
+
+def realized_from_usage(usage: Any) -> RealizedWork | None:
+    """`RealizedWork` from a decoded `usage` object; None unless it has a `prompt_work`
+    whose fields are all non-negative numbers where present."""
+    if not isinstance(usage, dict):
+        return None
+    pw = usage.get("prompt_work")
+    if not isinstance(pw, dict):
+        return None
+    kw: dict[str, Any] = {}
+    for name in _INT_FIELDS + _MS_FIELDS:
+        if name in pw:
+            v = _number(pw[name])
+            if v is None:
+                return None
+            kw[name] = int(v) if name in _INT_FIELDS else v
+    pt = _number(usage.get("prompt_tokens"))
+    return RealizedWork(**kw, prompt_tokens=None if pt is None else int(pt))
+
+
+def find_usage(tail: bytes, max_tries: int = 4) -> Any:
+    """The decoded value of the last `"usage"` key in `tail` (see module docstring), or
+    None. Tries at most `max_tries` occurrences from the end (a cut object is skipped)."""
+    end = len(tail)
+    for _ in range(max_tries):
+        i = tail.rfind(_USAGE_KEY, 0, end)
+        if i < 0:
+            return None
+        end = i
+        j = i + len(_USAGE_KEY)
+        while j < len(tail) and tail[j] in b" \t\r\n":
+            j += 1
+        if j >= len(tail) or tail[j] != ord(":"):
+            continue
+        try:
+            text = tail[j + 1 :].decode("utf-8", errors="replace").lstrip()
+            value, _ = _DECODER.raw_decode(text)
+        except ValueError:
+            continue
+        return value
+    return None
+
+
+def parse_realized(tail: bytes) -> RealizedWork | None:
+    """The engine's `prompt_work` from the end of a response body, or None."""
+    if not tail:
+        return None
+    return realized_from_usage(find_usage(tail))
+
+
+# -- the JSON line ----------------------------------------------------------------------
+
+
+def _round(v: float) -> float:
+    return float(f"{v:.6g}")
+
+
+def _pick(d: Decision | None) -> dict[str, Any] | None:
+    if d is None:
+        return None
+    return {"engine": d.engine, "policy": d.policy, "notes": list(d.notes)}
+
+
+def _components(d: Decision | None) -> dict[str, dict[str, float]]:
+    if d is None:
+        return {}
+    return {str(e): {k: _round(v) for k, v in c.items()} for e, c in d.components.items()}
+
+
+def realized_ttft(
+    record: DecisionRecord, realized: RealizedWork | None
+) -> tuple[float | None, str]:
+    """(realized TTFT seconds, source): the router's for a stream, else the engine's."""
+    if record.stream and record.ttft_s is not None:
+        return record.ttft_s, "router"
+    if realized is not None:
+        return realized.engine_ttft_s, "engine"
+    return None, "none"
+
+
+def predicted_for(d: Decision | None, engine: str | None, name: str) -> float | None:
+    """Component `name` the decision predicted for `engine`, if it weighed that engine."""
+    if d is None or engine is None:
+        return None
+    comp: Mapping[str, float] | None = d.components.get(engine)  # type: ignore[call-overload]
+    if comp is None or name not in comp:
+        return None
+    return float(comp[name])
+
+
+def decision_entry(record: DecisionRecord, realized: RealizedWork | None) -> dict[str, Any]:
+    """The JSON-able line for one record (schema: module docstring)."""
+    rt, source = realized_ttft(record, realized)
+    return {
+        "v": SCHEMA_VERSION,
+        "id": record.request_id,
+        "t": round(record.time_unix, 6),
+        "model": record.model,
+        "session": record.session,
+        "prompt_tokens": record.prompt_tokens,
+        "stream": record.stream,
+        "mode": record.mode,
+        "live_role": record.live_role,
+        "live": _pick(record.live),
+        "incumbent": _pick(record.incumbent),
+        "candidate": _pick(record.candidate),
+        "candidate_error": record.candidate_error,
+        "candidate_ms": _round(record.candidate_s * 1e3),
+        "predicted": _components(record.candidate),
+        "incumbent_components": _components(record.incumbent),
+        "engine": record.engine,
+        "status": record.status,
+        "end": record.end,
+        "attempts": [[a.engine, a.status, a.error] for a in record.attempts],
+        "ttft_s": None if record.ttft_s is None else _round(record.ttft_s),
+        "duration_s": _round(record.duration_s),
+        "realized": None if realized is None else realized.to_json(),
+        "realized_ttft_s": None if rt is None else _round(rt),
+        "ttft_source": source,
+    }
+
+
+# -- the log ----------------------------------------------------------------------------
+
+
+class RotatingFile:
+    """Appends lines to `path`, rotating before a line would take it past `max_bytes`.
+    Not thread-safe: the log's writer thread is its only user."""
+
+    def __init__(self, path: str | Path, max_bytes: int, backups: int) -> None:
+        if max_bytes <= 0 or backups < 0:
+            raise ValueError("max_bytes must be > 0 and backups >= 0")
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.rotations = 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "ab")  # noqa: SIM115 - held open across writes
+        self._size = self._f.tell()
+
+    def _rotate(self) -> None:
+        self._f.close()
+        if self.backups == 0:
+            self._f = open(self.path, "wb")  # noqa: SIM115
+        else:
+            for i in range(self.backups - 1, 0, -1):
+                src = self.path.with_name(f"{self.path.name}.{i}")
+                if src.exists():
+                    os.replace(src, self.path.with_name(f"{self.path.name}.{i + 1}"))
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            self._f = open(self.path, "ab")  # noqa: SIM115
+        self._size = 0
+        self.rotations += 1
+
+    def write(self, line: bytes) -> None:
+        if self._size > 0 and self._size + len(line) > self.max_bytes:
+            self._rotate()
+        self._f.write(line)
+        self._size += len(line)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+Item = tuple["DecisionRecord", RealizedWork | None]
+_STOP = object()
+
+
+class DecisionLog:
+    """The background JSON-lines writer (see module docstring). `on_written(n)`,
+    `on_dropped()` and `on_rotated()` let the accounting count without this module
+    owning metrics; they run on the writer thread (prometheus counters are thread-safe)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_bytes: int = 64 * 1024 * 1024,
+        backups: int = 5,
+        queue_size: int = 10_000,
+        on_written: Callable[[int], None] | None = None,
+        on_dropped: Callable[[], None] | None = None,
+        on_rotated: Callable[[], None] | None = None,
+    ) -> None:
+        self.file = RotatingFile(path, max_bytes, backups)
+        self.dropped = 0
+        self.written = 0
+        self._q: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._on_written = on_written
+        self._on_dropped = on_dropped
+        self._on_rotated = on_rotated
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ramjet-decision-log", daemon=True)
+        self._thread.start()
+
+    def submit(self, record: DecisionRecord, realized: RealizedWork | None) -> bool:
+        """Queue one record; False (and counted) if the queue is full. Never blocks."""
+        with self._cv:
+            self._pending += 1
+        try:
+            self._q.put_nowait((record, realized))
+        except queue.Full:
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
+            self.dropped += 1
+            if self._on_dropped is not None:
+                self._on_dropped()
+            return False
+        return True
+
+    def _write_batch(self, items: list[Item]) -> None:
+        rotations = self.file.rotations
+        for record, realized in items:
+            try:
+                line = json.dumps(decision_entry(record, realized), separators=(",", ":"))
+            except (TypeError, ValueError):
+                log.exception("decision record not serialisable: %s", record.request_id)
+                continue
+            self.file.write(line.encode("utf-8") + b"\n")
+        self.file.flush()
+        self.written += len(items)
+        if self._on_written is not None:
+            self._on_written(len(items))
+        if self._on_rotated is not None:
+            for _ in range(self.file.rotations - rotations):
+                self._on_rotated()
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            first = self._q.get()
+            batch: list[Item] = []
+            for item in [first, *self._drain()]:
+                if item is _STOP:
+                    stop = True
+                else:
+                    batch.append(item)  # type: ignore[arg-type]
+            try:
+                if batch:
+                    self._write_batch(batch)
+            except OSError:
+                log.exception("decision log write failed; %d records lost", len(batch))
+            finally:
+                with self._cv:
+                    self._pending -= len(batch)
+                    self._cv.notify_all()
+        self.file.close()
+
+    def _drain(self, limit: int = 256) -> list[object]:
+        out: list[object] = []
+        with contextlib.suppress(queue.Empty):
+            while len(out) < limit:
+                out.append(self._q.get_nowait())
+        return out
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every submitted record is written; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending <= 0, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued, then stop the thread and close the file."""
+        self.flush(timeout_s)
+        with contextlib.suppress(queue.Full):
+            self._q.put(_STOP, timeout=timeout_s)
+        self._thread.join(timeout_s)
+
+
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """Every decision line of `path` (a torn last line is skipped); raises OSError."""
+    out: list[dict[str, Any]] = []
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("v") == SCHEMA_VERSION:
+                out.append(entry)
+    return out

@@ -1,0 +1,59 @@
+"""`DecisionRecord`: one routed request as the router hands it to the accounting, and the
+`DecisionSink` that receives it.
+
+The router builds one record when a request ends (forwarded, refused by every engine, or
+cut off), with both policies' picks, the attempts, timings and the tail of the body sent
+to the client; `ramjet.decisions.accounting` measures and logs it (`ramjet.decisions.log`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ramjet.policy.base import Decision, EngineView
+from ramjet.proxy.exchange import Attempt
+from ramjet.types import EngineId
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    """One routed request: both picks, what happened, and the engine's own account."""
+
+    request_id: str
+    time_unix: float
+    model: str
+    session: str | None
+    prompt_tokens: int
+    stream: bool
+    mode: str
+    live_role: str
+    live: Decision
+    incumbent: Decision | None
+    candidate: Decision | None
+    candidate_error: str | None
+    candidate_s: float
+    engine: EngineId | None
+    status: int
+    attempts: tuple[Attempt, ...]
+    ttft_s: float | None
+    duration_s: float
+    end: str
+    engine_headers: Mapping[str, str] = field(default_factory=dict)
+    """The engine's `X-Ramjet-*` response headers (its account of the prompt work)."""
+    views: tuple[EngineView, ...] = ()
+    response_tail: bytes = b""
+    """The last bytes of the body sent to the client (`ramjet.proxy.exchange.ResponseTail`): the
+    accounting reads the engine's final usage (`prompt_work`) there."""
+
+
+class DecisionSink(Protocol):
+    """Receives every decision record. Called on the event loop; must not block or raise."""
+
+    def on_decision(self, record: DecisionRecord) -> None: ...
+
+
+class NullSink:
+    def on_decision(self, record: DecisionRecord) -> None:
+        return None

@@ -1,0 +1,166 @@
+"""Signed engine reports in the router: what they add to each engine's view, and how the
+report runtime rides on the router's app.
+
+Views. `ramjet.fleet.views.engine_views` builds one `EngineView` per engine from the
+router's own state (health, in-flight counters), the residency tables, and an
+`EngineSignals`:
+
+- `trust(engine)`: the report processor's grade (APPROXIMATE before any report,
+  DEGRADED after a gap, while a snapshot is pending or applying, or after
+  `reports.stale_after_s` of silence, else EXACT);
+- `profile(engine)`: the engine's last signed profile, None before one;
+- `load(engine_state)`: `EngineLoad` with the router's own in-flight requests and
+  their predicted uncached prompt tokens (the router's counters), plus the engine's last signed load report (queued prompt tokens,
+  running requests, HBM KV utilization). The report is older than the router's
+  bookkeeping, so the policies correct one by the other
+  (`ramjet.policy.candidates.outstanding_prompt_tokens`: the larger of the reported
+  queue and the router's in-flight prompt tokens).
+
+Staleness (RELIABILITY row 9): a load report older than `reports.stale_after_s` is
+dropped (the view carries only the router's own counters, as for an engine that never
+reported), and after `reports.stale_ttl_s` without any report the engine's residency
+stops steering (`ViewMode.SILENT`, applied by the processor's tick, which the runtime
+runs every `min(1 s, stale_after_s / 4)`). Traffic held off by a stale "queue full" or
+held on by stale residency returns within those TTLs.
+
+Residency precedence: the router's own `record_routed` entries are approximate; for an
+engine that reports they are neither written nor read (`ViewMode.REPORTED`), and an
+exact entry is never overridden by an approximate one (`ramjet.residency.store`). For
+every engine, reporting or not, the blocks of requests the router has sent and no report
+has confirmed yet read as pending HBM residency (`ramjet.residency.pending`), beneath
+the exact entries.
+
+Wiring: `attach_reports(app, router, config, policy_path)` builds a `ReportsRuntime`
+when the policy lists engine keys (`keys.engines`) or pull targets (`reports.engines`);
+it gives the router `ResidencyTables` if it had none, mounts `POST /ramjet/reports`,
+sets `router.signals`, and starts and stops the runtime with the app (after the router
+starts, before it stops). Public key files named in `keys:` resolve against the policy
+file's directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from aiohttp import web
+
+from ramjet.config import PolicyConfig
+from ramjet.fleet.engines import EngineState
+from ramjet.policy.base import EngineLoad
+from ramjet.policy.profile import EngineProfile
+from ramjet.reports.processor import ReportProcessor
+from ramjet.reports.runtime import ReportsRuntime
+from ramjet.residency.source import NoResidency
+from ramjet.residency.tables import ResidencyTables
+from ramjet.types import EngineId, TrustGrade
+
+if TYPE_CHECKING:
+    from ramjet.app.router import Router
+
+REPORTS_KEY = web.AppKey("reports", ReportsRuntime)
+
+
+class EngineSignals(Protocol):
+    """What the router's views take from sources other than its own bookkeeping."""
+
+    def trust(self, engine: EngineId) -> TrustGrade: ...
+
+    def profile(self, engine: EngineId) -> EngineProfile | None: ...
+
+    def load(self, engine: EngineState) -> EngineLoad: ...
+
+
+class NoSignals:
+    """No reports: approximate trust, no profile, the router's own counters only."""
+
+    def trust(self, engine: EngineId) -> TrustGrade:
+        return TrustGrade.APPROXIMATE
+
+    def profile(self, engine: EngineId) -> EngineProfile | None:
+        return None
+
+    def load(self, engine: EngineState) -> EngineLoad:
+        return EngineLoad(
+            inflight_requests=engine.inflight_requests,
+            inflight_prompt_tokens=engine.inflight_prompt_tokens,
+        )
+
+
+class ReportSignals:
+    """`EngineSignals` from a `ReportProcessor` (see the module docstring)."""
+
+    def __init__(self, processor: ReportProcessor) -> None:
+        self.processor = processor
+
+    def trust(self, engine: EngineId) -> TrustGrade:
+        return self.processor.trust(engine)
+
+    def profile(self, engine: EngineId) -> EngineProfile | None:
+        return self.processor.profile(engine)
+
+    def load(self, engine: EngineState) -> EngineLoad:
+        reported = self.processor.load(engine.id)  # None once older than stale_after_s
+        if reported is None:
+            return EngineLoad(
+                inflight_requests=engine.inflight_requests,
+                inflight_prompt_tokens=engine.inflight_prompt_tokens,
+            )
+        return EngineLoad(
+            inflight_requests=engine.inflight_requests,
+            inflight_prompt_tokens=engine.inflight_prompt_tokens,
+            queued_prompt_tokens=reported.queued_prompt_tokens,
+            running_requests=reported.running_requests,
+            kv_utilization=reported.kv_utilization,
+        )
+
+
+def wants_reports(config: PolicyConfig) -> bool:
+    """True when the policy names engine keys or engines to pull reports from."""
+    return bool(config.keys.engines) or bool(config.reports.engines)
+
+
+def attach_reports(
+    app: web.Application,
+    router: Router,
+    config: PolicyConfig,
+    policy_path: str | Path | None = None,
+) -> ReportsRuntime | None:
+    """Build and mount the report runtime for `router` (see the module docstring);
+    None when the policy configures no reports. Raises `ramjet.reports.keys.KeyError_`
+    for a key that does not load, ValueError when the router's residency source is not
+    `ResidencyTables` (reports can only feed the tables)."""
+    if not wants_reports(config):
+        return None
+    tables = router.residency
+    if isinstance(router.residency, NoResidency):
+        tables = ResidencyTables(
+            config.residency, clock=router.clock, registry=router.metrics.registry
+        )
+        router.residency = tables
+    if not isinstance(tables, ResidencyTables):
+        raise ValueError(
+            f"signed reports feed ResidencyTables; the router's residency is "
+            f"{type(tables).__name__}"
+        )
+    base_dir = Path(policy_path).resolve().parent if policy_path is not None else None
+    runtime = ReportsRuntime.build(
+        config.reports,
+        config.keys,
+        tables,
+        router.metrics.registry,
+        engine_urls={e.id: e.url for e in config.engines},
+        base_dir=base_dir,
+    )
+    runtime.add_routes(app)
+    app[REPORTS_KEY] = runtime
+    router.signals = ReportSignals(runtime.processor)
+
+    async def run(_: web.Application) -> AsyncIterator[None]:
+        await runtime.start()
+        yield
+        await runtime.stop()
+
+    app.cleanup_ctx.append(run)
+    return runtime

@@ -1,0 +1,170 @@
+"""Key modes per engine pool: text keys (the default) or token-block keys.
+
+The policy's `key_pools:` section names pools of engines and how the router keys
+requests for them:
+
+```yaml
+key_pools:
+  - name: vllm
+    engines: [v0, v1]
+    keys_mode: tokens            # text | tokens
+    tokenizer_file: /models/v4.1-flash/tokenizer.json
+    chat_template_file: /models/v4.1-flash/tokenizer_config.json
+    block_tokens: 16             # the engine's --block-size (SGLang: --page-size)
+    forward_token_ids: false     # /v1/completions: send the ids we keyed instead of text
+```
+
+Engines in no pool use text keys (`ramjet.keys.prefix`). A request is keyed by the pool of
+the engines that serve its model; when they belong to different key modes (a mixed
+fleet), it keeps its text keys and the token pool's engines see no residency for it
+(a miss, never a wrong hit). Tokenizers are loaded from files when the router starts:
+a missing file fails the start, nothing is downloaded.
+
+`forward_token_ids` rewrites a `/v1/completions` string prompt into the token ids the
+router keyed (`prompt: [ids]`), so router and engine cannot tokenize differently. Chat
+requests are forwarded as they came: the OpenAI chat API has no portable token-id input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ramjet.keys.prefix import PromptError
+from ramjet.keys.tokens import (
+    ByteTokenizer,
+    HFTokenizer,
+    PromptTokenizer,
+    compute_token_keys,
+    token_key_seed,
+)
+from ramjet.request.parse import ParsedRequest, RequestError
+from ramjet.types import EngineId
+
+
+class KeyPoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    engines: tuple[str, ...] = Field(min_length=1)
+    keys_mode: Literal["text", "tokens"] = "text"
+    tokenizer: Literal["hf", "bytes"] = "hf"
+    """`hf`: `tokenizer_file` (HF tokenizer.json); `bytes`: the reference engine's."""
+    tokenizer_file: str | None = None
+    chat_template_file: str | None = None
+    """A Jinja template, or the model's tokenizer_config.json (its `chat_template`)."""
+    block_tokens: int = Field(default=16, gt=0, le=65536)
+    forward_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> KeyPoolConfig:
+        if self.keys_mode == "tokens" and self.tokenizer == "hf" and not self.tokenizer_file:
+            raise ValueError("keys_mode tokens with tokenizer hf needs tokenizer_file")
+        return self
+
+
+def check_pools(pools: Sequence[KeyPoolConfig], engine_ids: Iterable[str]) -> None:
+    """Every pool engine exists and belongs to one pool; pool names are unique."""
+    known = set(engine_ids)
+    seen: dict[str, str] = {}
+    names: set[str] = set()
+    for p in pools:
+        if p.name in names:
+            raise ValueError(f"key pool name {p.name!r} is repeated")
+        names.add(p.name)
+        for e in p.engines:
+            if e not in known:
+                raise ValueError(f"key pool {p.name!r}: engine {e!r} is not in engines")
+            if e in seen:
+                raise ValueError(f"engine {e!r} is in key pools {seen[e]!r} and {p.name!r}")
+            seen[e] = p.name
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Pool:
+    config: KeyPoolConfig
+    tokenizer: PromptTokenizer | None
+
+
+def _resolve(path: str, base_dir: Path | None) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() or base_dir is None else base_dir / p
+
+
+class KeyPools:
+    """The router's key modes; `rekey` gives a parsed request the keys of its pool."""
+
+    def __init__(self, pools: Sequence[KeyPoolConfig], base_dir: Path | None = None) -> None:
+        self._by_engine: dict[str, _Pool] = {}
+        for cfg in pools:
+            tok: PromptTokenizer | None = None
+            if cfg.keys_mode == "tokens":
+                if cfg.tokenizer == "bytes":
+                    tok = ByteTokenizer()
+                else:
+                    assert cfg.tokenizer_file is not None
+                    tpl = cfg.chat_template_file
+                    tok = HFTokenizer(
+                        _resolve(cfg.tokenizer_file, base_dir),
+                        None if tpl is None else _resolve(tpl, base_dir),
+                    )
+            pool = _Pool(cfg, tok)
+            for e in cfg.engines:
+                self._by_engine[e] = pool
+
+    def __bool__(self) -> bool:
+        return any(p.tokenizer is not None for p in self._by_engine.values())
+
+    def pool_of(self, engine: EngineId) -> KeyPoolConfig | None:
+        p = self._by_engine.get(engine)
+        return None if p is None else p.config
+
+    def rekey(self, parsed: ParsedRequest, engines: Sequence[EngineId]) -> ParsedRequest:
+        """`parsed` with token-block keys when every engine in `engines` is in one tokens
+        pool; unchanged otherwise. Raises `RequestError` (400) for a prompt the pool's
+        tokenizer or template refuses."""
+        if not engines:
+            return parsed
+        pool = self._by_engine.get(engines[0])
+        if pool is None or pool.tokenizer is None:
+            return parsed
+        if any(self._by_engine.get(e) is not pool for e in engines[1:]):
+            return parsed  # a mixed fleet: text keys for all
+        ids, body = self._tokens(parsed, pool)
+        try:
+            keys = compute_token_keys(ids, token_key_seed(parsed.model), pool.config.block_tokens)
+        except ValueError as exc:  # token ids beyond 32 bits
+            raise RequestError(
+                400, "invalid_request_error", "invalid_value", f"prompt: {exc}", "prompt"
+            ) from None
+        return dataclasses.replace(
+            parsed, keys=keys, prompt_tokens=len(ids), bytes_per_token=1.0, body=body
+        )
+
+    def _tokens(self, parsed: ParsedRequest, pool: _Pool) -> tuple[list[int], bytes]:
+        tok = pool.tokenizer
+        assert tok is not None
+        obj = parsed.json
+        try:
+            if parsed.kind == "chat":
+                return tok.encode_chat(obj["messages"], obj.get("tools")), parsed.body
+            prompt: Any = obj["prompt"]
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+                prompt = prompt[0]
+            if isinstance(prompt, list):  # token ids already (validated by parse_request)
+                return [int(t) for t in prompt], parsed.body
+            ids = tok.encode_text(prompt)
+        except PromptError as exc:
+            param = exc.param or ("messages" if parsed.kind == "chat" else "prompt")
+            raise RequestError(400, "invalid_request_error", exc.code, str(exc), param) from None
+        body = parsed.body
+        if pool.config.forward_token_ids:
+            rewritten = dict(obj)
+            rewritten["prompt"] = ids
+            body = json.dumps(rewritten, ensure_ascii=False, separators=(",", ":")).encode()
+        return ids, body

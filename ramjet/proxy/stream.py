@@ -1,0 +1,196 @@
+"""`StreamWriter`: an engine's response, from its first body byte, to the client.
+
+Nothing is retried once the first byte was sent (`ramjet.proxy.forward`). Then:
+
+- Writes to the client wait on the transport's high-water mark (`stream_buffer_bytes`),
+  which pauses the upstream read (`ramjet.proxy.http1` stops reading the engine's socket
+  when its own buffer fills); a write blocked longer than `send_s` ends the exchange (`slow_reader`).
+- Each read takes everything the engine has delivered in one piece, waiting at most
+  `idle_s` only when nothing is buffered. Bodies are forwarded byte-exact (no
+  decompression, no re-encoding).
+- A stream cut by the engine (or by an idle timeout, or by shutdown) ends for an SSE
+  client with an `event: error` whose data is an OpenAI-style error object, then the
+  connection closes; never `data: [DONE]`. A non-SSE body cut short closes the
+  connection so the client sees a truncated body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from aiohttp import web
+
+from ramjet.config import PolicyConfig
+from ramjet.fleet.engines import EngineState, Fleet, Outcome, classify_status
+from ramjet.metrics import RouterMetrics
+from ramjet.proxy.exchange import Exchange, ForwardResult, UpstreamError
+from ramjet.proxy.headers import client_response_headers
+from ramjet.proxy.http1 import UpstreamResponse
+from ramjet.proxy.retries import RETRY_STATUSES
+from ramjet.request.openai_errors import error_body
+from ramjet.types import EngineId
+
+_FRAMING_BYTES = 64
+"""Upper bound on what a write adds to a body piece (chunk size line, CRLFs, terminator)."""
+
+
+class _Passthrough(web.StreamResponse):
+    """A streamed response whose headers leave in the same write as the first body piece
+    (aiohttp's `Response` does this; `StreamResponse` sends them at `prepare`): one
+    syscall fewer per response, nothing else changes (a body-less end still sends them)."""
+
+    _send_headers_immediately = False
+
+
+class StreamWriter:
+    def __init__(self, config: PolicyConfig, fleet: Fleet, metrics: RouterMetrics) -> None:
+        self._cfg = config
+        self._fleet = fleet
+        self._metrics = metrics
+
+    async def stream(
+        self,
+        request: web.Request,
+        upstream: UpstreamResponse,
+        first: bytes,
+        engine: EngineState,
+        res: ForwardResult,
+        exchange: Exchange,
+        t0: float,
+    ) -> web.StreamResponse:
+        """Send `upstream`'s response, whose first body piece is `first`, to the client;
+        records the outcome in `res` and the fleet. `t0`: forwarding start (monotonic)."""
+        t = self._cfg.timeouts
+        status = upstream.status
+        out_headers, res.engine_headers = client_response_headers(upstream.headers)
+        out_headers["X-Ramjet-Engine"] = engine.id
+        sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        resp = _Passthrough(status=status, reason=upstream.reason, headers=out_headers)
+        if upstream.content_length is not None:
+            resp.content_length = upstream.content_length
+        res.engine, res.status = engine.id, status
+        if request.transport is not None:
+            request.transport.set_write_buffer_limits(high=self._cfg.limits.stream_buffer_bytes)
+        content = upstream
+        # The last piece ends the body in the same write (for a chunked body, with the
+        # terminator); a length-framed body only once it is complete.
+        length = upstream.content_length
+        tail = b"\n\n"
+        try:
+            await resp.prepare(request)
+            chunk = first
+            # Headers leave with the first piece (`_Passthrough`): count them against
+            # the write buffer once.
+            extra = _FRAMING_BYTES + sum(len(k) + len(v) + 4 for k, v in out_headers.items())
+            while chunk:
+                last = content.at_eof() and (length is None or res.bytes_out + len(chunk) >= length)
+                if not await self._send(request, resp, chunk, last, extra):
+                    res.end = "slow_reader"
+                    self._metrics.stream_errors.labels(reason="slow_reader").inc()
+                    resp.force_close()
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
+                extra = _FRAMING_BYTES
+                if res.ttft_s is None:
+                    res.ttft_s = time.monotonic() - t0
+                res.bytes_out += len(chunk)
+                res.tail.add(chunk)
+                tail = chunk[-2:] if len(chunk) >= 2 else (tail + chunk)[-2:]
+                if last:
+                    break
+                try:
+                    # Everything the engine has delivered, in one piece; wait (under the
+                    # idle timeout) only when nothing is buffered.
+                    chunk = content.read_nowait()
+                    if not chunk and not content.at_eof():
+                        chunk = await content.readany(t.idle_s)
+                except TimeoutError:
+                    raise UpstreamError("idle_timeout") from None
+                except OSError as exc:
+                    raise UpstreamError("disconnect", type(exc).__name__) from None
+            if upstream.content_length is not None and res.bytes_out < upstream.content_length:
+                raise UpstreamError("disconnect", "body shorter than Content-Length")
+            await resp.write_eof()
+            if status not in RETRY_STATUSES:  # those were recorded on arrival
+                self._fleet.record(engine, classify_status(status))
+            return resp
+        except UpstreamError as exc:
+            reason = "shutdown" if exchange.shutdown else exc.kind
+            res.end = f"upstream_{reason}"
+            self._metrics.stream_errors.labels(reason=reason).inc()
+            if not exchange.shutdown:
+                self._fleet.record(engine, Outcome.FAILURE)
+                self._metrics.upstream_errors.labels(engine=engine.id, kind=exc.kind).inc()
+            await self._end_cut(request, resp, sse, tail, engine.id, reason)
+            return resp
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            res.end = "client_gone"
+            return resp
+        finally:
+            upstream.close()
+            exchange.upstream = None
+
+    async def _send(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        chunk: bytes,
+        eof: bool,
+        extra: int,
+    ) -> bool:
+        """Write `chunk` to the client (and end the body if `eof`); False if the client
+        did not take it within `send_s`.
+
+        A write only waits when the transport has paused writing, which happens when its
+        buffer passes the high-water mark. A write that cannot get there (not paused, and
+        the buffer plus the bytes written, `extra` being framing and headers, stays
+        within the mark) cannot wait, so it needs no timer."""
+        transport = request.transport
+        write = resp.write_eof if eof else resp.write
+        if (
+            transport is not None
+            and not request.protocol.writing_paused
+            and transport.get_write_buffer_size() + len(chunk) + extra
+            <= self._cfg.limits.stream_buffer_bytes
+        ):
+            await write(chunk)
+            return True
+        try:
+            async with asyncio.timeout(self._cfg.timeouts.send_s):
+                await write(chunk)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _end_cut(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        sse: bool,
+        tail: bytes,
+        engine: EngineId,
+        reason: str,
+    ) -> None:
+        resp.force_close()
+        if not sse:
+            if request.transport is not None:
+                request.transport.abort()
+            return
+        msg = (
+            "The router is shutting down; the stream was ended."
+            if reason == "shutdown"
+            else f"The engine stream ended early ({reason}); the response is incomplete."
+        )
+        sep = b"" if tail == b"\n\n" else b"\n\n"
+        data = json.dumps(error_body(msg, "server_error", f"stream_{reason}")).encode()
+        try:
+            async with asyncio.timeout(self._cfg.timeouts.send_s):
+                await resp.write(sep + b"event: error\ndata: " + data + b"\n\n")
+                await resp.write_eof()
+        except (TimeoutError, ConnectionError, aiohttp.ClientConnectionResetError):
+            if request.transport is not None:
+                request.transport.abort()

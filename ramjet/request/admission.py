@@ -1,0 +1,175 @@
+"""Admission: whether a request may enter the router, and reading its body under limits.
+
+In order, before anything is parsed (each refusal is an OpenAI error object and counts in
+`ramjet_rejected_requests_total` by reason):
+
+1. header lines summing over `limits.max_header_bytes`: 431;
+2. the router draining: 503 with Retry-After;
+3. a declared Content-Length over `limits.max_body_bytes`: 413, before reading anything;
+4. a forwarding slot: at most `limits.max_concurrent` requests forward at once and
+   `limits.queue` more wait, each at most `limits.queue_timeout_s`; beyond either, 503
+   with Retry-After.
+
+Then the body is read within `timeouts.body_s` (408 past it); a chunked body is cut off
+with 413 as soon as it passes `limits.max_body_bytes`, a malformed one is 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from ramjet.config import LimitsConfig
+from ramjet.metrics import RouterMetrics
+from ramjet.request.openai_errors import json_error
+
+
+def reject(metrics: RouterMetrics, reason: str, resp: web.Response) -> web.Response:
+    """Count the refusal under `reason` and hand back its response."""
+    metrics.rejected.labels(reason=reason).inc()
+    return resp
+
+
+def too_big(limit: int) -> web.Response:
+    return json_error(
+        413,
+        f"Request body exceeds {limit} bytes.",
+        "invalid_request_error",
+        "request_too_large",
+        close=True,
+    )
+
+
+def overloaded() -> web.Response:
+    return json_error(
+        503,
+        "The router is at capacity; retry later.",
+        "server_error",
+        "overloaded",
+        retry_after_s=1.0,
+    )
+
+
+def header_bytes(request: web.Request) -> int:
+    """Bytes of the request's header lines (name, ": ", value, CRLF)."""
+    return sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+
+
+class Admission:
+    """The router's forwarding slots and its per-request limits (see module docstring).
+    Used on the event loop only."""
+
+    def __init__(self, limits: LimitsConfig, body_timeout_s: float, metrics: RouterMetrics):
+        self.limits = limits
+        self.body_timeout_s = body_timeout_s
+        self.metrics = metrics
+        self._slots = asyncio.Semaphore(limits.max_concurrent)
+        self._waiting = 0
+
+    def refuse_early(self, request: web.Request, draining: bool) -> web.Response | None:
+        """The refusal for a request that must not wait for a slot (steps 1-3), or None."""
+        if header_bytes(request) > self.limits.max_header_bytes:
+            return reject(
+                self.metrics,
+                "headers_too_large",
+                json_error(
+                    431,
+                    "Request headers too large.",
+                    "invalid_request_error",
+                    "headers_too_large",
+                    close=True,
+                ),
+            )
+        if draining:
+            return reject(
+                self.metrics,
+                "draining",
+                json_error(
+                    503,
+                    "The router is shutting down.",
+                    "server_error",
+                    "draining",
+                    retry_after_s=1.0,
+                    close=True,
+                ),
+            )
+        lim = self.limits
+        if request.content_length is not None and request.content_length > lim.max_body_bytes:
+            return reject(self.metrics, "body_too_large", too_big(lim.max_body_bytes))
+        return None
+
+    async def acquire(self) -> web.Response | None:
+        """Wait for a forwarding slot (step 4): None once held (the caller must `release`
+        it), else the refusal."""
+        lim = self.limits
+        if self._slots.locked():
+            if self._waiting >= lim.queue:
+                return reject(self.metrics, "overload", overloaded())
+            self._waiting += 1
+            self.metrics.queued.set(self._waiting)
+            try:
+                async with asyncio.timeout(lim.queue_timeout_s):
+                    await self._slots.acquire()
+            except TimeoutError:
+                return reject(self.metrics, "queue_timeout", overloaded())
+            finally:
+                self._waiting -= 1
+                self.metrics.queued.set(self._waiting)
+        else:
+            await self._slots.acquire()
+        return None
+
+    def release(self) -> None:
+        self._slots.release()
+
+    async def read_body(self, request: web.Request) -> bytes | web.Response:
+        """The whole body, or the refusal (413, 408, 400) if it is too big, late or bad."""
+        limit = self.limits.max_body_bytes
+        content = request.content
+        if content.is_eof() and content.exception() is None:
+            # The whole body arrived with the headers (the common case): no wait, no timer.
+            data = content.read_nowait()
+            if len(data) > limit:
+                return reject(self.metrics, "body_too_large", too_big(limit))
+            return data
+        parts: list[bytes] = []
+        total = 0
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    chunk = await request.content.readany()
+                    if not chunk:
+                        break
+                    total += len(chunk)
+                    if total > limit:
+                        return reject(self.metrics, "body_too_large", too_big(limit))
+                    parts.append(chunk)
+        except TimeoutError:
+            return reject(
+                self.metrics,
+                "body_timeout",
+                json_error(
+                    408,
+                    "Request body not received in time.",
+                    "invalid_request_error",
+                    "request_timeout",
+                    close=True,
+                ),
+            )
+        except aiohttp.web.HTTPException:
+            raise
+        except (aiohttp.ClientPayloadError, ValueError) as exc:
+            return reject(
+                self.metrics,
+                "bad_body",
+                json_error(
+                    400,
+                    f"Malformed request body: {exc}",
+                    "invalid_request_error",
+                    "bad_body",
+                    close=True,
+                ),
+            )
+        return b"".join(parts)

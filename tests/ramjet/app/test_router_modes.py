@@ -1,0 +1,190 @@
+"""Modes: observe never lets the candidate change the live pick (raising, slow, invalid);
+canary is deterministic by session with the configured share; enforce uses the
+candidate with the incumbent as fallback. Plus the arrival-rate EWMA."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from policy_fakes import engine
+
+from ramjet.app.modes import ArrivalRate, ModeRunner, canary_share_of
+from ramjet.config import ModeConfig
+from ramjet.metrics import RouterMetrics
+from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
+from ramjet.types import EngineId
+
+REQ = RequestView("r1", "m", 10, (), (), ())
+FLEET = FleetStats()
+ENGINES = [engine("e0"), engine("e1")]
+
+
+class Fixed:
+    def __init__(self, name: str, pick: str) -> None:
+        self.name = name
+        self._pick = pick
+        self.calls = 0
+
+    def pick(
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> Decision:
+        self.calls += 1
+        return Decision(engine=EngineId(self._pick), policy=self.name)
+
+
+class Raising:
+    name = "raising"
+
+    def pick(
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> Decision:
+        raise RuntimeError("scorer bug")
+
+
+class FakeTimer:
+    """Each pick 'takes' `step` seconds of timer time."""
+
+    def __init__(self, step: float) -> None:
+        self.t = 0.0
+        self.step = step
+        self.n = 0
+
+    def __call__(self) -> float:
+        self.n += 1
+        if self.n % 2 == 0:
+            self.t += self.step
+        return self.t
+
+
+def _count(m: RouterMetrics, kind: str, role: str = "candidate") -> float:
+    v = m.registry.get_sample_value("ramjet_policy_errors_total", {"role": role, "kind": kind})
+    return v or 0.0
+
+
+def test_observe_candidate_raising_never_changes_the_pick() -> None:
+    m = RouterMetrics()
+    r = ModeRunner(ModeConfig(kind="observe"), Fixed("inc", "e1"), Raising(), m)  # type: ignore[arg-type]
+    for _ in range(5):
+        out = r.decide(REQ, ENGINES, FLEET, "s")
+        assert out.live.engine == "e1" and out.live_role == "incumbent"
+        assert out.candidate is None and out.candidate_error is not None
+        assert out.candidate_error.startswith("raised: RuntimeError")
+    assert _count(m, "raised") == 5
+
+
+def test_observe_candidate_invalid_pick_is_contained() -> None:
+    m = RouterMetrics()
+    r = ModeRunner(ModeConfig(kind="observe"), Fixed("inc", "e0"), Fixed("cand", "e9"), m)
+    out = r.decide(REQ, ENGINES, FLEET, "s")
+    assert out.live.engine == "e0" and out.candidate_error == "invalid"
+
+
+def test_observe_slow_candidate_discarded_then_skipped_for_cooldown() -> None:
+    m = RouterMetrics()
+    now = [0.0]
+    cand = Fixed("cand", "e0")
+    r = ModeRunner(
+        ModeConfig(kind="observe", candidate_budget_s=0.01, slow_cooldown_s=5.0),
+        Fixed("inc", "e1"),
+        cand,
+        m,
+        clock=lambda: now[0],
+        timer=FakeTimer(0.05),
+    )
+    outs = [r.decide(REQ, ENGINES, FLEET, "s") for _ in range(4)]
+    assert all(o.live.engine == "e1" for o in outs)
+    assert [o.candidate_error for o in outs] == ["slow", "slow", "slow", "skipped"]
+    assert cand.calls == 3
+    now[0] = 5.0
+    assert r.decide(REQ, ENGINES, FLEET, "s").candidate_error == "slow"
+    assert cand.calls == 4
+
+
+def test_observe_disagreement_is_recorded_for_the_accounting() -> None:
+    m = RouterMetrics()
+    r = ModeRunner(ModeConfig(kind="observe"), Fixed("inc", "e1"), Fixed("cand", "e0"), m)
+    out = r.decide(REQ, ENGINES, FLEET, "s")
+    assert out.candidate is not None and out.candidate.engine == "e0" and out.live.engine == "e1"
+    assert out.incumbent is not None and out.incumbent.engine == "e1"
+    # agreement has one counter pair, by mode, in the accounting (ramjet_policy_agreed_total)
+    assert (
+        m.registry.get_sample_value("ramjet_decision_agreement_total", {"agree": "false"}) is None
+    )
+
+
+def test_error_series_exist_at_zero_by_role() -> None:
+    reg = RouterMetrics().registry
+    for role, kinds in (("candidate", ("raised", "invalid", "slow", "skipped")),
+                        ("incumbent", ("raised", "invalid"))):  # fmt: skip
+        for kind in kinds:
+            labels = {"role": role, "kind": kind}
+            assert reg.get_sample_value("ramjet_policy_errors_total", labels) == 0.0
+
+
+def test_incumbent_accounting_pick_failing_in_canary_and_enforce_is_counted() -> None:
+    for mode in (ModeConfig(kind="enforce"), ModeConfig(kind="canary", share=1.0)):
+        m = RouterMetrics()
+        r = ModeRunner(mode, Raising(), Fixed("cand", "e1"), m)  # type: ignore[arg-type]
+        out = r.decide(REQ, ENGINES, FLEET, "s")
+        assert out.live.engine == "e1" and out.live_role == "candidate"
+        assert out.incumbent is None
+        assert _count(m, "raised", "incumbent") == 1
+        assert _count(m, "raised") == 0
+        r = ModeRunner(mode, Fixed("inc", "e9"), Fixed("cand", "e1"), m)
+        assert r.decide(REQ, ENGINES, FLEET, "s").live.engine == "e1"
+        assert _count(m, "invalid", "incumbent") == 1
+
+
+def test_observe_incumbent_failing_is_counted_by_role() -> None:
+    m = RouterMetrics()
+    r = ModeRunner(ModeConfig(kind="observe"), Raising(), Fixed("cand", "e0"), m)  # type: ignore[arg-type]
+    out = r.decide(REQ, ENGINES, FLEET, "s")
+    assert out.live_role == "fallback"
+    assert _count(m, "raised", "incumbent") == 1 and _count(m, "raised") == 0
+
+
+def test_canary_share_is_deterministic_by_session() -> None:
+    m = RouterMetrics()
+    r = ModeRunner(ModeConfig(kind="canary", share=0.3), Fixed("inc", "e0"), Fixed("cand", "e1"), m)
+    sessions = [f"session-{i}" for i in range(2000)]
+    first = [r.decide(REQ, ENGINES, FLEET, s).live.engine for s in sessions]
+    second = [r.decide(REQ, ENGINES, FLEET, s).live.engine for s in sessions]
+    assert first == second
+    share = first.count(EngineId("e1")) / len(first)
+    assert 0.25 < share < 0.35
+    assert all(
+        (canary_share_of(s) < 0.3) == (e == "e1") for s, e in zip(sessions, first, strict=True)
+    )
+
+
+def test_enforce_uses_candidate_and_falls_back() -> None:
+    m = RouterMetrics()
+    r = ModeRunner(ModeConfig(kind="enforce"), Fixed("inc", "e0"), Fixed("cand", "e1"), m)
+    assert r.decide(REQ, ENGINES, FLEET, "s").live.engine == "e1"
+    r2 = ModeRunner(ModeConfig(kind="enforce"), Fixed("inc", "e0"), Raising(), m)  # type: ignore[arg-type]
+    out = r2.decide(REQ, ENGINES, FLEET, "s")
+    assert out.live.engine == "e0" and out.live_role == "incumbent"
+    assert _count(m, "raised") == 1 and _count(m, "raised", "incumbent") == 0
+
+
+def test_both_failing_falls_back_to_least_loaded_healthy() -> None:
+    m = RouterMetrics()
+    engines = [
+        engine("e0", inflight_tokens=900),
+        engine("e1", inflight_tokens=10, healthy=False),
+        engine("e2", inflight_tokens=50),
+    ]
+    r = ModeRunner(ModeConfig(kind="enforce"), Raising(), Raising(), m)  # type: ignore[arg-type]
+    out = r.decide(REQ, engines, FLEET, "s")
+    assert out.live.engine == "e2" and out.live_role == "fallback"
+
+
+def test_arrival_rate_tracks_a_steady_stream() -> None:
+    a = ArrivalRate(tau_s=2.0)
+    t = 0.0
+    for _ in range(2000):
+        t += 0.01  # 100 requests/s
+        a.arrive(t)
+    assert math.isclose(a.rate(t), 100.0, rel_tol=0.05)
+    assert a.rate(t + 10.0) < 100.0 * math.exp(-4)

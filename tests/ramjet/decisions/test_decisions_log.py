@@ -1,0 +1,223 @@
+"""Decision records: usage parsing from a response tail (stream and not, cut, decoys),
+the JSON line, the size-rotating log with its bounded queue, and the proxy's tail."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ramjet.decisions.log import (
+    DecisionLog,
+    RealizedWork,
+    RotatingFile,
+    decision_entry,
+    find_usage,
+    parse_realized,
+    read_log,
+)
+from ramjet.decisions.record import DecisionRecord
+from ramjet.policy.base import Decision
+from ramjet.proxy.exchange import Attempt, ResponseTail
+from ramjet.types import EngineId
+
+PW = {
+    "hbm_tokens": 512,
+    "host_tokens": 256,
+    "ssd_tokens": 0,
+    "swa_tokens": 3,
+    "replayed_tokens": 16,
+    "prefilled_tokens": 40,
+    "queue_ms": 12.5,
+    "restore_ms": 1.25,
+    "restore_io_ms": 0.5,
+    "prefill_ms": 30.0,
+    "epoch": 2,
+}
+
+
+def usage(pw: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "prompt_tokens": 811,
+        "completion_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 771},
+        "prompt_work": PW if pw is None else pw,
+    }
+
+
+def body(content: str = "hi") -> bytes:
+    return json.dumps(
+        {"id": "x", "choices": [{"message": {"content": content}}], "usage": usage()}
+    ).encode()
+
+
+def sse(content: str = "hi") -> bytes:
+    chunks = [{"choices": [{"delta": {"content": c}}]} for c in content]
+    chunks.append({"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": usage()})
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + (
+        b"data: [DONE]\n\n"
+    )
+
+
+def test_usage_parsed_from_non_stream_body_and_sse_tail() -> None:
+    for raw in (body(), sse()):
+        r = parse_realized(raw)
+        assert r is not None
+        assert r.hbm_tokens == 512 and r.host_tokens == 256 and r.swa_tokens == 3
+        assert r.cached_tokens == 771 and r.prompt_tokens == 811 and r.epoch == 2
+        assert r.engine_ttft_s == pytest.approx((12.5 + 1.25 + 30.0) / 1e3)
+
+
+def test_usage_inside_content_is_not_mistaken_for_the_key() -> None:
+    decoy = 'say "usage": {"prompt_work": {"hbm_tokens": 99999}}'
+    r = parse_realized(body(decoy))
+    assert r is not None and r.hbm_tokens == 512
+    # content only, no usage key at all: nothing
+    only = json.dumps({"choices": [{"message": {"content": decoy}}]}).encode()
+    assert parse_realized(only) is None
+
+
+def test_missing_cut_or_bad_usage_gives_none() -> None:
+    assert parse_realized(b"") is None
+    assert parse_realized(b'{"usage": {"prompt_tokens": 3}}') is None  # no prompt_work
+    assert parse_realized(body()[:-30]) is None  # cut inside the usage object
+    bad = json.dumps({"usage": usage({**PW, "hbm_tokens": -1})}).encode()
+    assert parse_realized(bad) is None
+    bad = json.dumps({"usage": usage({**PW, "queue_ms": "12"})}).encode()
+    assert parse_realized(bad) is None
+    assert find_usage(b'"usage" 12') is None  # no colon
+
+
+def test_response_tail_keeps_the_last_bytes_without_growing() -> None:
+    t = ResponseTail(limit=100)
+    data = bytes(range(256)) * 40
+    for i in range(0, len(data), 7):
+        t.add(data[i : i + 7])
+    assert t.bytes() == data[-100:]
+    assert t._size < 100 + 7  # bounded: whole chunks, at most one chunk over
+    small = ResponseTail(limit=100)
+    small.add(b"abc")
+    assert small.bytes() == b"abc"
+
+
+def _record(rid: str = "r1", *, stream: bool = False, ttft: float | None = 0.2) -> DecisionRecord:
+    e0, e1 = EngineId("e0"), EngineId("e1")
+    cand = Decision(
+        e1,
+        "tier_aware",
+        {e0: {"ttft_s": 0.5, "resume_tokens": 0.0}, e1: {"ttft_s": 0.125, "resume_tokens": 768}},
+        ("default_profile:e0",),
+    )
+    inc = Decision(e0, "prefix_affinity")
+    return DecisionRecord(
+        request_id=rid,
+        time_unix=1_700_000_000.5,
+        model="m",
+        session="s1",
+        prompt_tokens=811,
+        stream=stream,
+        mode="observe",
+        live_role="incumbent",
+        live=inc,
+        incumbent=inc,
+        candidate=cand,
+        candidate_error=None,
+        candidate_s=0.0002,
+        engine=e0,
+        status=200,
+        attempts=(Attempt(e0, 200),),
+        ttft_s=ttft,
+        duration_s=0.3,
+        end="ok",
+        response_tail=sse() if stream else body(),
+    )
+
+
+def test_entry_holds_picks_predictions_and_realized() -> None:
+    rec = _record()
+    e = decision_entry(rec, parse_realized(rec.response_tail))
+    assert json.loads(json.dumps(e)) == e
+    assert e["id"] == "r1" and e["mode"] == "observe" and e["session"] == "s1"
+    assert e["live"]["engine"] == "e0" and e["candidate"]["engine"] == "e1"
+    assert e["candidate"]["notes"] == ["default_profile:e0"]
+    assert e["predicted"]["e1"]["ttft_s"] == 0.125
+    assert e["realized"]["cached_tokens"] == 771
+    # non-stream: the engine's own first-token time; stream: the router's
+    assert e["ttft_source"] == "engine" and e["realized_ttft_s"] == pytest.approx(0.04375)
+    s = decision_entry(_record(stream=True), None)
+    assert s["ttft_source"] == "router" and s["realized_ttft_s"] == 0.2
+    assert decision_entry(_record(ttft=None), None)["realized_ttft_s"] is None
+
+
+def test_rotating_file_rotates_and_keeps_n_backups(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    f = RotatingFile(path, max_bytes=100, backups=2)
+    line = b"x" * 39 + b"\n"  # 40 bytes: two lines per file
+    for _ in range(9):
+        f.write(line)
+    f.close()
+    assert f.rotations == 4
+    assert path.stat().st_size == 40  # the 9th line starts a fresh file
+    assert (tmp_path / "d.jsonl.1").stat().st_size == 80
+    assert (tmp_path / "d.jsonl.2").stat().st_size == 80
+    assert not (tmp_path / "d.jsonl.3").exists()
+    with pytest.raises(ValueError):
+        RotatingFile(path, max_bytes=0, backups=1)
+    g = RotatingFile(tmp_path / "t.jsonl", max_bytes=50, backups=0)
+    for _ in range(3):
+        g.write(line)
+    g.close()
+    assert (tmp_path / "t.jsonl").stat().st_size == 40 and g.rotations == 2
+
+
+def test_log_writes_lines_and_rotates(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    counts = {"w": 0, "r": 0}
+    lg = DecisionLog(
+        path,
+        max_bytes=8192,
+        backups=3,
+        on_written=lambda n: counts.__setitem__("w", counts["w"] + n),
+        on_rotated=lambda: counts.__setitem__("r", counts["r"] + 1),
+    )
+    for i in range(20):
+        rec = _record(f"r{i}")
+        assert lg.submit(rec, parse_realized(rec.response_tail))
+    assert lg.flush(5.0)
+    lg.close()
+    assert counts["w"] == 20 and counts["r"] >= 1
+    files = sorted(tmp_path.glob("d.jsonl*"))
+    ids = {e["id"] for f in files for e in read_log(f)}
+    assert ids == {f"r{i}" for i in range(20)}
+    assert all(f.stat().st_size <= 8192 for f in files)
+
+
+def test_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
+    gate = threading.Event()
+    dropped: list[int] = []
+    lg = DecisionLog(tmp_path / "d.jsonl", queue_size=2, on_dropped=lambda: dropped.append(1))
+    real = lg._write_batch
+
+    def slow(items: list[Any]) -> None:
+        gate.wait(5.0)
+        real(items)
+
+    lg._write_batch = slow  # type: ignore[method-assign]
+    results = [lg.submit(_record(f"r{i}"), None) for i in range(10)]
+    # the writer holds at most one batch, the queue two: the rest are dropped at once
+    assert results.count(False) >= 7 and len(dropped) == results.count(False)
+    assert lg.dropped == len(dropped)
+    gate.set()
+    lg.close()
+    written = read_log(tmp_path / "d.jsonl")
+    assert len(written) == results.count(True)
+
+
+def test_read_log_skips_torn_and_foreign_lines(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    good = json.dumps(decision_entry(_record(), RealizedWork()))
+    p.write_text(good + "\n" + '{"v": 99}\n' + good[:20])
+    assert [e["id"] for e in read_log(p)] == ["r1"]

@@ -1,0 +1,244 @@
+"""RedisStore against a real redis-server: sharing, idempotent reports, TTLs, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers"))
+from redis_server import RedisProcess, redis_server
+
+from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
+from ramjet.residency.redis_store import RedisStore
+from ramjet.residency.store import Table
+from ramjet.residency.tables import ResidencyTables
+from ramjet.types import EngineId, PrefixKey, Tier
+
+pytestmark = pytest.mark.redis
+E0, E1 = EngineId("e0"), EngineId("e1")
+CFG = ResidencyConfig()
+
+
+@pytest.fixture
+def server() -> Iterator[RedisProcess]:
+    with redis_server() as s:
+        yield s
+
+
+def make(server: RedisProcess, **kw: object) -> tuple[RedisStore, CollectorRegistry]:
+    reg = CollectorRegistry()
+    settings = RedisSettings(url=server.url, timeout_ms=200, breaker_open_ms=50, **kw)  # type: ignore[arg-type]
+    link = RedisLink(settings, reg)
+    return RedisStore(link, CFG, engines=(E0, E1), registry=reg), reg
+
+
+@pytest.fixture
+async def pair(server: RedisProcess) -> AsyncIterator[tuple[RedisStore, RedisStore]]:
+    a, _ = make(server)
+    b, _ = make(server)
+    try:
+        yield a, b
+    finally:
+        for s in (a, b):
+            await s.close()
+            await s.link.close()
+
+
+def keys(*ks: int) -> list[PrefixKey]:
+    return [PrefixKey(k) for k in ks]
+
+
+async def sync(*stores: RedisStore) -> None:
+    for _ in range(2):
+        for s in stores:
+            await s.sync_once()
+
+
+def metric(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    v = reg.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+async def test_a_write_on_one_replica_is_seen_by_the_other(
+    pair: tuple[RedisStore, RedisStore],
+) -> None:
+    a, b = pair
+    ta, tb = ResidencyTables(CFG, a), ResidencyTables(CFG, b)
+    now_a, now_b = ta.clock(), tb.clock()
+    with a.report(E0, 1, 1):
+        ta.store_global(E0, keys(1, 2, 3), Tier.HOST, now_a)
+        ta.store_swa(E0, keys(9), now_a)
+    await sync(a, b)
+    got = b.get(Table.GLOBAL, E0, PrefixKey(2), now_b, approximate=False)
+    assert got is not None and got.tier is Tier.HOST and got.exact
+    assert b.get(Table.SWA, E0, PrefixKey(9), now_b, approximate=False) is not None
+    assert b.get(Table.GLOBAL, E1, PrefixKey(2), now_b, approximate=True) is None
+    # expiry carried over (72 h from the policy) within clock conversion slack
+    assert abs((got.expires_at - now_b) - CFG.global_ttl_s) < 5
+    ta.evict_global(E0, keys(2))
+    await sync(a, b)
+    assert b.get(Table.GLOBAL, E0, PrefixKey(2), tb.clock(), approximate=False) is None
+    assert b.cursor(E0) == (1, 1)
+
+
+async def test_the_same_report_applied_by_both_replicas_counts_once(
+    server: RedisProcess,
+) -> None:
+    a, ra = make(server)
+    b, rb = make(server)
+    try:
+        a.put(Table.GLOBAL, E0, keys(4), Tier.HBM, a.clock(), a.clock() + 60, False)
+        await a.sync_once()  # Redis now holds a copy of e0 (seeded by a)
+        ok0 = metric(ra, "ramjet_redis_batches_total", result="ok")
+        for s in (a, b):  # both replicas ingest the same report, in either order
+            with s.report(E0, 3, 7):
+                s.put(Table.GLOBAL, E0, keys(5), Tier.HBM, s.clock(), s.clock() + 60, True)
+        await b.sync_once()
+        await a.sync_once()
+        assert (
+            metric(ra, "ramjet_redis_batches_total", result="ok")
+            + metric(rb, "ramjet_redis_batches_total", result="ok")
+            == ok0 + 1
+        )
+        assert metric(ra, "ramjet_redis_batches_total", result="dup") == 1
+        # an older epoch is refused and changes nothing in Redis
+        with a.report(E0, 2, 99):
+            a.purge(E0)
+        await a.sync_once()
+        assert metric(ra, "ramjet_redis_batches_total", result="stale") == 1
+        await sync(a, b)
+        for s in (a, b):
+            assert s.get(Table.GLOBAL, E0, PrefixKey(5), s.clock(), False) is not None
+    finally:
+        for s in (a, b):
+            await s.link.close()
+
+
+async def test_approximate_never_overrides_exact_in_redis_either(
+    pair: tuple[RedisStore, RedisStore],
+) -> None:
+    a, b = pair
+    now = a.clock()
+    with a.report(E1, 1, 1):
+        a.put(Table.GLOBAL, E1, keys(7), Tier.SSD, now, now + 600, True)
+    await sync(a)
+    b.put(Table.GLOBAL, E1, keys(7, 8), Tier.HBM, b.clock(), b.clock() + 60, False)
+    await sync(b, a)
+    fresh, _ = make_from(a)
+    try:
+        await fresh.sync_once()  # pulls Redis's copy: the exact SSD entry survived
+        e = fresh.get(Table.GLOBAL, E1, PrefixKey(7), fresh.clock(), approximate=True)
+        assert e is not None and e.exact and e.tier is Tier.SSD
+        e8 = fresh.get(Table.GLOBAL, E1, PrefixKey(8), fresh.clock(), approximate=True)
+        assert e8 is not None and not e8.exact
+    finally:
+        await fresh.link.close()
+
+
+async def settle(*stores: RedisStore, within_s: float = 5.0) -> None:
+    """Sync until every store's breaker is closed and a clean round passed everywhere."""
+    deadline = time.monotonic() + within_s
+    while True:
+        clean = True
+        for s in stores:
+            try:
+                await s.sync_once()
+            except RedisUnavailable:
+                clean = False
+        if clean and not any(s.degraded for s in stores):
+            await sync(*stores)
+            return
+        assert time.monotonic() < deadline, "stores did not recover"
+        await asyncio.sleep(0.02)
+
+
+def make_from(other: RedisStore) -> tuple[RedisStore, CollectorRegistry]:
+    reg = CollectorRegistry()
+    return RedisStore(RedisLink(other.settings, reg), CFG, (E0, E1), reg), reg
+
+
+async def test_every_key_has_a_ttl_and_caps_bound_redis(server: RedisProcess) -> None:
+    a, _reg = make(server, max_global_entries_per_engine=50, max_swa_entries_per_engine=5)
+    try:
+        now = a.clock()
+        for r in range(4):
+            with a.report(E0, 1, r + 1):
+                a.put(
+                    Table.GLOBAL,
+                    E0,
+                    keys(*range(r * 40, r * 40 + 40)),
+                    Tier.HBM,
+                    now,
+                    now + 3600,
+                    True,
+                )
+                a.put(Table.SWA, E0, keys(*range(r * 4, r * 4 + 4)), Tier.HBM, now, now + 60, True)
+        a.put(Table.GLOBAL, E1, keys(1), Tier.HBM, now, now + 60, False)
+        await a.sync_once()
+        client = a.link.client
+        names = [k async for k in client.scan_iter(count=1000)]
+        assert names
+        for name in names:
+            assert await client.pttl(name) > 0, name
+        assert await client.zcard("{ramjet:e0}:i:gx") == 50
+        assert await client.zcard("{ramjet:e0}:i:sx") == 5
+        # evicted entries' keys are gone too: only the capped number of entry keys remain
+        assert len([n for n in names if b":gx:" in n]) == 50
+    finally:
+        await a.link.close()
+
+
+async def test_script_flush_is_recovered(pair: tuple[RedisStore, RedisStore]) -> None:
+    a, b = pair
+    a.put(Table.GLOBAL, E0, keys(1), Tier.HBM, a.clock(), a.clock() + 60, False)
+    await sync(a, b)
+    await a.link.client.script_flush()
+    a.put(Table.GLOBAL, E0, keys(2), Tier.HBM, a.clock(), a.clock() + 60, False)
+    await sync(a, b)
+    assert b.get(Table.GLOBAL, E0, PrefixKey(2), b.clock(), True) is not None
+    assert a.link.metrics.script_reloads._value.get() >= 2  # first load + after the flush
+    assert not a.degraded
+
+
+async def test_redis_restarted_empty_is_reseeded_and_the_other_replica_converges(
+    server: RedisProcess,
+) -> None:
+    a, reg = make(server)
+    b, _ = make(server)
+    try:
+        now = a.clock()
+        with a.report(E0, 1, 1):
+            a.put(Table.GLOBAL, E0, keys(1, 2), Tier.HOST, now, now + 600, True)
+        await sync(a, b)
+        server.kill()
+        # Redis is gone: writes keep landing locally, the breaker opens, nothing raises
+        with a.report(E0, 1, 2):
+            a.put(Table.GLOBAL, E0, keys(3), Tier.HBM, a.clock(), a.clock() + 600, True)
+        for _ in range(5):
+            with pytest.raises(RedisUnavailable):  # fail open: the caller keeps routing
+                await a.sync_once()
+        assert a.degraded
+        assert metric(reg, "ramjet_redis_degraded") == 1
+        assert a.get(Table.GLOBAL, E0, PrefixKey(3), a.clock(), False) is not None
+        server.start()
+        await settle(a, b)
+        assert not a.degraded
+        assert metric(reg, "ramjet_redis_degraded") == 0
+        assert (
+            metric(reg, "ramjet_redis_resyncs_total", direction="push", reason="redis_empty")
+            + metric(reg, "ramjet_redis_resyncs_total", direction="pull", reason="recovery")
+            >= 1
+        )
+        for k in (1, 2, 3):
+            assert b.get(Table.GLOBAL, E0, PrefixKey(k), b.clock(), False) is not None, k
+        assert b.cursor(E0) == (1, 2)
+    finally:
+        for s in (a, b):
+            await s.link.close()
