@@ -9,9 +9,11 @@ Nothing is retried once the first byte was sent (`ramjet.proxy.forward`). Then:
   `idle_s` only when nothing is buffered. Bodies are forwarded byte-exact (no
   decompression, no re-encoding).
 - A stream cut by the engine (or by an idle timeout, or by shutdown) ends for an SSE
-  client with an `event: error` whose data is an OpenAI-style error object, then the
-  connection closes; never `data: [DONE]`. A non-SSE body cut short closes the
-  connection so the client sees a truncated body.
+  client with an `event: error` whose data is an OpenAI-style error object and a
+  properly terminated chunked body, never `data: [DONE]`; the client's connection stays
+  open for its next request (it was never announced closed, so closing it would lose
+  that request). A non-SSE (or length-framed) body cut short closes the connection so
+  the client sees a truncated body.
 """
 
 from __future__ import annotations
@@ -175,8 +177,13 @@ class StreamWriter:
         engine: EngineId,
         reason: str,
     ) -> None:
-        resp.force_close()
-        if not sse:
+        # A chunked SSE body ends properly (error event, then the terminator), so the
+        # client's connection stays usable for its next request: a keep-alive client
+        # cannot know of a close that was never announced. Any other body cut short
+        # closes the connection so the client sees it truncated.
+        chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        if not (sse and chunked):
+            resp.force_close()
             if request.transport is not None:
                 request.transport.abort()
             return

@@ -351,3 +351,36 @@ async def test_row26_observe_candidate_failures_never_change_decisions(
     errors = [rec.candidate_error or "" for rec in sink.records]
     assert all(e.startswith("raised") for e in errors[:6])
     assert set(errors[6:]) <= {"raised: AssertionError: never used", "skipped"}
+
+
+async def test_cut_stream_leaves_keepalive_client_able_to_send_its_next_request(
+    upstreams: list[FakeUpstream], make_router: RouterFactory
+) -> None:
+    """Issue 19: after an engine cuts a stream, a keep-alive client's next request on the
+    same pool must succeed: the connection either stays usable (the chunked body was
+    properly terminated) or was announced closed (`Connection: close`) before closing."""
+    router = await make_router(health={"probe_interval_s": 30, "consecutive_failures": 100})
+    for u in upstreams:
+        u.behavior = Behavior(chunks=6, kill_after_chunks=2)
+    payload = json.dumps({**CHAT, "stream": True})
+    ok = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        for _ in range(6):
+            async with s.post(router.url + "/v1/chat/completions", data=payload) as r:
+                assert r.status == 200
+                body = await r.read()
+                closing = r.headers.get("Connection", "").lower() == "close"
+            events = [e for e in body.split(b"\n\n") if e]
+            assert _is_error_end(events), body
+            # No pause: the next request goes out on the same pooled connection unless
+            # the router announced that it closes it.
+            try:
+                async with s.post(router.url + "/v1/chat/completions", json=CHAT) as nxt:
+                    assert nxt.status == 200
+                    await nxt.read()
+                    ok += 1
+            except aiohttp.ClientConnectionError as exc:
+                raise AssertionError(
+                    f"next request lost on a reused connection (announced close: {closing})"
+                ) from exc
+    assert ok == 6
