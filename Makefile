@@ -1,12 +1,29 @@
-# Two commands a newcomer needs: `make run` and `make test`.
+# Two commands a newcomer needs: `make run` and `make test`. Each installs what it needs
+# first: the system programs (scripts/system_deps.sh: Debian packages via apt-get when
+# root, else it stops with the exact command), then the Python venv(s).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SYSTEM_DEPS := PY=$(PY) scripts/system_deps.sh
 
-.PHONY: run test check lint fmt types unit venv clean
+# Every Python environment the tests run in. A target that builds another one (the
+# real-vLLM env) adds its stamp here; `make test` and `make unit` then build it first.
+TEST_ENVS := $(STAMP)
 
-$(BIN)/python:
+.PHONY: run test check lint fmt types unit venv clean bench system-deps system-deps-run system-deps-bench
+
+## system-deps: redis-server, redis-cli, prometheus, promtool, systemd-analyze (for the tests)
+system-deps:
+	@$(SYSTEM_DEPS) test
+
+system-deps-run:
+	@$(SYSTEM_DEPS) run
+
+system-deps-bench:
+	@$(SYSTEM_DEPS) bench
+
+$(BIN)/python: | system-deps-run
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
@@ -17,20 +34,25 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 venv: $(STAMP)
 
-## run: two reference engines and the router (observe mode) on 127.0.0.1:8000
-run: $(STAMP)
+## run: two reference engines and the router (observe mode) on 127.0.0.1:8000; the
+## decision log goes to run/decisions.jsonl (logging.decisions_path in policies/observe.yaml)
+run: system-deps-run $(STAMP)
 	$(BIN)/ramjet stack --policy policies/observe.yaml --port 8000
 
-## test: format check, lint, strict types on ramjet/, then the tests
-test: $(STAMP) check unit
+## test: system programs, the venvs, then format check, lint, strict types and the tests
+test: system-deps $(TEST_ENVS) check unit
 
 check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: system-deps $(TEST_ENVS)
 	$(BIN)/pytest -q
+
+## bench: the headline benchmarks in quick mode -> out/bench/summary.md and its plots
+bench: system-deps-bench $(STAMP)
+	$(BIN)/python benchmarks/bench_all.py --quick --out out/bench
 
 fmt: $(STAMP)
 	$(BIN)/ruff format .
