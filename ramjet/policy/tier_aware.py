@@ -35,11 +35,14 @@ class TierAwareParams(BaseModel):
 
 
 class TierAware:
-    """Least `cost_s` among eligible engines; ties to the shorter wait, then list order."""
+    """Least `cost_s` among eligible engines; ties to the shorter wait, then in turn (a
+    cursor that moves only on a tie, so idle engines share the new sessions that reach
+    them one at a time instead of all going to the first)."""
 
     def __init__(self, params: TierAwareParams | None = None, name: str = "tier_aware") -> None:
         self.name = name
         self.params = params or TierAwareParams()
+        self._ties = 0
 
     def estimates(
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
@@ -58,7 +61,11 @@ class TierAware:
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> Decision:
         ests = self.estimates(request, engines, fleet)
-        best = min(ests, key=lambda s: (s.cost_s, s.wait_s))
+        low = min((s.cost_s, s.wait_s) for s in ests)
+        tied = [s for s in ests if (s.cost_s, s.wait_s) == low]
+        best = tied[self._ties % len(tied)]
+        if len(tied) > 1:
+            self._ties += 1
         notes = [
             f"default_profile:{s.engine}" for s in ests if s.default_profile and not s.degraded
         ]

@@ -377,3 +377,20 @@ async def test_sighup_reloads_a_running_router(
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+async def test_enforce_tier_aware_spreads_sequential_cold_requests(
+    upstreams: list[FakeUpstream],
+) -> None:
+    """Issue 19: one request at a time on idle engines, each a new session with its own
+    prompt: every engine ties, and the ties must rotate (20 of 20 went to the first)."""
+    bodies = [
+        {"model": "m", "messages": [{"role": "user", "content": f"cold {i} " + "y" * 300}]}
+        for i in range(20)
+    ]
+    engines, sink, _ = await run(
+        upstreams, bodies, mode={"kind": "enforce"}, candidate={"name": "tier_aware"}
+    )
+    assert all(r.live_role == "candidate" for r in sink.records)
+    counts = {e: engines.count(e) for e in ("e0", "e1")}
+    assert min(counts.values()) >= 8, counts
