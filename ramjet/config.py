@@ -161,6 +161,16 @@ class LoggingConfig(_Frozen):
     """Records waiting for the writer thread; beyond it records are dropped and counted."""
 
 
+class FleetStatsConfig(_Frozen):
+    """Time constants of the fleet estimators the cost model reads (λ and W of its λ·W·Δ
+    externality term, `ramjet.policy.fleet_stats`). The simulator reads the same fields."""
+
+    arrival_tau_s: float = Field(default=10.0, gt=0)
+    """Arrival-rate EWMA time constant: an arrival adds 1/τ, the value decays as exp(-dt/τ)."""
+    wait_tau_s: float = Field(default=10.0, gt=0)
+    """Mean-wait EWMA time constant: a sample moves the mean (1 - exp(-dt/τ)) of the way."""
+
+
 class AdminConfig(_Frozen):
     token: str | None = None
     """Bearer token for admin endpoints; None disables them."""
@@ -178,6 +188,8 @@ class PolicyConfig(_Frozen):
     health: HealthConfig = HealthConfig()
     logging: LoggingConfig = LoggingConfig()
     admin: AdminConfig = AdminConfig()
+    fleet_stats: FleetStatsConfig = FleetStatsConfig()
+    """Fleet estimator time constants (router and simulator alike)."""
     store: StoreConfig = StoreConfig()
     """Where the residency tables live: memory (default) or redis (docs/redis.md)."""
     reports: ReportsConfig = ReportsConfig()

@@ -8,9 +8,11 @@ At each arrival the simulator builds the same views the router builds: a `Reques
 (built once per request and cached on it), one `EngineView` per engine (its load from
 engine state: queued prompt tokens still to prefill, requests in flight and decoding,
 HBM utilization; residency from the `Knowledge` in use; the engine's profile; trust
-EXACT), and `FleetStats` (arrival rate: an exponentially decayed count with a 60 s time
-constant; mean wait before prefill start: an EWMA with weight 0.05 per started request).
-Then it calls `policy.pick` and enqueues the request on the engine it names.
+EXACT), and `FleetStats` from `ramjet.policy.fleet_stats.FleetEstimators`, the router's
+own estimators with the router's time constants (`FleetStatsConfig`, the policy file's
+`fleet_stats:` section): λ from every arrival, W from every request's wait before its
+prefill started, sampled when it starts. Then it calls `policy.pick` and enqueues the
+request on the engine it names.
 
 Knowledge (what residency the policy sees): "exact" (the caches), "hbm_only",
 "routed" (a `RoutedIndex` per engine fed by this run's decisions), or "none". The
@@ -25,17 +27,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ramjet.policy.base import EngineView, FleetStats, GlobalMatch, RequestView, RoutingPolicy
+from ramjet.config import FleetStatsConfig
+from ramjet.policy.base import EngineLoad, EngineView, GlobalMatch, RequestView, RoutingPolicy
 from ramjet.policy.cost import prompt_work
+from ramjet.policy.fleet_stats import FleetEstimators
 from ramjet.types import EngineId, TrustGrade
 from simulations.cache import SwaPool, TieredCache
 from simulations.engine import Engine, Job
 from simulations.preset import EngineSpec
-from simulations.views import Clock, ExactResidency, HbmOnlyResidency, RoutedIndex, SimEngineLoad
+from simulations.views import Clock, ExactResidency, HbmOnlyResidency, RoutedIndex
 from simulations.workload import Request
-
-RATE_TAU_S = 60.0
-WAIT_ALPHA = 0.05
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Simulation:
         shared_cache: bool = False,
         check_capacity: bool = False,
         progress: Callable[[int], None] | None = None,
+        fleet_stats: FleetStatsConfig = FleetStatsConfig(),
     ) -> None:
         self.requests = requests
         self.spec = spec
@@ -154,9 +156,7 @@ class Simulation:
                 raise ValueError(f"unknown knowledge {knowledge.kind!r}")
         if knowledge.kind == "none":
             self.routed = []
-        self.rate = 0.0
-        self.rate_t = 0.0
-        self.mean_wait = 0.0
+        self.estimators = FleetEstimators(fleet_stats.arrival_tau_s, fleet_stats.wait_tau_s)
         self.peak = [[0, 0, 0] for _ in self.engines]
 
     # -- events ----------------------------------------------------------------------
@@ -168,7 +168,7 @@ class Simulation:
     def _on_start(self, job: Job, now: float) -> None:
         wait = now - job.arrival
         self.out.wait[job.req.index] = wait
-        self.mean_wait += WAIT_ALPHA * (wait - self.mean_wait)
+        self.estimators.wait(now, wait)
 
     def _on_first_token(self, job: Job, now: float) -> None:
         i = job.req.index
@@ -193,7 +193,7 @@ class Simulation:
         views = []
         for e, res in zip(self.engines, self.residency, strict=True):
             q = e.queued_tokens
-            load = SimEngineLoad(
+            load = EngineLoad(
                 inflight_requests=e.inflight,
                 inflight_prompt_tokens=q,
                 queued_prompt_tokens=q,
@@ -206,10 +206,8 @@ class Simulation:
         return views
 
     def _arrive(self, req: Request, now: float) -> None:
-        dt = now - self.rate_t
-        self.rate = self.rate * math.exp(-dt / RATE_TAU_S) + 1.0 / RATE_TAU_S
-        self.rate_t = now
-        fleet = FleetStats(now_s=now, arrival_rate_per_s=self.rate, mean_wait_s=self.mean_wait)
+        self.estimators.arrive(now)
+        fleet = self.estimators.stats(now)
         decision = self.policy.pick(request_view(req), self._views(now), fleet)
         idx = self.index_of[decision.engine]
         engine = self.engines[idx]

@@ -11,16 +11,16 @@ on them unchanged.
   `capacity_tokens` and/or `ttl_s` after it was last routed. It never learns of the
   engine's own evictions (the staleness that approximate modes live with).
 
-`SimEngineLoad` extends the router's `EngineLoad` with figures some peers read.
+Engine load is the router's own `EngineLoad` (`ramjet.policy.base`), built by the
+simulator from engine state.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from ramjet.policy.base import EngineLoad, GlobalMatch
+from ramjet.policy.base import GlobalMatch
 from ramjet.types import PrefixKey
 from simulations.cache import HBM, SwaPool, TieredCache
 
@@ -30,14 +30,6 @@ class Clock:
 
     def __init__(self) -> None:
         self.now = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class SimEngineLoad(EngineLoad):
-    waiting_requests: int = 0
-    """Requests queued for prefill (llm-d's queue scorer)."""
-    decode_tokens: int = 0
-    """Context tokens of requests decoding (Dynamo's active decode blocks)."""
 
 
 _NONE = GlobalMatch()

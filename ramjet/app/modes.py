@@ -18,12 +18,12 @@ invalid, slow, skipped). Agreement is counted by the accounting for every mode
 Whichever policy is live, a failing live pick falls back to the other policy and then to
 the least-loaded healthy engine, so a policy bug never fails a request.
 
-`ArrivalRate` is the EWMA arrival rate given to policies as `FleetStats`.
+`ArrivalRate` (the EWMA arrival rate given to policies as `FleetStats`) lives in
+`ramjet.policy.fleet_stats`, shared with the simulator; re-exported here.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ import xxhash
 from ramjet.config import ModeConfig
 from ramjet.metrics import RouterMetrics
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, RoutingPolicy
+from ramjet.policy.fleet_stats import ArrivalRate as ArrivalRate
 
 Clock = Callable[[], float]
 
@@ -174,29 +175,3 @@ class ModeRunner:
         else:
             self._slow_streak = 0
         return ModeOutcome(live, live_role, inc, cand, err, took)
-
-
-class ArrivalRate:
-    """Exponentially weighted arrival rate (requests/s) with time constant `tau_s`.
-
-    Each arrival adds 1/tau to a value that decays as exp(-dt/tau): for a steady
-    Poisson stream of rate r the expectation is r, and it forgets a burst in ~3 tau.
-    """
-
-    def __init__(self, tau_s: float = 10.0) -> None:
-        self.tau_s = tau_s
-        self._value = 0.0
-        self._last = 0.0
-
-    def _decay(self, now: float) -> None:
-        if now > self._last:
-            self._value *= math.exp(-(now - self._last) / self.tau_s)
-            self._last = now
-
-    def arrive(self, now: float) -> None:
-        self._decay(now)
-        self._value += 1.0 / self.tau_s
-
-    def rate(self, now: float) -> float:
-        self._decay(now)
-        return self._value

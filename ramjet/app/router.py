@@ -90,6 +90,7 @@ class Router:
             log_queue=lg.decisions_queue,
             downstream=sink,
             clock=clock,
+            wait_tau_s=config.fleet_stats.wait_tau_s,
         )
         self.sink: DecisionSink = self.accounting
         self.fleet = Fleet(
@@ -106,7 +107,7 @@ class Router:
                 config.candidate.name, config.candidate.params, path="candidate.params"
             )
         self.modes = ModeRunner(config.mode, incumbent, candidate, self.metrics, clock=clock)
-        self.arrivals = ArrivalRate()
+        self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
         self.key_pools = KeyPools(config.key_pools)
         self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)

@@ -26,13 +26,13 @@ log's queue. What it measures, by `mode` (observe / canary / enforce):
 
 Fleet stats: `mean_wait_s(now)` is an EWMA (time constant `wait_tau_s`) of the realized
 `prompt_work.queue_ms`, the W of the cost model's λ·W externality; the router reads it
-into `FleetStats` next to its arrival-rate EWMA (λ, `ramjet.app.modes.ArrivalRate`).
+into `FleetStats` next to its arrival-rate EWMA (λ). Both estimators are
+`ramjet.policy.fleet_stats`'s (`MeanWait` is re-exported here), the ones the simulator runs.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 
@@ -46,6 +46,8 @@ from ramjet.decisions.log import (
     realized_ttft,
 )
 from ramjet.decisions.record import DecisionRecord, DecisionSink
+from ramjet.policy.fleet_stats import DEFAULT_WAIT_TAU_S
+from ramjet.policy.fleet_stats import MeanWait as MeanWait
 
 log = logging.getLogger(__name__)
 
@@ -56,32 +58,6 @@ _SIGNED_SECONDS = (*sorted(-b for b in _SECONDS), 0.0, *_SECONDS, float("inf"))
 _RELATIVE = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, float("inf"))
 _TOKENS = (16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
 _SIGNED_TOKENS = (*sorted(-b for b in _TOKENS), 0.0, *_TOKENS, float("inf"))
-
-
-class MeanWait:
-    """Time-weighted EWMA of samples (seconds): each sample x moves the mean by
-    (1 - exp(-dt/tau)) of the way to x, dt being the time since the previous sample; the
-    first sample sets it. With no samples it holds its value (no traffic, no λ·W)."""
-
-    def __init__(self, tau_s: float = 10.0) -> None:
-        if tau_s <= 0:
-            raise ValueError("tau_s must be > 0")
-        self.tau_s = tau_s
-        self._value = 0.0
-        self._last: float | None = None
-
-    def add(self, now: float, sample_s: float) -> None:
-        if self._last is None:
-            self._value = sample_s
-        else:
-            dt = max(now - self._last, 0.0)
-            # A burst of samples at one instant still moves the mean a little each.
-            alpha = max(1.0 - math.exp(-dt / self.tau_s), 1.0 / 64)
-            self._value += alpha * (sample_s - self._value)
-        self._last = now if self._last is None else max(now, self._last)
-
-    def mean(self) -> float:
-        return self._value
 
 
 class AccountingMetrics:
@@ -227,7 +203,7 @@ class Accounting:
         log_queue: int = 10_000,
         downstream: DecisionSink | None = None,
         clock: Clock = time.monotonic,
-        wait_tau_s: float = 10.0,
+        wait_tau_s: float = DEFAULT_WAIT_TAU_S,
     ) -> None:
         self.metrics = AccountingMetrics(registry)
         self.downstream = downstream

@@ -94,6 +94,13 @@ class EngineLoad:
     """Engine-reported requests in the running batch; None if not reported."""
     kv_utilization: float = 0.0
     """Share of HBM global-KV capacity in use, 0..1."""
+    waiting_requests: int | None = None
+    """Engine-reported requests queued for prefill (not yet running); None if not
+    reported. llm-d's queue scorer reads it."""
+    decode_tokens: int | None = None
+    """Context tokens of the requests decoding on the engine; None if not known (engines
+    do not report it; the simulator knows it, and Dynamo's router counts it from its own
+    routing)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ class DynamoKv:
             m = e.residency.global_match(request.block_keys, request.block_tokens)
             credit = m.hbm + 0.75 * m.host + 0.25 * m.ssd
             prefill = e.load.queued_prompt_tokens or 0
-            decode = getattr(e.load, "decode_tokens", 0)
+            decode = e.load.decode_tokens or 0
             cost = self.scale * max(prefill + n - credit, 0.0) + (decode + n)
             if cost < best_cost:
                 best, best_cost = e, cost

@@ -29,7 +29,10 @@ class LlmdScorers:
     def pick(
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> Decision:
-        qs = [getattr(e.load, "waiting_requests", e.load.inflight_requests) for e in engines]
+        qs = [
+            e.load.inflight_requests if e.load.waiting_requests is None else e.load.waiting_requests
+            for e in engines
+        ]
         lo, hi = min(qs), max(qs)
         n = max(request.prompt_tokens, 1)
         wq, wk, wp = self.w

@@ -1,0 +1,109 @@
+"""The fleet estimators the cost model reads: λ (arrival rate) and W (mean wait before
+prefill start), the one implementation the router and the simulator both run.
+
+The externality term of `ramjet.policy.cost` is λ·W·Δ: what one more second of prefill
+on an engine costs the requests that arrive behind it. Its edge over selfish routing was
+measured in the simulator, so the simulator must measure λ and W exactly as the router
+does, with the same time constants, taken from the policy file's `fleet_stats:` section
+(`ramjet.config.FleetStatsConfig`, defaults 10 s and 10 s).
+
+- `ArrivalRate`: each arrival adds 1/τ to a value that decays as exp(-dt/τ); for a
+  steady Poisson stream of rate r its expectation is r, and it forgets a burst in ~3 τ.
+- `MeanWait`: a time-weighted EWMA of wait samples: each sample x moves the mean by
+  (1 - exp(-dt/τ)) of the way to x, dt since the previous sample (at least 1/64, so a
+  burst of samples at one instant still moves it); the first sample sets it. With no
+  samples it holds its value (no traffic, no λ·W).
+- `FleetEstimators`: the pair, fed `arrive(now)` per routed request and `wait(now, s)`
+  per measured wait, read as a `FleetStats` snapshot by `stats(now)`.
+
+Where the samples come from differs only in what each side can observe: the router
+learns a request's wait from the engine's usage report when its response ends
+(`ramjet.decisions.accounting`); the simulator at the moment the request's prefill
+starts (`simulations.simulator`). The arithmetic is this module's in both.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ramjet.policy.base import FleetStats
+
+DEFAULT_ARRIVAL_TAU_S = 10.0
+DEFAULT_WAIT_TAU_S = 10.0
+
+
+class ArrivalRate:
+    """Exponentially weighted arrival rate (requests/s) with time constant `tau_s`."""
+
+    __slots__ = ("_last", "_value", "tau_s")
+
+    def __init__(self, tau_s: float = DEFAULT_ARRIVAL_TAU_S) -> None:
+        if not tau_s > 0:
+            raise ValueError("tau_s must be > 0")
+        self.tau_s = tau_s
+        self._value = 0.0
+        self._last = 0.0
+
+    def _decay(self, now: float) -> None:
+        if now > self._last:
+            self._value *= math.exp(-(now - self._last) / self.tau_s)
+            self._last = now
+
+    def arrive(self, now: float) -> None:
+        self._decay(now)
+        self._value += 1.0 / self.tau_s
+
+    def rate(self, now: float) -> float:
+        self._decay(now)
+        return self._value
+
+
+class MeanWait:
+    """Time-weighted EWMA of wait samples in seconds (see module docstring)."""
+
+    __slots__ = ("_last", "_value", "tau_s")
+
+    def __init__(self, tau_s: float = DEFAULT_WAIT_TAU_S) -> None:
+        if not tau_s > 0:
+            raise ValueError("tau_s must be > 0")
+        self.tau_s = tau_s
+        self._value = 0.0
+        self._last: float | None = None
+
+    def add(self, now: float, sample_s: float) -> None:
+        if self._last is None:
+            self._value = sample_s
+        else:
+            dt = max(now - self._last, 0.0)
+            alpha = max(1.0 - math.exp(-dt / self.tau_s), 1.0 / 64)
+            self._value += alpha * (sample_s - self._value)
+        self._last = now if self._last is None else max(now, self._last)
+
+    def mean(self) -> float:
+        return self._value
+
+
+def fleet_stats(now: float, arrivals: ArrivalRate, waits: MeanWait) -> FleetStats:
+    """The snapshot a policy is given: λ and W as of `now`."""
+    return FleetStats(now_s=now, arrival_rate_per_s=arrivals.rate(now), mean_wait_s=waits.mean())
+
+
+class FleetEstimators:
+    """λ and W together, for a caller that owns both (the simulator)."""
+
+    __slots__ = ("arrivals", "waits")
+
+    def __init__(
+        self, arrival_tau_s: float = DEFAULT_ARRIVAL_TAU_S, wait_tau_s: float = DEFAULT_WAIT_TAU_S
+    ) -> None:
+        self.arrivals = ArrivalRate(arrival_tau_s)
+        self.waits = MeanWait(wait_tau_s)
+
+    def arrive(self, now: float) -> None:
+        self.arrivals.arrive(now)
+
+    def wait(self, now: float, sample_s: float) -> None:
+        self.waits.add(now, sample_s)
+
+    def stats(self, now: float) -> FleetStats:
+        return fleet_stats(now, self.arrivals, self.waits)

@@ -1,0 +1,93 @@
+"""Router and simulator measure λ and W with one implementation and one set of constants."""
+
+from __future__ import annotations
+
+import pytest
+from sim_helpers import req, spec, workload
+
+from ramjet.app.router import Router
+from ramjet.config import FleetStatsConfig, parse_policy
+from ramjet.fleet.views import fleet_stats
+from ramjet.policy.base import FleetStats
+from ramjet.policy.fleet_stats import ArrivalRate, MeanWait
+from ramjet.policy.registry import create_policy
+from simulations.engine import Job
+from simulations.simulator import Simulation
+
+POLICY = {
+    "engines": [
+        {"id": "e0", "url": "http://127.0.0.1:9"},
+        {"id": "e1", "url": "http://127.0.0.1:9"},
+    ],
+    "incumbent": {"name": "tier_aware"},
+}
+
+
+def _workload() -> list[object]:
+    # bursts of 3 arrivals every 0.05 s on two prefixes: queues build, waits vary
+    reqs = []
+    for i in range(60):
+        t = (i // 3) * 0.05
+        reqs.append(req(t, [i % 2, 100 + i, 200 + i, 300 + i], out=4))
+    return workload(reqs)  # type: ignore[return-value]
+
+
+class Recording(Simulation):
+    """A simulation that logs every (time, kind, value) its estimators are fed."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.fed: list[tuple[float, str, float]] = []
+
+    def _on_start(self, job: Job, now: float) -> None:
+        super()._on_start(job, now)
+        self.fed.append((now, "wait", now - job.arrival))
+
+
+@pytest.mark.parametrize("taus", [None, (7.0, 3.0)])
+def test_router_and_simulator_give_the_same_lambda_and_w(taus: tuple[float, float] | None) -> None:
+    data = dict(POLICY)
+    if taus is not None:
+        data["fleet_stats"] = {"arrival_tau_s": taus[0], "wait_tau_s": taus[1]}
+    config = parse_policy(data)
+    router = Router(config)
+    reqs = _workload()
+    sim = Recording(
+        reqs,
+        spec(),
+        create_policy("tier_aware", {}),
+        block_tokens=64,
+        fleet_stats=config.fleet_stats,
+    )
+    sim.run()
+    # the same sequence through the router's objects: arrivals, then waits as they came
+    events = [(r.arrival_s, "arrive", 0.0) for r in reqs] + sim.fed  # type: ignore[attr-defined]
+    events.sort(key=lambda e: (e[0], e[1] != "arrive"))
+    assert sum(1 for e in events if e[1] == "wait") == len(reqs)
+    for t, kind, value in events:
+        if kind == "arrive":
+            router.arrivals.arrive(t)
+        else:
+            router.accounting.waits.add(t, value)
+    end = events[-1][0] + 0.5
+    routed = fleet_stats(end, router.arrivals, router.accounting.mean_wait_s())
+    simulated = sim.estimators.stats(end)
+    assert routed == simulated
+    assert isinstance(routed, FleetStats)
+    assert routed.arrival_rate_per_s > 0 and routed.mean_wait_s > 0
+    want = taus or (10.0, 10.0)
+    assert (router.arrivals.tau_s, router.accounting.waits.tau_s) == want
+    assert (sim.estimators.arrivals.tau_s, sim.estimators.waits.tau_s) == want
+
+
+def test_the_router_defaults_are_the_policy_file_defaults() -> None:
+    cfg = FleetStatsConfig()
+    assert ArrivalRate().tau_s == cfg.arrival_tau_s
+    assert MeanWait().tau_s == cfg.wait_tau_s
+
+
+def test_a_bad_time_constant_is_refused() -> None:
+    with pytest.raises(ValueError):
+        parse_policy({**POLICY, "fleet_stats": {"arrival_tau_s": 0}})
+    with pytest.raises(ValueError):
+        ArrivalRate(0.0)
