@@ -23,10 +23,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ramjet.keys.pools import KeyPoolConfig, check_pools
+from ramjet.keys.config import KeyPoolConfig, check_pools
 from ramjet.reports.config import KeysConfig, ReportsConfig
-from ramjet.residency.config import ResidencyConfig
-from ramjet.residency.redis_link import StoreConfig
+from ramjet.residency.config import ResidencyConfig, StoreConfig
 
 _ENGINE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _URL = re.compile(r"^https?://[^/\s?#]+(:\d+)?/?$")

@@ -7,10 +7,14 @@ mypy refuse to pass one where another is expected.
 from __future__ import annotations
 
 import enum
+import re
 from typing import NewType
 
 EngineId = NewType("EngineId", str)
 """Operator-chosen name of an engine, unique within a policy file (e.g. "e0")."""
+
+ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+"""Engine ids and key ids: 1-64 ASCII letters, digits and `._:-`."""
 
 PrefixKey = NewType("PrefixKey", int)
 """A 64-bit chained xxh3 key of a prompt prefix (see `ramjet.keys.prefix`), 0 <= key < 2**64."""

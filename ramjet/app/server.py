@@ -36,9 +36,9 @@ from prometheus_client import CollectorRegistry
 
 from ramjet.app.reload import admin_reload_handler, on_sighup
 from ramjet.app.router import Router
+from ramjet.app.wiring import attach_reports
 from ramjet.config import PolicyConfig
 from ramjet.decisions.record import DecisionSink
-from ramjet.fleet.signals import attach_reports
 from ramjet.metrics import RouterMetrics
 from ramjet.request.openai_errors import error_body, json_error
 from ramjet.residency.source import ResidencySource

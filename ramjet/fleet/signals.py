@@ -30,34 +30,22 @@ every engine, reporting or not, the blocks of requests the router has sent and n
 has confirmed yet read as pending HBM residency (`ramjet.residency.pending`), beneath
 the exact entries.
 
-Wiring: `attach_reports(app, router, config, policy_path)` builds a `ReportsRuntime`
-when the policy lists engine keys (`keys.engines`) or pull targets (`reports.engines`);
-it gives the router `ResidencyTables` if it had none, mounts `POST /ramjet/reports`,
-sets `router.signals`, and starts and stops the runtime with the app (after the router
-starts, before it stops). Public key files named in `keys:` resolve against the policy
-file's directory.
+Wiring: `ramjet.app.wiring` builds the report runtime and hands the router its
+`ReportSignals`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from aiohttp import web
 
-from ramjet.config import PolicyConfig
 from ramjet.fleet.engines import EngineState
 from ramjet.policy.base import EngineLoad
 from ramjet.policy.profile import EngineProfile
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.runtime import ReportsRuntime
-from ramjet.residency.source import NoResidency
-from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId, TrustGrade
-
-if TYPE_CHECKING:
-    from ramjet.app.router import Router
 
 REPORTS_KEY = web.AppKey("reports", ReportsRuntime)
 
@@ -115,53 +103,3 @@ class ReportSignals:
             kv_utilization=reported.kv_utilization,
             waiting_requests=reported.waiting_requests,
         )
-
-
-def wants_reports(config: PolicyConfig) -> bool:
-    """True when the policy names engine keys or engines to pull reports from."""
-    return bool(config.keys.engines) or bool(config.reports.engines)
-
-
-def attach_reports(
-    app: web.Application,
-    router: Router,
-    config: PolicyConfig,
-    policy_path: str | Path | None = None,
-) -> ReportsRuntime | None:
-    """Build and mount the report runtime for `router` (see the module docstring);
-    None when the policy configures no reports. Raises `ramjet.reports.keys.KeyError_`
-    for a key that does not load, ValueError when the router's residency source is not
-    `ResidencyTables` (reports can only feed the tables)."""
-    if not wants_reports(config):
-        return None
-    tables = router.residency
-    if isinstance(router.residency, NoResidency):
-        tables = ResidencyTables(
-            config.residency, clock=router.clock, registry=router.metrics.registry
-        )
-        router.residency = tables
-    if not isinstance(tables, ResidencyTables):
-        raise ValueError(
-            f"signed reports feed ResidencyTables; the router's residency is "
-            f"{type(tables).__name__}"
-        )
-    base_dir = Path(policy_path).resolve().parent if policy_path is not None else None
-    runtime = ReportsRuntime.build(
-        config.reports,
-        config.keys,
-        tables,
-        router.metrics.registry,
-        engine_urls={e.id: e.url for e in config.engines},
-        base_dir=base_dir,
-    )
-    runtime.add_routes(app)
-    app[REPORTS_KEY] = runtime
-    router.signals = ReportSignals(runtime.processor)
-
-    async def run(_: web.Application) -> AsyncIterator[None]:
-        await runtime.start()
-        yield
-        await runtime.stop()
-
-    app.cleanup_ctx.append(run)
-    return runtime

@@ -11,10 +11,10 @@ the router is built.
 
 from __future__ import annotations
 
-from ramjet.app.modes import ArrivalRate
 from ramjet.fleet.engines import EngineState, Fleet
 from ramjet.fleet.signals import EngineSignals
 from ramjet.policy.base import EngineView, FleetStats
+from ramjet.policy.fleet_stats import ArrivalRate
 from ramjet.residency.source import ResidencySource
 from ramjet.types import EngineId
 

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from ramjet.keys.config import KeyPoolConfig as KeyPoolConfig
 from ramjet.keys.prefix import PromptError
 from ramjet.keys.tokens import (
     ByteTokenizer,
@@ -45,44 +44,6 @@ from ramjet.keys.tokens import (
 )
 from ramjet.request.parse import ParsedRequest, RequestError
 from ramjet.types import EngineId
-
-
-class KeyPoolConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(min_length=1, max_length=64)
-    engines: tuple[str, ...] = Field(min_length=1)
-    keys_mode: Literal["text", "tokens"] = "text"
-    tokenizer: Literal["hf", "bytes"] = "hf"
-    """`hf`: `tokenizer_file` (HF tokenizer.json); `bytes`: the reference engine's."""
-    tokenizer_file: str | None = None
-    chat_template_file: str | None = None
-    """A Jinja template, or the model's tokenizer_config.json (its `chat_template`)."""
-    block_tokens: int = Field(default=16, gt=0, le=65536)
-    forward_token_ids: bool = False
-
-    @model_validator(mode="after")
-    def _check(self) -> KeyPoolConfig:
-        if self.keys_mode == "tokens" and self.tokenizer == "hf" and not self.tokenizer_file:
-            raise ValueError("keys_mode tokens with tokenizer hf needs tokenizer_file")
-        return self
-
-
-def check_pools(pools: Sequence[KeyPoolConfig], engine_ids: Iterable[str]) -> None:
-    """Every pool engine exists and belongs to one pool; pool names are unique."""
-    known = set(engine_ids)
-    seen: dict[str, str] = {}
-    names: set[str] = set()
-    for p in pools:
-        if p.name in names:
-            raise ValueError(f"key pool name {p.name!r} is repeated")
-        names.add(p.name)
-        for e in p.engines:
-            if e not in known:
-                raise ValueError(f"key pool {p.name!r}: engine {e!r} is not in engines")
-            if e in seen:
-                raise ValueError(f"engine {e!r} is in key pools {seen[e]!r} and {p.name!r}")
-            seen[e] = p.name
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ramjet.reports.envelope import ID_PATTERN
+from ramjet.types import ID_PATTERN
 
 Pos = Annotated[float, Field(gt=0)]
 

@@ -19,7 +19,6 @@ Wire frame: `canonical || F(signature)`, the signature being Ed25519 over `canon
 from __future__ import annotations
 
 import hmac
-import re
 import struct
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -27,6 +26,7 @@ from typing import Literal, get_args
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from ramjet.types import ID_PATTERN as ID_PATTERN
 from ramjet.types import EngineId
 
 DOMAIN = b"ramjet-report\x00v1\x00"
@@ -34,8 +34,6 @@ SIGNATURE_BYTES = 64
 MAX_U64 = 2**64 - 1
 ReportKind = Literal["delta", "snapshot", "load", "profile"]
 KINDS: frozenset[str] = frozenset(get_args(ReportKind))
-ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-"""Engine ids and key ids: 1-64 ASCII letters, digits and `._:-`."""
 
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")

@@ -1,10 +1,11 @@
-"""The `residency:` section of the policy file: TTLs and memory caps of both tables."""
+"""The `residency:` section of the policy file (TTLs and memory caps of both tables) and
+the `store:` section (where the tables live; the Redis link's settings)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
@@ -36,3 +37,51 @@ class ResidencyConfig(BaseModel):
         if self.swa_ttl_s > self.swa_max_ttl_s:
             raise ValueError("swa_ttl_s must not exceed swa_max_ttl_s")
         return self
+
+
+Annotated_ms = Annotated[int, Field(ge=1, le=600_000)]
+"""A duration in milliseconds."""
+
+
+class RedisSettings(BaseModel):
+    """The `store:` section of a policy file when `kind: redis` (see docs/redis.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    """Use the Redis Cluster protocol (the url names any one node)."""
+    key_prefix: str = Field(default="ramjet", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    """Namespace for every key, so several deployments can share one Redis."""
+    timeout_ms: Annotated_ms = 100
+    connect_timeout_ms: Annotated_ms = 200
+    breaker_failures: int = Field(default=3, ge=1, le=1000)
+    breaker_open_ms: Annotated_ms = 500
+    breaker_max_open_ms: Annotated_ms = 10_000
+    sync_interval_ms: Annotated_ms = 50
+    """How often a replica pulls the other replicas' changes into its local copy."""
+    max_global_entries_per_engine: int = Field(default=500_000, ge=1)
+    max_swa_entries_per_engine: int = Field(default=100_000, ge=1)
+    log_max_entries: int = Field(default=10_000, ge=16)
+    """Change-log entries kept per engine; a replica further behind resyncs in full."""
+    max_pending_writes: int = Field(default=10_000, ge=1)
+    """Writes queued while Redis is unreachable; beyond it the oldest are dropped and
+    the replica re-seeds Redis from its local copy on recovery."""
+    retention_slack_s: float = Field(default=86_400.0, ge=0)
+    """Bookkeeping keys (cursors, indexes, logs) live this long past the longest entry TTL."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("store.url must start with redis://, rediss:// or unix://")
+        return v
+
+
+class StoreConfig(RedisSettings):
+    """The policy file's `store:` section: where the residency tables live.
+
+    `kind: memory` (default): in this process only. `kind: redis`: shared by every
+    replica through Redis (`RedisSettings` fields; see docs/redis.md)."""
+
+    kind: Literal["memory", "redis"] = "memory"
