@@ -1,9 +1,10 @@
 """Static checks of deploy/: promtool on the Prometheus config and rules, the committed
 dashboards equal the generator's output, the Kubernetes manifests against a small schema
 (kinds, required fields, label selectors, probes, resources, references between objects,
-the embedded policy through ramjet's own loader), and the systemd units through
-`systemd-analyze verify` (always also through a parser check, so a machine without
-systemd still checks them)."""
+the embedded policy through ramjet's own loader), and the systemd units through a parser
+check and `systemd-analyze verify`. promtool and systemd-analyze are required, not
+optional: `make test` installs them (Debian packages prometheus and systemd), and a
+machine without them fails here with that message."""
 
 from __future__ import annotations
 
@@ -23,9 +24,20 @@ from ramjet.config import parse_policy
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze") or "/usr/bin/systemd-analyze"
+
+
+def _need(tool: str, package: str) -> str:
+    assert Path(tool).is_file(), (
+        f"{tool} is missing: `make test` installs it (Debian package {package}; "
+        "scripts/system_deps.sh test)"
+    )
+    return tool
 
 
 def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    if args[0] == PROMTOOL:
+        _need(PROMTOOL, "prometheus")
     return subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
@@ -289,9 +301,9 @@ def test_systemd_units_parse_and_name_what_they_need() -> None:
 
 
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
-    """`systemd-analyze verify` when the machine has it; the install paths the units
-    execute do not exist here, so they point at stub executables in the copy."""
-    tool = shutil.which("systemd-analyze")
+    """`systemd-analyze verify` on the units; the install paths they execute do not exist
+    here, so they point at stub executables in the copy."""
+    tool = _need(SYSTEMD_ANALYZE, "systemd")
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name in ("ramjet", "python"):
@@ -303,8 +315,6 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
             text = u.read_text().replace("/opt/ramjet/.venv/bin/", f"{stubs}/")
             (tmp_path / u.name).write_text(text)
             names.append(f"./{u.name}")
-    if tool is None:  # the parser check above still ran; nothing more to ask
-        return
     r = _run(tool, "verify", "--man=no", *names, cwd=tmp_path)
     assert r.returncode == 0 and not r.stderr.strip(), r.stdout + r.stderr
     (tmp_path / "broken.service").write_text("[Service]\nExecStart=relative/path\n")
