@@ -55,7 +55,9 @@ class RedisProcess:
 
     def start(self, timeout: float = 10.0) -> None:
         if REDIS_SERVER is None:
-            raise RuntimeError("redis-server is not on PATH (`make test` installs it: scripts/system_deps.sh)")
+            raise RuntimeError(
+                "redis-server is not on PATH (`make test` installs it: scripts/system_deps.sh)"
+            )
         args = [
             REDIS_SERVER,
             "--port", str(self.port),
