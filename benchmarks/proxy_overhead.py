@@ -1,19 +1,38 @@
-"""Proxy overhead: the router against going direct to the upstream, with nginx as the
-reference hop (and smg where it is installed), measured in one run.
+"""Proxy overhead: Ramjet beside nginx, a bare aiohttp hop and SMG (SGLang's Rust gateway,
+`pip install -e '.[bench]'`), every figure of issue 19's table in one run.
 
-    .venv/bin/python benchmarks/proxy_overhead.py [--seconds 3] [--concurrency 32] [--repeat 1]
+    .venv/bin/python benchmarks/proxy_overhead.py            # 4 interleaved rounds
+    .venv/bin/python benchmarks/proxy_overhead.py --quick    # 1 short round, < 60 s
 
-An upstream process answers instantly (a fixed chat completion, or 64 SSE chunks); a
-load generator keeps `concurrency` requests in flight against each target for
-`seconds`, non-streaming then streaming. Printed: requests/s, latency p50/p99, the
-added latency over direct (target minus direct, p50 and p99), requests/s as a ratio of
-direct, and the hop's CPU time per request (utime+stime of its processes from /proc).
-With `--repeat N` every cell runs N times, rounds interleaved across targets so they
-share the machine's noise alike, and each figure is the median of its N runs.
+Set-up: two upstream engines (one process, two ports; `httptools` HTTP/1.1) that parse
+every request's JSON body (`"stream"` is read from the parsed body, so a proxy that
+re-serializes JSON is answered correctly) and answer either a chat completion whose
+`usage.prompt_tokens` is the number of prompt characters they received, or 64 SSE content
+chunks 1 ms apart, a finish chunk and `data: [DONE]`. Every proxy under test runs pinned
+to CPU 0 (`taskset`); the upstreams and the load generator (this process) run on the
+other CPUs. Targets: `direct` (no hop: the latency baseline), nginx (if installed),
+`bare` (aiohttp server + aiohttp client, nothing else), `smg_rr` and `smg_ca` (SMG
+round_robin and cache_aware, if installed), `ramjet_observe` (prefix_affinity live,
+tier_aware recorded, decision log on) and `ramjet_enforce` (tier_aware live).
 
-The last lines put the hops' CPU per request side by side (ramjet, nginx, smg, and
-ramjet's multiple of each): on a shared machine wall-clock figures move with the
-neighbours' load, CPU time per request much less.
+Before any timing, each target is checked with an independent client (aiohttp): a small
+request must come back 200 with the completion and the prompt size the upstream saw, a
+streamed one with the 64 chunks in order, `[DONE]` last, and a 1 MB prompt intact. During
+timing every response is checked again (status, body, chunk count); any mismatch stops
+the run with the target and the reply.
+
+Figures (each the median over rounds; CPU is the proxy's processes' on-CPU time, all
+threads, from /proc/PID/task/*/schedstat):
+
+- small JSON: 32 connections in a closed loop; CPU us per request and requests/s (the
+  req/s column is capped by what the other CPU can generate and answer: see `direct`);
+- SSE: 32 concurrent streams of 64 chunks 1 ms apart; CPU us per chunk (the proxy's CPU
+  over all chunks relayed, request overhead included);
+- latency at 500 req/s, open loop (a request every 2 ms, whether or not earlier ones
+  returned): p50 and p99 minus direct's p50 and p99 in the same round;
+- large prompts: 1 MB and 4 MB prompts one at a time; CPU ms per request.
+
+The last table gives each figure as a ratio to SMG cache_aware (lower is better for Ramjet).
 Every process started here is stopped by pid before exit.
 """
 
@@ -32,16 +51,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import cast
 
 import aiohttp
+import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
-BODY = json.dumps(
-    {"model": "m", "messages": [{"role": "user", "content": "Say something short." * 8}]}
-).encode()
+SMG = shutil.which("smg") or (str(Path(PY).parent / "smg") if (Path(PY).parent / "smg").exists() else None)  # fmt: skip
+TASKSET = shutil.which("taskset")
+CHUNKS = 64
+PROXY_CPU = 0
+REPLY_CONTENT = "ok " * 40
+
+
+class BenchError(RuntimeError):
+    """A target answered wrongly: the run stops (a wrong reply is never timed)."""
 
 
 def free_port() -> int:
@@ -51,88 +81,222 @@ def free_port() -> int:
         return port
 
 
-# -- the upstream (run in its own process with --upstream PORT) --------------------------
+def other_cpus() -> set[int]:
+    cpus = os.sched_getaffinity(0)
+    rest = cpus - {PROXY_CPU}
+    return rest or cpus
 
 
-def run_upstream(port: int) -> None:
-    import uvloop
+def chat_body(content: str, stream: bool) -> bytes:
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": content}], "stream": stream}
+    ).encode()
+
+
+SMALL_PROMPT = "Say something short. " * 8
+
+
+# -- the upstream engines (own process: --upstream PORT,PORT) -----------------------------
+
+
+def run_upstream(ports: list[int]) -> None:
+    import httptools
+
+    models = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
+
+    def reply(prompt_chars: int) -> bytes:
+        return json.dumps(
+            {
+                "id": "cmpl-1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": REPLY_CONTENT},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": prompt_chars, "completion_tokens": 40},
+            }
+        ).encode()
+
+    def chunk(i: int) -> bytes:
+        delta = f'{{"content":"tok{i} "}}' if i < CHUNKS else "{}"
+        finish = "null" if i < CHUNKS else '"stop"'
+        data = (
+            '{"id":"c","object":"chat.completion.chunk","created":0,"model":"m",'
+            f'"choices":[{{"index":0,"delta":{delta},"finish_reason":{finish}}}]}}'
+        )
+        return b"data: " + data.encode() + b"\n\n"
+
+    def framed(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    def answer(status: int, body: bytes, ctype: bytes = b"application/json") -> bytes:
+        return b"HTTP/1.1 %d OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+            status,
+            ctype,
+            len(body),
+            body,
+        )
+
+    class Engine(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.parser = httptools.HttpRequestParser(self)
+            self.body: list[bytes] = []
+            self.url = b""
+            self.transport: asyncio.Transport | None = None
+            self.streaming: asyncio.Task[None] | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.streaming is not None:
+                self.streaming.cancel()
+
+        def data_received(self, data: bytes) -> None:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                assert self.transport is not None
+                self.transport.write(answer(400, b'{"error":"bad request"}'))
+                self.transport.close()
+
+        def on_url(self, url: bytes) -> None:
+            self.url += url
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            assert self.transport is not None
+            method, url, body = self.parser.get_method(), self.url, b"".join(self.body)
+            self.url, self.body = b"", []
+            if method == b"GET":
+                self.transport.write(answer(200, models))
+                return
+            try:
+                req = json.loads(body)
+                chars = sum(len(m["content"]) for m in req["messages"])
+            except (ValueError, KeyError, TypeError):
+                self.transport.write(answer(400, b'{"error":"body is not a chat request"}'))
+                return
+            if url.split(b"?")[0] != b"/v1/chat/completions":
+                self.transport.write(answer(404, b'{"error":"no such route"}'))
+            elif req.get("stream") is True:
+                self.streaming = asyncio.ensure_future(self.stream())
+            else:
+                self.transport.write(answer(200, reply(chars)))
+
+        async def stream(self) -> None:
+            t = self.transport
+            assert t is not None
+            t.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
+            for i in range(CHUNKS):
+                t.write(framed(chunk(i)))
+                await asyncio.sleep(0.001)
+            t.write(framed(chunk(CHUNKS)) + framed(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            self.streaming = None
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for p in ports:
+            await loop.create_server(Engine, "127.0.0.1", p, backlog=1024)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
+# -- the bare hop (own process: --bare PORT UPSTREAM,UPSTREAM) ----------------------------
+
+
+def run_bare(port: int, upstreams: list[str]) -> None:
     from aiohttp import web
 
-    reply = json.dumps(
-        {
-            "id": "cmpl-1",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "m",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "ok " * 40},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 40, "total_tokens": 50},
-        }
-    ).encode()
-    chunk = (
-        b'data: {"id":"c","object":"chat.completion.chunk","created":0,"model":"m",'
-        b'"choices":[{"index":0,"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
-    )
+    state = {"n": 0}
+    session: list[aiohttp.ClientSession] = []
 
-    async def completion(request: web.Request) -> web.StreamResponse:
+    async def hop(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        if b'"stream": true' not in body:
-            return web.Response(body=reply, content_type="application/json")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for _ in range(64):
-            await resp.write(chunk)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        state["n"] += 1
+        url = upstreams[state["n"] % len(upstreams)] + request.path_qs
+        async with session[0].post(
+            url, data=body, headers={"Content-Type": "application/json"}
+        ) as r:
+            resp = web.StreamResponse(status=r.status)
+            resp.content_type = r.content_type
+            await resp.prepare(request)
+            async for piece in r.content.iter_any():
+                await resp.write(piece)
+            await resp.write_eof()
+            return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", completion)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "m"}]}))
+    async def start(app: web.Application) -> None:
+        session.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+
+    async def stop(app: web.Application) -> None:
+        await session[0].close()
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/chat/completions", hop)
+    app.router.add_get("/v1/models", models)
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
     uvloop.install()
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-# -- processes ---------------------------------------------------------------------------
+# -- processes ----------------------------------------------------------------------------
 
 
-def wait_http(url: str, timeout: float = 15.0) -> None:
+def pinned(cmd: list[str]) -> list[str]:
+    return [TASKSET, "-c", str(PROXY_CPU), *cmd] if TASKSET else cmd
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise BenchError(f"{url}: the process exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=0.5):
                 return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
+    raise BenchError(f"{url} did not come up in {timeout:.0f} s")
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    """CPU time (user + system, every thread) of `pids`, from the scheduler's nanosecond
+    counters (/proc/PID/task/TID/schedstat; /proc/PID/stat counts 10 ms ticks)."""
+    total = 0
     for pid in pids:
-        with contextlib.suppress(OSError, IndexError):  # the process has already exited
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        with contextlib.suppress(OSError):  # the process has already exited
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    total += int((t / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
-def children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+def tree(pid: int) -> list[int]:
+    out = [pid]
+    with contextlib.suppress(OSError):
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            kids = (t / "children").read_text().split()
+            for k in kids:
+                out += tree(int(k))
+    return out
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -145,21 +309,44 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start_router(upstream: str, port: int, tmp: Path) -> subprocess.Popen[bytes]:
-    policy = tmp / "bench.yaml"
+@dataclass
+class Target:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    def pids(self) -> list[int]:
+        return tree(self.proc.pid) if self.proc is not None else []
+
+
+def start_ramjet(name: str, ups: list[str], tmp: Path, mode: str) -> Target:
+    port = free_port()
+    engines = "".join(f"  - id: e{i}\n    url: {u}\n" for i, u in enumerate(ups))
+    policy = tmp / f"{name}.yaml"
     policy.write_text(
-        f"engines:\n  - id: e0\n    url: {upstream}\nincumbent:\n  name: prefix_affinity\n"
-        "logging:\n  level: warning\ntimeouts:\n  drain_s: 1\n"
+        f"engines:\n{engines}mode:\n  kind: {mode}\n"
+        "incumbent:\n  name: prefix_affinity\ncandidate:\n  name: tier_aware\n"
+        f"limits:\n  max_body_bytes: {64 * 1024 * 1024}\n  max_concurrent: 4096\n"
+        f"logging:\n  level: warning\n  decisions_path: {tmp / name}.jsonl\n"
+        "timeouts:\n  drain_s: 1\n"
     )
-    proc = subprocess.Popen(
-        [PY, "-m", "ramjet", "serve", "--policy", str(policy), "--port", str(port)], cwd=ROOT
-    )
-    wait_http(f"http://127.0.0.1:{port}/readyz")
-    return proc
+    cmd = [PY, "-m", "ramjet", "serve", "--policy", str(policy), "--port", str(port)]
+    proc = subprocess.Popen(pinned(cmd), cwd=ROOT)
+    wait_http(f"http://127.0.0.1:{port}/readyz", proc=proc)
+    return Target(name, f"http://127.0.0.1:{port}", proc)
 
 
-def start_nginx(upstream_port: int, port: int, tmp: Path) -> subprocess.Popen[bytes]:
+def start_bare(ups: list[str]) -> Target:
+    port = free_port()
+    proc = subprocess.Popen(pinned([PY, __file__, "--bare", str(port), ",".join(ups)]))
+    wait_http(f"http://127.0.0.1:{port}/v1/models", proc=proc)
+    return Target("bare", f"http://127.0.0.1:{port}", proc)
+
+
+def start_nginx(up_ports: list[int], tmp: Path) -> Target:
     assert NGINX is not None
+    port = free_port()
+    servers = " ".join(f"server 127.0.0.1:{p};" for p in up_ports)
     conf = tmp / "nginx.conf"
     conf.write_text(
         f"""
@@ -170,9 +357,11 @@ error_log {tmp}/nginx-error.log warn;
 events {{ worker_connections 4096; }}
 http {{
   access_log off;
+  client_max_body_size 64m;
+  client_body_buffer_size 8m;
   client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
   fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
-  upstream up {{ server 127.0.0.1:{upstream_port}; keepalive 128; }}
+  upstream up {{ {servers} keepalive 128; }}
   server {{
     listen 127.0.0.1:{port};
     location / {{
@@ -180,62 +369,204 @@ http {{
       proxy_http_version 1.1;
       proxy_set_header Connection "";
       proxy_buffering off;
+      proxy_request_buffering off;
     }}
   }}
 }}
 """
     )
-    proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(tmp)])
-    wait_http(f"http://127.0.0.1:{port}/health")
-    return proc
+    proc = subprocess.Popen(pinned([NGINX, "-c", str(conf), "-p", str(tmp)]))
+    wait_http(f"http://127.0.0.1:{port}/v1/models", proc=proc)
+    return Target("nginx", f"http://127.0.0.1:{port}", proc)
 
 
-def start_smg(upstream: str, port: int) -> subprocess.Popen[bytes] | None:
-    exe = shutil.which("smg") or str(Path(PY).parent / "smg")
-    if not os.path.exists(exe):
-        return None
-    proc = subprocess.Popen(
-        [exe, "launch", "--worker-urls", upstream, "--policy", "cache_aware", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def start_smg(name: str, ups: list[str], policy: str, tmp: Path) -> Target:
+    assert SMG is not None
+    port = free_port()
+    cmd = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    cmd += ["--log-level", "warn", "--worker-urls", *ups]
+    log = (tmp / f"{name}.log").open("wb")
+    proc = subprocess.Popen(pinned(cmd), stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=20)
-    except RuntimeError:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", timeout=40, proc=proc)
+    except BenchError:
         stop(proc)
-        return None
-    return proc
+        print((tmp / f"{name}.log").read_text()[-2000:], file=sys.stderr)
+        raise
+    return Target(name, f"http://127.0.0.1:{port}", proc)
 
 
-# -- load --------------------------------------------------------------------------------
+# -- checks -------------------------------------------------------------------------------
 
 
-async def load(url: str, stream: bool, seconds: float, concurrency: int) -> tuple[int, list[float]]:
-    body = BODY[:-1] + (b', "stream": true}' if stream else b"}")
-    latencies: list[float] = []
+def check_json(
+    target: str, status: int, body: bytes, prompt_chars: int = 0, small: bool = False
+) -> None:
+    prompt_chars = len(SMALL_PROMPT) if small else prompt_chars
+    try:
+        got = json.loads(body)
+        ok = (
+            got["choices"][0]["message"]["content"] == REPLY_CONTENT
+            and got["usage"]["prompt_tokens"] == prompt_chars
+        )
+    except (ValueError, KeyError, IndexError, TypeError):
+        ok = False
+    if status != 200 or not ok:
+        raise BenchError(f"{target}: small request answered {status} {body[:300]!r}")
+
+
+def check_stream(target: str, status: int, body: bytes) -> None:
+    events = [e for e in body.split(b"\n\n") if e]
+    ok = (
+        status == 200
+        and len(events) == CHUNKS + 2
+        and events[-1] == b"data: [DONE]"
+        and all(f'"tok{i} "'.encode() in events[i] for i in range(CHUNKS))
+    )
+    if not ok:
+        raise BenchError(
+            f"{target}: stream answered {status} with {len(events)} events "
+            f"(want {CHUNKS} chunks, a finish chunk and [DONE]): {body[:200]!r}...{body[-200:]!r}"
+        )
+
+
+async def verify(t: Target) -> None:
+    """Independent check with aiohttp's client before anything is timed."""
+    async with aiohttp.ClientSession() as s:
+        url = t.url + "/v1/chat/completions"
+        hdr = {"Content-Type": "application/json"}
+        for _ in range(3):
+            async with s.post(url, data=chat_body(SMALL_PROMPT, False), headers=hdr) as r:
+                check_json(t.name, r.status, await r.read(), len(SMALL_PROMPT))
+            async with s.post(url, data=chat_body(SMALL_PROMPT, True), headers=hdr) as r:
+                check_stream(t.name, r.status, await r.read())
+        big = "b" * (1 << 20)
+        async with s.post(url, data=chat_body(big, False), headers=hdr) as r:
+            check_json(t.name, r.status, await r.read(), len(big))
+
+
+# -- a lean load generator: one request at a time per connection, httptools parses --------
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.body: list[bytes] = []
+        self.done: asyncio.Future[tuple[int, bytes]] | None = None
+        self.keep = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.keep = False
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("connection lost mid-response"))
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.keep = self.parser.should_keep_alive()
+        assert self.done is not None
+        self.done.set_result((self.parser.get_status_code(), b"".join(self.body)))
+        self.body = []
+
+
+class Client:
+    """Keep-alive connections to one target; `send` uses a free one or opens one."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.addr = (host, int(port))
+        self.free: list[_Conn] = []
+
+    async def send(self, raw: bytes) -> tuple[int, bytes]:
+        conn = self.free.pop() if self.free else None
+        if conn is None or not conn.keep:
+            loop = asyncio.get_running_loop()
+            _, conn = await loop.create_connection(_Conn, *self.addr)
+        assert conn.transport is not None
+        conn.done = asyncio.get_running_loop().create_future()
+        conn.transport.write(raw)
+        out = await conn.done
+        if conn.keep:
+            self.free.append(conn)
+        else:
+            conn.transport.close()
+        return out
+
+    def close(self) -> None:
+        for c in self.free:
+            if c.transport is not None:
+                c.transport.close()
+        self.free.clear()
+
+
+def raw_post(body: bytes) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+SMALL_RAW = raw_post(chat_body(SMALL_PROMPT, False))
+STREAM_RAW = raw_post(chat_body(SMALL_PROMPT, True))
+
+
+async def closed_loop(
+    t: Target, raw: bytes, check: Callable[[int, bytes], None], seconds: float, conc: int
+) -> int:
+    client = Client(t.url)
     stop_at = time.monotonic() + seconds
-    conn = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=conn) as s:
+    done = 0
 
-        async def worker() -> None:
-            while time.monotonic() < stop_at:
-                t0 = time.perf_counter()
-                async with s.post(
-                    url + "/v1/chat/completions",
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                ) as r:
-                    await r.read()
-                    if r.status != 200:
-                        raise RuntimeError(f"{url}: HTTP {r.status}")
-                latencies.append(time.perf_counter() - t0)
+    async def worker() -> None:
+        nonlocal done
+        while time.monotonic() < stop_at:
+            status, body = await client.send(raw)
+            check(status, body)
+            done += 1
 
-        # warm the pools first
-        for _ in range(2):
-            async with s.post(url + "/v1/chat/completions", data=body) as r:
-                await r.read()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return len(latencies), latencies
+    try:
+        await asyncio.gather(*(worker() for _ in range(conc)))
+    finally:
+        client.close()
+    return done
+
+
+async def open_loop(t: Target, rate: float, seconds: float) -> list[float]:
+    """A request every 1/rate s whatever the earlier ones do; latencies in seconds."""
+    client = Client(t.url)
+    lat: list[float] = []
+    n = int(rate * seconds)
+    tasks = []
+
+    async def one() -> None:
+        t0 = time.perf_counter()
+        status, body = await client.send(SMALL_RAW)
+        lat.append(time.perf_counter() - t0)
+        check_json(t.name, status, body, len(SMALL_PROMPT))
+
+    for _ in range(8):  # warm connections
+        await one()
+    lat.clear()
+    start = time.perf_counter()
+    for i in range(n):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one()))
+    await asyncio.gather(*tasks)
+    client.close()
+    return lat
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -243,105 +574,202 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+# -- the run ------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, v: float) -> None:
+        self.values.setdefault(key, []).append(v)
+
+    def med(self, key: str) -> float | None:
+        v = self.values.get(key)
+        return statistics.median(v) if v else None
+
+
+async def measure_round(
+    targets: list[Target], cells: dict[str, Cell], args: argparse.Namespace, rnd: int
+) -> None:
+    sec = args.seconds
+    # small JSON, closed loop
+    for t in targets:
+        pids = t.pids()
+        c0, w0 = cpu_seconds(pids), time.perf_counter()
+        n = await closed_loop(t, SMALL_RAW, partial(check_json, t.name, small=True), sec, 32)
+        wall, cpu = time.perf_counter() - w0, cpu_seconds(pids) - c0
+        cells[t.name].add("rps", n / wall)
+        if pids:
+            cells[t.name].add("cpu_req_us", cpu / n * 1e6)
+    # SSE, 64 chunks 1 ms apart
+    for t in targets:
+        pids = t.pids()
+        c0 = cpu_seconds(pids)
+        n = await closed_loop(t, STREAM_RAW, partial(check_stream, t.name), sec, 32)
+        if pids:
+            cells[t.name].add("cpu_chunk_us", (cpu_seconds(pids) - c0) / (n * (CHUNKS + 2)) * 1e6)
+    # latency at 500 req/s, open loop
+    lats = {t.name: await open_loop(t, args.rate, sec) for t in targets}
+    base = lats["direct"]
+    for t in targets:
+        cells[t.name].add("p50_us", (pct(lats[t.name], 0.5) - pct(base, 0.5)) * 1e6)
+        cells[t.name].add("p99_us", (pct(lats[t.name], 0.99) - pct(base, 0.99)) * 1e6)
+    # large prompts
+    for mb, count in ((1, args.large), (4, max(1, args.large // 2))):
+        content = "p" * (mb << 20)
+        raw = raw_post(chat_body(content, False))
+        for t in targets:
+            client = Client(t.url)
+            pids = t.pids()
+            status, body = await client.send(raw)  # warm, checked, not counted
+            check_json(t.name, status, body, len(content))
+            c0 = cpu_seconds(pids)
+            for _ in range(count):
+                status, body = await client.send(raw)
+                check_json(t.name, status, body, len(content))
+            if pids:
+                cells[t.name].add(f"cpu_{mb}mb_ms", (cpu_seconds(pids) - c0) / count * 1e3)
+            client.close()
+    print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
+
+
+ROWS = [
+    ("CPU per small JSON request (us)", "cpu_req_us", "{:.0f}"),
+    ("small JSON req/s (closed loop, 32 conns)", "rps", "{:.0f}"),
+    ("CPU per SSE chunk, 1 ms apart (us)", "cpu_chunk_us", "{:.1f}"),
+    ("added latency at 500 req/s p50 (us)", "p50_us", "{:+.0f}"),
+    ("added latency at 500 req/s p99 (us)", "p99_us", "{:+.0f}"),
+    ("CPU per 1 MB prompt (ms)", "cpu_1mb_ms", "{:.2f}"),
+    ("CPU per 4 MB prompt (ms)", "cpu_4mb_ms", "{:.2f}"),
+]
+
+
+def report(targets: list[Target], cells: dict[str, Cell]) -> None:
+    names = [t.name for t in targets]
+    width = max(len(r[0]) for r in ROWS)
+    print()
+    print(f"{'figure':<{width}} " + " ".join(f"{n:>14}" for n in names))
+    for label, key, fmt in ROWS:
+        vals = [cells[n].med(key) for n in names]
+        print(
+            f"{label:<{width}} "
+            + " ".join(f"{'-' if v is None else fmt.format(v):>14}" for v in vals)
+        )
+    ref = "smg_ca" if "smg_ca" in cells else None
+    if ref is None:
+        print("\nno SMG cache_aware column (pip install -e '.[bench]'): no ratios")
+        return
+    print(f"\nratio to SMG cache_aware (same run; < 1.00 is cheaper/faster than {ref})")
+    mine = [n for n in names if n.startswith("ramjet")]
+    print(f"{'figure':<{width}} " + " ".join(f"{n:>14}" for n in mine))
+    for label, key, _ in ROWS:
+        r = cells[ref].med(key)
+        out = []
+        for n in mine:
+            v = cells[n].med(key)
+            if v is None or r is None or r == 0:
+                out.append("-")
+            elif key == "rps":
+                out.append(f"{r / v:.2f}x")  # inverse: the rps ratio reads like the CPU ones
+            else:
+                out.append(f"{v / r:.2f}x")
+        print(f"{label:<{width}} " + " ".join(f"{o:>14}" for o in out))
+    print("(req/s is given as SMG's req/s over Ramjet's, so every ratio reads 'lower is better')")
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=1, help="runs per cell; medians printed")
-    ap.add_argument("--upstream", type=int, help=argparse.SUPPRESS)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1 round, short cells (< 60 s)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=3.0, help="per timed cell")
+    ap.add_argument("--rate", type=float, default=500.0, help="open-loop req/s for latency")
+    ap.add_argument("--large", type=int, default=10, help="1 MB prompts per round (4 MB: half)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated targets (direct is always measured)"
+    )
+    ap.add_argument("--upstream", help=argparse.SUPPRESS)
+    ap.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.upstream:
-        run_upstream(args.upstream)
+        run_upstream([int(p) for p in args.upstream.split(",")])
         return 0
+    if args.bare:
+        run_bare(int(args.bare[0]), args.bare[1].split(","))
+        return 0
+    if args.quick:
+        args.rounds, args.seconds, args.large = 1, 1.5, 3
+    wanted = set(filter(None, args.only.split(",")))
 
-    procs: list[subprocess.Popen[bytes]] = []
+    def want(name: str) -> bool:
+        return not wanted or name in wanted
+
+    os.sched_setaffinity(0, other_cpus())
+    notes = []
+    if TASKSET is None:
+        notes.append("taskset not found: proxies are not pinned")
+    if len(os.sched_getaffinity(0) | {PROXY_CPU}) < 2:
+        notes.append("one CPU only: proxies share it with the load")
+    targets: list[Target] = []
+    up: subprocess.Popen[bytes] | None = None
+    t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         try:
-            up_port = free_port()
-            up = subprocess.Popen([PY, __file__, "--upstream", str(up_port)])
-            procs.append(up)
-            upstream = f"http://127.0.0.1:{up_port}"
-            wait_http(upstream + "/health")
-            targets: dict[str, tuple[str, list[int]]] = {"direct": (upstream, [])}
-            rport = free_port()
-            router = start_router(upstream, rport, tmp)
-            procs.append(router)
-            targets["ramjet"] = (f"http://127.0.0.1:{rport}", [router.pid])
-            notes = []
-            if NGINX:
-                nport = free_port()
-                ngx = start_nginx(up_port, nport, tmp)
-                procs.append(ngx)
-                targets["nginx"] = (f"http://127.0.0.1:{nport}", [ngx.pid, *children(ngx.pid)])
+            up_ports = [free_port(), free_port()]
+            up = subprocess.Popen(
+                [PY, __file__, "--upstream", ",".join(map(str, up_ports))],
+                preexec_fn=lambda: os.sched_setaffinity(0, other_cpus()),
+            )
+            ups = [f"http://127.0.0.1:{p}" for p in up_ports]
+            for u in ups:
+                wait_http(u + "/health", proc=up)
+            targets.append(Target("direct", ups[0]))
+            if NGINX and want("nginx"):
+                targets.append(start_nginx(up_ports, tmp))
+            elif not NGINX:
+                notes.append("nginx not installed (apt-get install nginx-light): column skipped")
+            if want("bare"):
+                targets.append(start_bare(ups))
+            if SMG:
+                for name, pol in (("smg_rr", "round_robin"), ("smg_ca", "cache_aware")):
+                    if want(name):
+                        targets.append(start_smg(name, ups, pol, tmp))
             else:
-                notes.append("nginx not installed: column skipped")
-            sport = free_port()
-            smg = start_smg(upstream, sport)
-            if smg is not None:
-                procs.append(smg)
-                targets["smg"] = (f"http://127.0.0.1:{sport}", [smg.pid, *children(smg.pid)])
-            else:
-                notes.append("smg not installed or did not start (pip install smg): column skipped")
-
-            print(f"proxy overhead: {args.concurrency} concurrent clients, {args.seconds:.0f} s per cell, "
-                  f"{args.repeat} run(s) per cell, {os.cpu_count()} CPUs")  # fmt: skip
-            header = (f"{'mode':<10} {'target':<8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-                      f"{'+p50 ms':>8} {'+p99 ms':>8} {'rps/dir':>8} {'p50/dir':>8} {'CPU us/req':>10}")  # fmt: skip
-            print(header)
-            print("-" * len(header))
-            runs: dict[tuple[bool, str], list[tuple[float, float, float, float | None]]] = {
-                (stream, name): [] for stream in (False, True) for name in targets
-            }
-            for _ in range(args.repeat):
-                for stream in (False, True):
-                    for name, (url, pids) in targets.items():
-                        c0 = cpu_seconds(pids)
-                        t0 = time.perf_counter()
-                        n, lat = asyncio.run(load(url, stream, args.seconds, args.concurrency))
-                        wall = time.perf_counter() - t0
-                        cpu = (cpu_seconds(pids) - c0) / n * 1e6 if pids else None
-                        runs[(stream, name)].append(
-                            (n / wall, pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3, cpu)
-                        )
-            cpu_by_mode: dict[str, dict[str, float]] = {}
-            for stream in (False, True):
-                mode = "stream64" if stream else "json"
-                base: tuple[float, float, float] | None = None
-                for name in targets:
-                    cell = runs[(stream, name)]
-                    rps, p50, p99 = (statistics.median(r[i] for r in cell) for i in range(3))
-                    cpus = [r[3] for r in cell if r[3] is not None]
-                    if base is None:
-                        base = (rps, p50, p99)
-                    cpu_us = f"{'-':>10}"
-                    if cpus:
-                        cpu_by_mode.setdefault(mode, {})[name] = statistics.median(cpus)
-                        cpu_us = f"{statistics.median(cpus):10.0f}"
-                    print(
-                        f"{mode:<10} {name:<8} {rps:8.0f} {p50:8.2f} {p99:8.2f} "
-                        f"{p50 - base[1]:8.2f} {p99 - base[2]:8.2f} {rps / base[0]:8.2f} "
-                        f"{p50 / base[1]:8.2f} {cpu_us}"
-                    )
-            print()
-            runs_note = f" (median of {args.repeat} runs)" if args.repeat > 1 else ""
-            print(f"hop CPU us/request{runs_note}:")
-            for mode, cpus in cpu_by_mode.items():
-                line = "  ".join(f"{name} {us:6.0f}" for name, us in cpus.items())
-                mine = cpus.get("ramjet")
-                ratios = "  ".join(
-                    f"ramjet/{name} {mine / us:5.1f}x"
-                    for name, us in cpus.items()
-                    if name != "ramjet" and mine is not None and us > 0
-                )
-                print(f"  {mode:<10} {line}   {ratios}")
+                notes.append("smg not installed (pip install -e '.[bench]'): columns skipped")
+            for name, mode in (("ramjet_observe", "observe"), ("ramjet_enforce", "enforce")):
+                if want(name):
+                    targets.append(start_ramjet(name, ups, tmp, mode))
+            for t in targets:
+                uvloop.run(verify(t))
+            print(
+                f"proxy overhead: {', '.join(t.name for t in targets)}; every target checked "
+                f"(200, completion body, prompt size, {CHUNKS} SSE chunks + [DONE], 1 MB prompt)"
+            )
+            print(
+                f"{args.rounds} interleaved round(s), {args.seconds:g} s per cell, proxies on CPU "
+                f"{PROXY_CPU}, load and upstreams on CPU {sorted(other_cpus())}",
+                flush=True,
+            )
+            cells = {t.name: Cell() for t in targets}
+            for rnd in range(args.rounds):
+                uvloop.run(measure_round(targets, cells, args, rnd))
+            report(targets, cells)
             for n in notes:
                 print("note:", n)
+            print(f"self-check: every timed response verified; {time.monotonic() - t_start:.0f} s")
         finally:
-            for p in reversed(procs):
-                stop(p)
+            for t in reversed(targets):
+                if t.proc is not None:
+                    stop(t.proc)
+            if up is not None:
+                stop(up)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BenchError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        sys.exit(1)
