@@ -175,6 +175,47 @@ class AdminConfig(_Frozen):
     """Bearer token for admin endpoints; None disables them."""
 
 
+class PriorityConfig(_Frozen):
+    """Priority hints for one pool of engines (`ramjet.app.priority`, docs/priority.md).
+
+    The hint is the cost model's predicted prompt work on the engine the request is routed
+    to; the key sent is `round(1000 * (work_s + aging * arrival_unix_s))`, integer
+    milliseconds of wall-clock time, so several router replicas agree."""
+
+    name: str = Field(min_length=1, max_length=64)
+    engines: tuple[str, ...] = Field(min_length=1)
+    mode: Literal["off", "observe", "on"] = "observe"
+    """off: nothing; observe: the would-be hint is logged and counted, never sent; on: sent."""
+    convention: Literal["vllm", "sglang", "reference"] = "vllm"
+    """How the engine reads `priority`: vllm and reference run the lowest value first,
+    sglang the highest (the router sends the negated key)."""
+    aging: float = Field(default=0.5, ge=0.0, le=100.0)
+    """Seconds of predicted work forgiven per second waited (0: pure least-work-first)."""
+    client: Literal["keep", "override", "combine"] = "keep"
+    """A request that carries its own `priority`: keep it (no hint), override it with the
+    hint, or combine: the client's value is a class above the hint."""
+    share: float = Field(default=1.0, ge=0.0, le=1.0)
+    """mode on: the share of sessions (by the same session hash as routing's canary) whose
+    requests carry the hint; the others are observed only."""
+
+
+def check_priority_pools(pools: Sequence[PriorityConfig], engine_ids: Sequence[str]) -> None:
+    """Every pool engine exists and belongs to one priority pool; names are unique."""
+    known = set(engine_ids)
+    seen: dict[str, str] = {}
+    names: set[str] = set()
+    for p in pools:
+        if p.name in names:
+            raise ValueError(f"priority pool name {p.name!r} is repeated")
+        names.add(p.name)
+        for e in p.engines:
+            if e not in known:
+                raise ValueError(f"priority pool {p.name!r}: engine {e!r} is not in engines")
+            if e in seen:
+                raise ValueError(f"engine {e!r} is in priority pools {seen[e]!r} and {p.name!r}")
+            seen[e] = p.name
+
+
 class PolicyConfig(_Frozen):
     engines: tuple[EngineConfig, ...] = Field(min_length=1)
     mode: ModeConfig = ModeConfig()
@@ -197,6 +238,8 @@ class PolicyConfig(_Frozen):
     """Engines' report public keys and retired key ids (`ramjet.reports.config`)."""
     key_pools: tuple[KeyPoolConfig, ...] = ()
     """Key mode per engine pool: text or token-block keys (`ramjet.keys.pools`)."""
+    priority: tuple[PriorityConfig, ...] = ()
+    """Priority hints per engine pool (`PriorityConfig`); engines in no pool get none."""
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -217,6 +260,7 @@ class PolicyConfig(_Frozen):
         if self.mode.kind in ("canary", "enforce") and self.candidate is None:
             raise ValueError(f"mode {self.mode.kind} needs a candidate policy")
         check_pools(self.key_pools, (e.id for e in self.engines))
+        check_priority_pools(self.priority, [e.id for e in self.engines])
         return self
 
 

@@ -4,7 +4,8 @@ the candidate's components per engine as a table (wait, restore, replay, prefill
 externality, cost, predicted TTFT and cached tokens by tier; `*` marks its pick, the
 least cost), its notes spelled out (default profile, degraded view, externality off), and the
 realized outcome (engine, status, TTFT, the engine's prompt_work) with the prediction
-errors. Exit 1 if no line matches, 2 if the log cannot be read.
+errors, and the priority hint (value and key, sent or only observed). Exit 1 if no line
+matches, 2 if the log cannot be read.
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def _pick(p: Any) -> str:
     return f"{p.get('engine')} ({p.get('policy')})"
 
 
+def _priority_line(p: Any) -> str:
+    if not isinstance(p, dict):
+        return "  priority: none (engine in no priority pool)"
+    verb = "sent" if p.get("sent") else f"not sent ({p.get('outcome')})"
+    client = f", client's priority {p['client']}" if p.get("client") is not None else ""
+    return (
+        f"  priority ({p.get('pool')}, {p.get('mode')}): {verb}: value {p.get('value')}, "
+        f"key {p.get('key_ms')} ms from predicted work {p.get('work_s')} s on "
+        f"{p.get('engine')}{client}"
+    )
+
+
 def explain(e: dict[str, Any]) -> str:
     """The explanation of one decision line, as text."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(e.get("t") or 0)))
@@ -112,6 +125,7 @@ def explain(e: dict[str, Any]) -> str:
         f"  router ttft {e.get('ttft_s')} s  duration {e.get('duration_s')} s"
         f"  attempts {e.get('attempts')}"
     )
+    out.append(_priority_line(e.get("priority")))
     real = e.get("realized")
     if isinstance(real, dict):
         out.append(

@@ -16,6 +16,9 @@ Contract of one line (schema version `v: 1`; `docs/decisions.md` has an example)
   engine's `usage.prompt_work` (null when the response carried none). `realized_ttft_s`
   is the router's TTFT for a stream, else the engine's queue + restore + prefill time
   (a non-stream's first byte comes after the whole decode), `ttft_source` says which.
+- the priority hint (`ramjet.app.priority`): `priority` is null when the engine is in no
+  priority pool, else `{pool, mode, outcome, sent, engine, work_s, key_ms, value, client}`
+  (`outcome`: sent, observe, canary_out, client_kept, client_invalid).
 
 Realized usage is read from the tail of the body the client received
 (`ramjet.proxy.exchange.ResponseTail`, the last 16 KiB): the last `"usage"` key there, decoded
@@ -198,6 +201,7 @@ def decision_entry(record: DecisionRecord, realized: RealizedWork | None) -> dic
         "realized": None if realized is None else realized.to_json(),
         "realized_ttft_s": None if rt is None else _round(rt),
         "ttft_source": source,
+        "priority": None if record.priority is None else dict(record.priority),
     }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ramjet.policy.base import Decision, EngineView
 from ramjet.proxy.exchange import Attempt
@@ -46,6 +46,9 @@ class DecisionRecord:
     response_tail: bytes = b""
     """The last bytes of the body sent to the client (`ramjet.proxy.exchange.ResponseTail`): the
     accounting reads the engine's final usage (`prompt_work`) there."""
+    priority: Mapping[str, Any] | None = None
+    """The priority hint computed for the request, sent or observed
+    (`ramjet.app.priority.PriorityHint.to_json`); None when its engine is in no pool."""
 
 
 class DecisionSink(Protocol):

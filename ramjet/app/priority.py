@@ -1,0 +1,255 @@
+"""Priority hints: the router tells an engine how much prompt work a request costs.
+
+Per engine pool (`PriorityConfig`, the policy file's `priority:` list), for a request
+routed to an engine of the pool:
+
+- The hint is the cost model's predicted prompt work on the engine actually chosen
+  (`ramjet.policy.cost`: `work_s` = restore + replay + prefill): the live decision's
+  figure for that engine, else the other pick's, else the cost model run for that engine
+  alone (a baseline policy records no components).
+- The key is `round(1000 * (work_s + aging * arrival_unix_s))`, integer milliseconds
+  of wall-clock time: an engine that serves the least key first without aging of its own
+  serves "least work first, forgiving `aging` seconds of work per second waited", and
+  router replicas with synchronised clocks compute the same key for the same request.
+- Convention: vLLM (`--scheduling-policy priority`) and the reference engine run the
+  lowest `priority` first, so the key is sent as is; SGLang
+  (`--enable-priority-scheduling`) runs the highest first, so `-key` is sent.
+- A client's own integer `priority`: `keep` leaves the request alone (no hint), `override`
+  replaces it with the hint, `combine` makes it a class above the hint:
+  `client * CLASS_STRIDE + key` (low-first) or `client * CLASS_STRIDE - key` (SGLang), so
+  every request of a better client class runs before any of a worse one. A client value
+  that is not an integer, or whose magnitude is over `MAX_CLIENT_CLASS`, is left alone.
+- Modes: `off` does nothing; `observe` computes, logs and counts the would-be hint and
+  sends nothing; `on` sends it, for the `share` of sessions selected by the same session
+  hash as routing's canary (`ramjet.app.modes.canary_share_of`); the rest are observed.
+
+The body is rewritten only when a hint is sent, and then only by inserting
+`"priority":N,` after the opening brace (or replacing the value of an existing top-level
+`priority`): every other byte is the client's. Retries of the request carry the same body.
+
+Every hint computed (sent or not) is counted in `ramjet_priority_hints_total{pool,
+outcome}` and its work in `ramjet_priority_hint_work_seconds{pool}`, and goes into the
+decision log's `priority` field (`ramjet explain` prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from ramjet.app.modes import ModeOutcome, canary_share_of
+from ramjet.config import PriorityConfig
+from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
+from ramjet.policy.cost import estimate
+from ramjet.request.parse import ParsedRequest
+
+CLASS_STRIDE = 10**15
+"""Key span of one client class under `combine`: more than any key until the year 2286
+at aging <= 100 (aging * arrival in ms < 2e14 * 5)."""
+MAX_CLIENT_CLASS = 1000
+"""Largest |client priority| combined: keeps the value inside a signed 64-bit integer."""
+
+_WORK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityHint:
+    """One request's hint, sent or not."""
+
+    pool: str
+    mode: str
+    """The pool's mode: "observe" or "on"."""
+    outcome: str
+    """"sent"; or why not: "observe", "canary_out", "client_kept", "client_invalid"."""
+    engine: str
+    work_s: float
+    """Predicted prompt work on `engine` (the hint)."""
+    key_ms: int
+    """round(1000 * (work_s + aging * arrival_unix_s)); lower runs first."""
+    value: int | None
+    """The `priority` sent (outcome "sent") or that would have been sent."""
+    client: Any = None
+    """The client's own `priority`, if the body had one."""
+
+    @property
+    def sent(self) -> bool:
+        return self.outcome == "sent"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "mode": self.mode,
+            "outcome": self.outcome,
+            "sent": self.sent,
+            "engine": self.engine,
+            "work_s": float(f"{self.work_s:.6g}"),
+            "key_ms": self.key_ms,
+            "value": self.value,
+            "client": self.client if isinstance(self.client, int | float | str) else None,
+        }
+
+
+def hint_key_ms(work_s: float, aging: float, arrival_unix_s: float) -> int:
+    """The static key, integer milliseconds: lower runs first."""
+    return round(1000.0 * (max(work_s, 0.0) + aging * arrival_unix_s))
+
+
+def priority_value(key_ms: int, convention: str, client: int | None) -> int:
+    """The `priority` field for an engine of `convention`, `client` the combined class."""
+    low_first = key_ms if convention != "sglang" else -key_ms
+    if client is None:
+        return low_first
+    return client * CLASS_STRIDE + low_first
+
+
+def _priority_span(text: str) -> tuple[int, int] | None:
+    """Character span of the last top-level `"priority"` value of a JSON object text."""
+    dec = json.JSONDecoder()
+    ws = " \t\n\r"
+    i = text.index("{") + 1
+    span: tuple[int, int] | None = None
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in ws:
+            i += 1
+        if i >= n or text[i] == "}":
+            break
+        if text[i] == ",":
+            i += 1
+            continue
+        key, i = dec.raw_decode(text, i)
+        while text[i] in ws:
+            i += 1
+        i += 1  # ':'
+        while text[i] in ws:
+            i += 1
+        _, end = dec.raw_decode(text, i)
+        if key == "priority":
+            span = (i, end)
+        i = end
+    return span
+
+
+def with_priority(body: bytes, value: int, replace: bool) -> bytes:
+    """`body` (a JSON object) with top-level `priority` set to `value`; all other bytes
+    unchanged. `replace`: the body already has the key (its last value is replaced)."""
+    if replace:
+        text = body.decode("utf-8")
+        span = _priority_span(text)
+        if span is not None:
+            return (text[: span[0]] + str(value) + text[span[1] :]).encode("utf-8")
+    i = body.index(b"{") + 1
+    rest = body[i:].lstrip(b" \t\n\r")
+    sep = b"" if rest.startswith(b"}") else b","
+    return body[:i] + b'"priority":' + str(value).encode("ascii") + sep + body[i:]
+
+
+def _components_work(d: Decision | None, engine: str) -> float | None:
+    if d is None:
+        return None
+    comp: Mapping[str, float] | None = d.components.get(engine)  # type: ignore[call-overload]
+    if comp is None or "work_s" not in comp:
+        return None
+    return float(comp["work_s"])
+
+
+class PriorityHints:
+    """The router's hint maker for every priority pool; see the module docstring."""
+
+    def __init__(
+        self,
+        pools: Sequence[PriorityConfig],
+        registry: Any,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self._by_engine: dict[str, PriorityConfig] = {}
+        for p in pools:
+            if p.mode == "off":
+                continue
+            for e in p.engines:
+                self._by_engine[e] = p
+        self._wall = wall
+        self.hints = Counter(
+            "ramjet_priority_hints_total",
+            "Priority hints computed, by pool and outcome (sent, observe, canary_out, "
+            "client_kept, client_invalid)",
+            ["pool", "outcome"],
+            registry=registry,
+        )
+        self.work = Histogram(
+            "ramjet_priority_hint_work_seconds",
+            "Predicted prompt work of each hint (sent or observed)",
+            ["pool"],
+            buckets=_WORK_BUCKETS,
+            registry=registry,
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self._by_engine)
+
+    def work_on(
+        self,
+        rv: RequestView,
+        view: EngineView,
+        outcome: ModeOutcome,
+        fleet: FleetStats,
+    ) -> float:
+        """Predicted prompt work on `view`'s engine: the live pick's figure, else the
+        other picks', else the cost model for that engine alone."""
+        for d in (outcome.live, outcome.candidate, outcome.incumbent):
+            w = _components_work(d, view.id)
+            if w is not None:
+                return w
+        return estimate(rv, [view], fleet)[0].work.work_s
+
+    def apply(
+        self,
+        parsed: ParsedRequest,
+        rv: RequestView,
+        view: EngineView | None,
+        outcome: ModeOutcome,
+        fleet: FleetStats,
+        session_key: str,
+        age_s: float = 0.0,
+    ) -> tuple[bytes, PriorityHint | None]:
+        """The body to forward and the hint (None: the engine is in no active pool).
+        `age_s`: seconds since the request arrived (the key uses the arrival time)."""
+        if view is None:
+            return parsed.body, None
+        pool = self._by_engine.get(view.id)
+        if pool is None:
+            return parsed.body, None
+        work = self.work_on(rv, view, outcome, fleet)
+        key = hint_key_ms(work, pool.aging, self._wall() - age_s)
+        has_client = "priority" in parsed.json
+        client = parsed.json.get("priority") if has_client else None
+        combine: int | None = None
+        outcome_s = "sent"
+        if has_client and pool.client == "keep":
+            outcome_s = "client_kept"
+        elif has_client and pool.client == "combine":
+            if (
+                isinstance(client, int)
+                and not isinstance(client, bool)
+                and abs(client) <= MAX_CLIENT_CLASS
+            ):
+                combine = client
+            else:
+                outcome_s = "client_invalid"
+        value = priority_value(key, pool.convention, combine)
+        if outcome_s == "sent":
+            if pool.mode == "observe":
+                outcome_s = "observe"
+            elif pool.share < 1.0 and canary_share_of(session_key) >= pool.share:
+                outcome_s = "canary_out"
+        hint = PriorityHint(pool.name, pool.mode, outcome_s, view.id, work, key, value, client)
+        self.hints.labels(pool=pool.name, outcome=outcome_s).inc()
+        self.work.labels(pool=pool.name).observe(work)
+        if not hint.sent:
+            return parsed.body, hint
+        return with_priority(parsed.body, value, has_client), hint

@@ -1,0 +1,156 @@
+"""Priority hints: the key, the engine conventions, the body splice and the policy
+file's `priority:` section (`ramjet.app.priority`, `ramjet.config.PriorityConfig`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ramjet.app.priority import (
+    CLASS_STRIDE,
+    hint_key_ms,
+    priority_value,
+    with_priority,
+)
+from ramjet.config import PolicyFileError, parse_policy
+
+
+def test_key_is_integer_ms_of_work_plus_aged_arrival() -> None:
+    assert hint_key_ms(1.2346, 0.5, 1_800_000_000.0) == 900_000_001_235
+    assert hint_key_ms(0.25, 0.0, 1_800_000_000.0) == 250
+    # negative work (never predicted, but defensive) is clipped to zero
+    assert hint_key_ms(-1.0, 0.0, 5.0) == 0
+    # two replicas with the same arrival time compute the same key
+    assert hint_key_ms(0.1, 0.5, 1e9 + 0.1234) == hint_key_ms(0.1, 0.5, 1e9 + 0.1234)
+
+
+def test_least_work_first_with_aging_order() -> None:
+    # a long prompt (10 s) that arrived 30 s before a 0.5 s one goes first at aging 0.5:
+    # it was forgiven 15 s of work
+    t = 1_800_000_000.0
+    long_old = hint_key_ms(10.0, 0.5, t)
+    short_new = hint_key_ms(0.5, 0.5, t + 30)
+    assert long_old < short_new
+    # ... but not if it arrived only 10 s before (forgiven 5 s < 9.5 s difference)
+    assert hint_key_ms(10.0, 0.5, t) > hint_key_ms(0.5, 0.5, t + 10)
+
+
+def test_conventions_and_client_classes() -> None:
+    assert priority_value(1234, "vllm", None) == 1234
+    assert priority_value(1234, "reference", None) == 1234
+    assert priority_value(1234, "sglang", None) == -1234
+    # combine: a better client class (lower for vLLM, higher for SGLang) beats any key
+    assert priority_value(10**14, "vllm", 0) < priority_value(1, "vllm", 1)
+    assert priority_value(10**14, "sglang", 1) > priority_value(1, "sglang", 0)
+    assert priority_value(5, "vllm", -2) == -2 * CLASS_STRIDE + 5
+    # within a class the key decides
+    assert priority_value(5, "vllm", 3) < priority_value(6, "vllm", 3)
+    assert priority_value(5, "sglang", 3) > priority_value(6, "sglang", 3)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","messages":[]}',
+        b'  {\n "model" : "m",\t"x":[1, 2.50], "s":"caf\\u00e9 \xe2\x9c\x93"}  ',
+        b"{}",
+        b"{ }",
+    ],
+)
+def test_insert_keeps_every_other_byte(body: bytes) -> None:
+    out = with_priority(body, 42, replace=False)
+    obj = json.loads(out)
+    assert obj["priority"] == 42
+    assert {k: v for k, v in obj.items() if k != "priority"} == json.loads(body)
+    i = body.index(b"{") + 1
+    inserted = b'"priority":42' + (b"" if body[i:].strip() == b"}" else b",")
+    assert out == body[:i] + inserted + body[i:]
+
+
+def test_replace_touches_only_the_top_level_value() -> None:
+    body = (
+        b'{"model":"m","messages":[{"role":"user","content":"\\"priority\\": 1",'
+        b'"priority":7}], "priority" :  -3 , "tail":"\xe2\x9c\x93"}'
+    )
+    out = with_priority(body, 99, replace=True)
+    assert out == body.replace(b":  -3 ,", b":  99 ,")
+    assert json.loads(out)["messages"][0]["priority"] == 7
+    # duplicate keys: the last one (the value a JSON reader keeps) is replaced
+    dup = b'{"priority":1,"model":"m","priority":2}'
+    assert with_priority(dup, 5, replace=True) == b'{"priority":1,"model":"m","priority":5}'
+
+
+def _policy(priority: object) -> dict[str, object]:
+    return {
+        "engines": [
+            {"id": "e0", "url": "http://127.0.0.1:1"},
+            {"id": "e1", "url": "http://127.0.0.1:2"},
+        ],
+        "incumbent": {"name": "round_robin"},
+        "priority": priority,
+    }
+
+
+def test_priority_section_defaults_and_values() -> None:
+    cfg = parse_policy(_policy([{"name": "v", "engines": ["e0", "e1"]}]))
+    [p] = cfg.priority
+    assert (p.mode, p.convention, p.aging, p.client, p.share) == (
+        "observe",
+        "vllm",
+        0.5,
+        "keep",
+        1.0,
+    )
+    cfg = parse_policy(
+        _policy(
+            [
+                {"name": "v", "engines": ["e0"], "mode": "on", "convention": "sglang"},
+                {"name": "r", "engines": ["e1"], "mode": "off", "client": "combine"},
+            ]
+        )
+    )
+    assert [p.name for p in cfg.priority] == ["v", "r"]
+    assert parse_policy(_policy([])).priority == ()
+
+
+@pytest.mark.parametrize(
+    ("priority", "where", "says"),
+    [
+        (
+            [{"name": "v", "engines": ["e0"], "mode": "enforce"}],
+            "priority[0].mode",
+            "'off', 'observe' or 'on'",
+        ),
+        ([{"name": "v", "engines": ["e0"], "convention": "trt"}], "priority[0].convention", "vllm"),
+        (
+            [{"name": "v", "engines": ["e0"], "aging": -1}],
+            "priority[0].aging",
+            "greater than or equal",
+        ),
+        ([{"name": "v", "engines": ["e0"], "client": "drop"}], "priority[0].client", "keep"),
+        (
+            [{"name": "v", "engines": ["e0"], "share": 1.5}],
+            "priority[0].share",
+            "less than or equal",
+        ),
+        ([{"name": "v", "engines": []}], "priority[0].engines", "at least 1"),
+        ([{"name": "v", "engines": ["e0"], "agin": 1}], "priority[0].agin", "Extra inputs"),
+        ([{"name": "v", "engines": ["e9"]}], "", "engine 'e9' is not in engines"),
+        (
+            [{"name": "v", "engines": ["e0"]}, {"name": "w", "engines": ["e0"]}],
+            "",
+            "engine 'e0' is in priority pools 'v' and 'w'",
+        ),
+        (
+            [{"name": "v", "engines": ["e0"]}, {"name": "v", "engines": ["e1"]}],
+            "",
+            "priority pool name 'v' is repeated",
+        ),
+    ],
+)
+def test_bad_priority_sections_name_the_field(priority: object, where: str, says: str) -> None:
+    with pytest.raises(PolicyFileError) as info:
+        parse_policy(_policy(priority), "p.yaml")
+    [(path, msg)] = info.value.problems
+    assert path == where and says in msg, (path, msg)
