@@ -7,6 +7,9 @@
    dir: `--key FILE --key-id ID-stack`) unless the policy lists keys for it.
 2. The router (`python -m ramjet serve --policy COPY --port PORT`, COPY being the policy
    with those public keys merged in), a child process, waited for on its port.
+   It writes the decision log where the policy's `logging.decisions_path` says (relative:
+   from the working directory; `policies/observe.yaml`: `run/decisions.jsonl`), printed
+   at start: the input of `ramjet report` and `ramjet explain`.
 3. Until SIGINT/SIGTERM or a child's exit: then every child is stopped by pid (SIGTERM,
    then SIGKILL after a grace period), router first.
 
@@ -153,6 +156,11 @@ def _run(args: argparse.Namespace) -> int:
             f"stack: router on http://{args.host}:{args.port} (pid {router.pid}); Ctrl-C stops all",
             flush=True,
         )
+        if config.logging.decisions_path:
+            log = Path(config.logging.decisions_path).resolve()
+            print(f"stack: decision log {log}; then: ramjet report {log}", flush=True)
+        else:
+            print("stack: no decision log (logging.decisions_path unset)", flush=True)
         while all(c.poll() is None for c in children):
             time.sleep(0.2)
         dead = [c for c in children if c.poll() is not None]
