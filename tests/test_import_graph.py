@@ -277,3 +277,88 @@ def test_stage_names(module: str, stage: str) -> None:
 def test_unknown_module_has_no_stage() -> None:
     with pytest.raises(AssertionError, match="in no stage"):
         stage_of("ramjet_other.x")
+
+
+# -- capabilities, not type checks ------------------------------------------------------
+
+CONTRACTS = (
+    "ResidencyStore",
+    "ExactStager",
+    "SharedStore",
+    "ResidencySource",
+    "ResidencyView",
+    "RoutingPolicy",
+    "EngineSignals",
+)
+"""Protocols whose implementations are told apart by what the protocol says they can do
+(e.g. `ResidencyStore.stage_exact`, `.shared()`), never by `isinstance`."""
+
+
+def _classes(files: dict[str, Path]) -> dict[str, set[str]]:
+    """class name -> its method names, over every module."""
+    out: dict[str, set[str]] = {}
+    for path in files.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = {
+                    n.name
+                    for n in node.body
+                    if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and not n.name.startswith("__")
+                }
+                out.setdefault(node.name, set()).update(methods)
+    return out
+
+
+def contract_types(files: dict[str, Path]) -> set[str]:
+    """The contracts and every class implementing one (all its methods, structurally)."""
+    classes = _classes(files)
+    names = set(CONTRACTS)
+    for contract in CONTRACTS:
+        needed = classes.get(contract)
+        assert needed, f"contract {contract} not found in ramjet/"
+        names.update(c for c, methods in classes.items() if needed <= methods)
+    return names
+
+
+def type_checks_over(files: dict[str, Path], names: set[str]) -> list[str]:
+    """`isinstance`/`issubclass` calls whose class argument names one of `names`."""
+    bad = []
+    for path in files.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass")
+                and len(node.args) == 2
+            ):
+                continue
+            used = {
+                n.id if isinstance(n, ast.Name) else n.attr
+                for n in ast.walk(node.args[1])
+                if isinstance(n, ast.Name | ast.Attribute)
+            }
+            hit = sorted(used & names)
+            if hit:
+                bad.append(f"  {path}:{node.lineno}: {node.func.id} over {', '.join(hit)}")
+    return bad
+
+
+def test_no_type_checks_over_stores_sources_policies_or_signals() -> None:
+    names = contract_types(FILES)
+    # the implementations are found (a finder that finds none would pass anything)
+    assert {"MemoryStore", "RedisStore", "ResidencyTables", "NoResidency"} <= names
+    assert {"NoSignals", "ReportSignals", "TierAware", "RoundRobin"} <= names
+    bad = type_checks_over(FILES, names)
+    assert not bad, "ask the protocol for the capability instead:\n" + "\n".join(bad)
+
+
+def test_a_type_check_over_a_store_is_found(tmp_path: Path) -> None:
+    p = tmp_path / "m.py"
+    p.write_text(
+        "def f(store, x):\n"
+        "    if isinstance(store, (MemoryStore, int)):\n        return 1\n"
+        "    return isinstance(x, str) or isinstance(store, store_mod.RedisStore)\n"
+    )
+    bad = type_checks_over({"m": p}, {"MemoryStore", "RedisStore"})
+    assert [b.rsplit(":", 1)[0].rsplit(":", 1)[1] for b in bad] == ["2", "4"]

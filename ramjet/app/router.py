@@ -11,8 +11,9 @@
 3. Views: `RequestView` from the parse; one `EngineView` per engine serving the model,
    `healthy` meaning routable now (probe ok, not ejected, not backing off; all engines
    in panic), load from the router's in-flight counters merged with the engine's signed
-   load report, trust and profile from its reports (`router.signals`, set by
-   `ramjet.fleet.signals`), residency from the tables (`ramjet.fleet.views`).
+   load report, trust and profile from its reports (`router.signals`, a
+   `ramjet.fleet.signals.EngineSignals` given by `ramjet.app.wiring`), residency from
+   the tables (`ramjet.fleet.views`).
 4. The mode runner (`ramjet.app.modes`) asks the policies and fixes the live pick.
 5. `ramjet.proxy.forward` forwards; a retry goes to the least-loaded routable engine not tried.
    As it forwards, the prompt's blocks become pending residency on the engine
@@ -73,13 +74,17 @@ class Router:
         *,
         metrics: RouterMetrics | None = None,
         residency: ResidencySource | None = None,
+        signals: EngineSignals | None = None,
+        key_pools: KeyPools | None = None,
         sink: DecisionSink | None = None,
         clock: Any = time.monotonic,
     ) -> None:
+        """Built whole, never finished by mutation: `ramjet.app.wiring.build_router` builds
+        the residency source, the signals and the key pools from the policy file."""
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.residency: ResidencySource = residency or NoResidency()
-        self.signals: EngineSignals = NoSignals()
+        self.signals: EngineSignals = signals or NoSignals()
         self.clock = clock
         lg = config.logging
         self.accounting = Accounting(
@@ -109,7 +114,7 @@ class Router:
         self.modes = ModeRunner(config.mode, incumbent, candidate, self.metrics, clock=clock)
         self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
-        self.key_pools = KeyPools(config.key_pools)
+        self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
         self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
         self.draining = False
         self._exchanges: set[Exchange] = set()

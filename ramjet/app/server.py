@@ -36,12 +36,11 @@ from prometheus_client import CollectorRegistry
 
 from ramjet.app.reload import admin_reload_handler, on_sighup
 from ramjet.app.router import Router
-from ramjet.app.wiring import attach_reports
+from ramjet.app.wiring import build_router, mount
 from ramjet.config import PolicyConfig
 from ramjet.decisions.record import DecisionSink
-from ramjet.metrics import RouterMetrics
 from ramjet.request.openai_errors import error_body, json_error
-from ramjet.residency.source import ResidencySource
+from ramjet.residency.tables import ResidencyTables
 from ramjet.runtime.gc import tune_gc
 
 log = logging.getLogger(__name__)
@@ -176,19 +175,21 @@ def create_app(
     config: PolicyConfig,
     *,
     registry: CollectorRegistry | None = None,
-    residency: ResidencySource | None = None,
+    residency: ResidencyTables | None = None,
     sink: DecisionSink | None = None,
-    router: Router | None = None,
     policy_path: str | None = None,
 ) -> web.Application:
     """The router as an aiohttp app; start/stop ride on the app's lifecycle.
     `policy_path` is the file `POST /admin/reload` reloads (`ramjet.app.reload`); key files
     in its `keys:` section resolve against its directory. A policy with engine keys gets
-    the signed-report runtime (`ramjet.fleet.signals`)."""
-    r = router or Router(config, metrics=RouterMetrics(registry), residency=residency, sink=sink)
+    the signed-report runtime; the router is built by `ramjet.app.wiring`."""
+    wired = build_router(
+        config, registry=registry, residency=residency, sink=sink, policy_path=policy_path
+    )
+    r = wired.router
     app = web.Application(middlewares=[_errors], client_max_size=config.limits.max_body_bytes)
     app[ROUTER_KEY] = r
-    attach_reports(app, r, config, policy_path)
+    mount(app, wired)
     app.router.add_post("/v1/chat/completions", r.handle_completion)
     app.router.add_post("/v1/completions", r.handle_completion)
     app.router.add_get("/v1/models", r.handle_models)
@@ -218,7 +219,7 @@ class RouterServer:
         port: int = 0,
         *,
         registry: CollectorRegistry | None = None,
-        residency: ResidencySource | None = None,
+        residency: ResidencyTables | None = None,
         sink: DecisionSink | None = None,
         policy_path: str | None = None,
     ) -> None:
@@ -263,19 +264,10 @@ class RouterServer:
 
 async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain for `timeouts.drain_s` and exit. SIGHUP
-    reloads mode and policies from `policy_path` (`ramjet.app.reload`)."""
-    shared = None
-    if config.store.kind == "redis":  # residency shared with other replicas (docs/redis.md)
-        from ramjet.residency.factory import build_residency
-
-        registry = CollectorRegistry()
-        shared = build_residency(config, registry)
-        await shared.start()
-        server = RouterServer(
-            config, host, port, registry=registry, residency=shared.tables, policy_path=policy_path
-        )
-    else:
-        server = RouterServer(config, host, port, policy_path=policy_path)
+    reloads mode and policies from `policy_path` (`ramjet.app.reload`). With `store.kind:
+    redis` the residency is shared with other replicas (docs/redis.md; built and started
+    by `ramjet.app.wiring`)."""
+    server = RouterServer(config, host, port, policy_path=policy_path)
     await server.start()
     tune_gc()  # start-up state frozen, fewer young collections (`ramjet.runtime.gc`)
     log.info("ramjet listening on %s (mode %s)", server.url, config.mode.kind)
@@ -288,5 +280,3 @@ async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | N
     await stop.wait()
     log.info("draining (up to %.0fs)", config.timeouts.drain_s)
     await server.stop()
-    if shared is not None:
-        await shared.stop()

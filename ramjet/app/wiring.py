@@ -1,25 +1,44 @@
 """Wiring: the one place that builds a `Router` from a policy file.
 
-Wiring: `attach_reports(app, router, config, policy_path)` builds a `ReportsRuntime`
-when the policy lists engine keys (`keys.engines`) or pull targets (`reports.engines`);
-it gives the router `ResidencyTables` if it had none, mounts `POST /ramjet/reports`,
-sets `router.signals`, and starts and stops the runtime with the app (after the router
-starts, before it stops). Public key files named in `keys:` resolve against the policy
-file's directory.
+Everything the router holds is built here first and handed to its constructor; nothing
+is set on it afterwards:
+
+- the metrics registry (`RouterMetrics`, over the caller's `CollectorRegistry` if any);
+- the residency tables: the caller's (`residency=`, e.g. a test's, or replicas sharing
+  one Redis), else for `store.kind: redis` a `ResidencyRuntime` over a `RedisStore`
+  (`ramjet.residency.factory`; its sync starts and stops with the app, a dead Redis is
+  not fatal), else `ResidencyTables` in memory when reports are configured, else
+  `NoResidency` (a router without reports or a shared store keeps no residency);
+- the report runtime (`ReportsRuntime`) when the policy lists engine keys
+  (`keys.engines`) or pull targets (`reports.engines`), and the router's
+  `EngineSignals` from it (`ReportSignals`; `NoSignals` without reports). Public key
+  files named in `keys:` resolve against the policy file's directory;
+- the key pools (`KeyPools`, from `key_pools:`).
+
+`mount(app, wired)` then adds what rides on the aiohttp app: `POST /ramjet/reports`,
+`app[REPORTS_KEY]`, and the start and stop of the residency sync and the report runtime
+(in that order; stopped in reverse).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from ramjet.app.router import Router
 from ramjet.config import PolicyConfig
-from ramjet.fleet.signals import REPORTS_KEY, ReportSignals
+from ramjet.decisions.record import DecisionSink
+from ramjet.fleet.signals import REPORTS_KEY, EngineSignals, NoSignals, ReportSignals
+from ramjet.keys.pools import KeyPools
+from ramjet.metrics import RouterMetrics
 from ramjet.reports.runtime import ReportsRuntime
-from ramjet.residency.source import NoResidency
+from ramjet.residency.factory import ResidencyRuntime, build_residency
+from ramjet.residency.source import NoResidency, ResidencySource
 from ramjet.residency.tables import ResidencyTables
 
 
@@ -28,46 +47,80 @@ def wants_reports(config: PolicyConfig) -> bool:
     return bool(config.keys.engines) or bool(config.reports.engines)
 
 
-def attach_reports(
-    app: web.Application,
-    router: Router,
+@dataclass(frozen=True)
+class Wired:
+    """A router and the runtimes built with it (see the module docstring)."""
+
+    router: Router
+    reports: ReportsRuntime | None = None
+    residency: ResidencyRuntime | None = None
+    """Set when the wiring built the shared store itself (`store.kind: redis`)."""
+
+
+def build_router(
     config: PolicyConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    residency: ResidencyTables | None = None,
+    sink: DecisionSink | None = None,
     policy_path: str | Path | None = None,
-) -> ReportsRuntime | None:
-    """Build and mount the report runtime for `router` (see the module docstring);
-    None when the policy configures no reports. Raises `ramjet.reports.keys.KeyError_`
-    for a key that does not load, ValueError when the router's residency source is not
-    `ResidencyTables` (reports can only feed the tables)."""
-    if not wants_reports(config):
-        return None
-    tables = router.residency
-    if isinstance(router.residency, NoResidency):
-        tables = ResidencyTables(
-            config.residency, clock=router.clock, registry=router.metrics.registry
+    clock: Callable[[], float] = time.monotonic,
+) -> Wired:
+    """Build the router for `config` (see the module docstring). Raises
+    `ramjet.reports.keys.KeyError_` for a configured key that does not load."""
+    metrics = RouterMetrics(registry)
+    runtime: ResidencyRuntime | None = None
+    tables = residency
+    if tables is None and config.store.kind == "redis":
+        runtime = build_residency(config, metrics.registry, clock)
+        tables = runtime.tables
+    reports: ReportsRuntime | None = None
+    signals: EngineSignals = NoSignals()
+    if wants_reports(config):
+        if tables is None:
+            tables = ResidencyTables(config.residency, clock=clock, registry=metrics.registry)
+        base_dir = Path(policy_path).resolve().parent if policy_path is not None else None
+        reports = ReportsRuntime.build(
+            config.reports,
+            config.keys,
+            tables,
+            metrics.registry,
+            engine_urls={e.id: e.url for e in config.engines},
+            base_dir=base_dir,
         )
-        router.residency = tables
-    if not isinstance(tables, ResidencyTables):
-        raise ValueError(
-            f"signed reports feed ResidencyTables; the router's residency is "
-            f"{type(tables).__name__}"
-        )
-    base_dir = Path(policy_path).resolve().parent if policy_path is not None else None
-    runtime = ReportsRuntime.build(
-        config.reports,
-        config.keys,
-        tables,
-        router.metrics.registry,
-        engine_urls={e.id: e.url for e in config.engines},
-        base_dir=base_dir,
+        signals = ReportSignals(reports.processor)
+    source: ResidencySource = tables if tables is not None else NoResidency()
+    router = Router(
+        config,
+        metrics=metrics,
+        residency=source,
+        signals=signals,
+        key_pools=KeyPools(config.key_pools),
+        sink=sink,
+        clock=clock,
     )
-    runtime.add_routes(app)
-    app[REPORTS_KEY] = runtime
-    router.signals = ReportSignals(runtime.processor)
+    return Wired(router, reports, runtime)
+
+
+def mount(app: web.Application, wired: Wired) -> None:
+    """Add the wired runtimes to `app`: the report routes and key, and their start and
+    stop with the app's lifecycle."""
+    reports, runtime = wired.reports, wired.residency
+    if reports is not None:
+        reports.add_routes(app)
+        app[REPORTS_KEY] = reports
+    if reports is None and runtime is None:
+        return
 
     async def run(_: web.Application) -> AsyncIterator[None]:
-        await runtime.start()
+        if runtime is not None:
+            await runtime.start()
+        if reports is not None:
+            await reports.start()
         yield
-        await runtime.stop()
+        if reports is not None:
+            await reports.stop()
+        if runtime is not None:
+            await runtime.stop()
 
     app.cleanup_ctx.append(run)
-    return runtime

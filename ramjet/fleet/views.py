@@ -4,9 +4,9 @@ the model, the `FleetStats`, and the engine a retry goes to.
 An engine's view: `healthy` means routable now (probe ok, not ejected, not backing off;
 every engine when all are, the fleet's panic mode); load is the router's in-flight
 counters merged with the engine's signed load report, trust and profile come from its
-reports (`EngineSignals`, set by `ramjet.fleet.signals`), residency from the tables.
-Read fresh on every request: the signals and the residency source are swapped in after
-the router is built.
+reports (`EngineSignals`, `ramjet.fleet.signals`), residency from the tables. The
+signals and the residency source are the router's, fixed when `ramjet.app.wiring` built
+it; the views read them fresh on every request.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected
 from ramjet.residency.redis_link import LuaScript, RedisLink, RedisUnavailable
 from ramjet.residency.redis_scripts import EngineKeys
-from ramjet.residency.redis_store import RedisStore
+from ramjet.residency.store import SharedStore
 from ramjet.residency.tables import ViewMode
 from ramjet.types import EngineId
 
@@ -102,7 +102,7 @@ class SharedReports:
     def __init__(
         self,
         processor: ReportProcessor,
-        store: RedisStore,
+        store: SharedStore,
         engines: Iterable[EngineId] = (),
         registry: CollectorRegistry | None = None,
         wall: Callable[[], float] = time.time,

@@ -9,10 +9,10 @@
     rt.processor.trust(engine), .load(engine), .profile(engine)
     await rt.stop()
 
-The router builds it through `ramjet.fleet.signals.attach_reports`.
+The router's wiring builds it (`ramjet.app.wiring`).
 
-Shared verification: when the tables sit over a `RedisStore` (`store.kind: redis`,
-several replicas), the runtime wraps the processor in `SharedReports`
+Shared verification: when the tables sit over a store several replicas share
+(`ResidencyStore.shared()` is not None: the `RedisStore` of `store.kind: redis`), the runtime wraps the processor in `SharedReports`
 (`ramjet.reports.redis_cursors`): pulled and pushed frames go through
 `SharedReports.submit`, which claims each report against the cursor all replicas share,
 so a report is applied by one replica only and a replay is refused by all; `start()`
@@ -40,7 +40,6 @@ from ramjet.reports.ingest import ReportIngest
 from ramjet.reports.keys import KeyRing
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.redis_cursors import SharedReports
-from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.tables import ResidencyTables
 from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.types import EngineId
@@ -80,9 +79,10 @@ class ReportsRuntime:
         # the tick applies staleness: run it often enough that a silent engine stops
         # steering within a fraction of the TTL
         tick_s = min(1.0, reports.stale_after_s / 4)
-        if not isinstance(tables.store, RedisStore):
+        store = tables.store.shared()
+        if store is None:
             return cls(processor, ReportIngest(processor, targets, tick_interval_s=tick_s))
-        shared = SharedReports(processor, tables.store, targets, registry)
+        shared = SharedReports(processor, store, targets, registry)
         ingest = ReportIngest(processor, targets, tick_interval_s=tick_s, submit=shared.submit)
         return cls(processor, ingest, shared)
 

@@ -113,6 +113,14 @@ class RedisStore:
 
     # -- the ResidencyStore contract (local, synchronous) --------------------------------
 
+    def stage_exact(self, table: Table, engine: EngineId, now: float) -> None:
+        """No staging: a snapshot reaches Redis as one `replace_exact` per table."""
+        return None
+
+    def shared(self) -> RedisStore:
+        """Shared with the other replicas: report cursors live beside the residency."""
+        return self
+
     def put(
         self,
         table: Table,

@@ -20,8 +20,13 @@ the engine's new exact content is built off to the side in pieces (`add(keys, ti
 expires_at)`, one C-level dict update per piece, so a caller can yield to the event loop
 between pieces) while reads keep seeing the old content, then `commit()` swaps it in
 at once: one engine's view is never half old, half new. `replace_exact` is the same in
-one call. A store that cannot stage (the Redis store) is driven through
-`replace_exact` instead (`ramjet.residency.tables.SnapshotStaging`).
+one call. A store that cannot stage (the Redis store) says so: its `stage_exact`
+returns None, and it is driven through `replace_exact` instead
+(`ramjet.residency.tables.SnapshotStaging`).
+
+Capabilities are on the contract, never found out by the store's type: `stage_exact`
+(None: no staging) and `shared()` (the `SharedStore` face of a store several router
+replicas share, None for a store of this process only).
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple, Protocol
 
+from ramjet.residency.config import RedisSettings
+from ramjet.residency.redis_link import RedisLink
 from ramjet.types import EngineId, PrefixKey, Tier
 
 
@@ -128,6 +136,39 @@ class ResidencyStore(Protocol):
 
     def size(self, table: Table) -> int:
         """Entries held in `table`, live or not yet swept."""
+        ...
+
+    def stage_exact(self, table: Table, engine: EngineId, now: float) -> ExactStager | None:
+        """Capability: build the engine's next exact content of `table` in pieces off to
+        the side, then swap it in at once (see the module docstring). None: this store
+        cannot stage; the caller collects the pieces and calls `replace_exact`."""
+        ...
+
+    def shared(self) -> SharedStore | None:
+        """Capability: the store is shared by several router replicas; what they share
+        beyond residency (report cursors). None: this process's store only."""
+        ...
+
+
+class ExactStager(Protocol):
+    """A staged exact content (`ResidencyStore.stage_exact`): `add` pieces, `commit` once."""
+
+    def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None: ...
+
+    def commit(self) -> None: ...
+
+
+class SharedStore(Protocol):
+    """A residency store several replicas share through Redis (`RedisStore`): what the
+    shared report cursors (`ramjet.reports.redis_cursors.SharedReports`) use of it."""
+
+    link: RedisLink
+    settings: RedisSettings
+    retention_ms: int
+    """How long bookkeeping keys live in Redis."""
+
+    def report(self, engine: EngineId, epoch: int, seq: int) -> AbstractContextManager[None]:
+        """Group the writes made inside into one batch applied once per report."""
         ...
 
 
@@ -276,6 +317,10 @@ class MemoryStore:
         """Build the engine's new exact content of `table` off to the side; see the
         module docstring."""
         return ExactStaging(self, table, engine, now)
+
+    def shared(self) -> None:
+        """In this process only."""
+        return None
 
     def entries(self, table: Table, engine: EngineId, exact: bool) -> list[tuple[PrefixKey, Entry]]:
         """The engine's entries of one kind in `table`, live or not yet swept (for

@@ -57,7 +57,7 @@ from ramjet.keys.prefix import PrefixKeys, longest_prefix
 from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.pending import PendingOverlay, PendingTicket
-from ramjet.residency.store import Entry, ExactStaging, MemoryStore, ResidencyStore, Table
+from ramjet.residency.store import Entry, ExactStager, MemoryStore, ResidencyStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 Clock = Callable[[], float]
@@ -334,19 +334,24 @@ class ResidencyTables:
 
 
 class SnapshotStaging:
-    """See `ResidencyTables.stage_snapshot`. Over a `MemoryStore` each piece goes into a
-    staged map at once (`ExactStaging`); over any other store the pieces are collected
-    and handed to `replace_exact` at commit."""
+    """See `ResidencyTables.stage_snapshot`. Over a store that can stage
+    (`ResidencyStore.stage_exact`, the `MemoryStore`) each piece goes into a staged map
+    at once; over any other the pieces are collected and handed to `replace_exact` at
+    commit."""
 
     def __init__(self, tables: ResidencyTables, engine: EngineId, now: float) -> None:
         self._tables = tables
         self._engine = engine
         self._now = now
         store = tables.store
-        self._staged: dict[Table, ExactStaging] | None = None
         self._collected: dict[Table, list[tuple[PrefixKey, Tier, float]]] = {t: [] for t in Table}
-        if isinstance(store, MemoryStore):
-            self._staged = {t: store.stage_exact(t, engine, now) for t in Table}
+        staged: dict[Table, ExactStager] = {}
+        for t in Table:
+            stager = store.stage_exact(t, engine, now)
+            if stager is None:  # the store cannot stage: collect for replace_exact
+                break
+            staged[t] = stager
+        self._staged = staged if len(staged) == len(Table) else None
         self._expiry: dict[tuple[Table, float | None], float] = {}
         self.keys = 0
         """Keys added so far."""
