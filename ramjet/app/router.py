@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -117,6 +119,10 @@ class Router:
         self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
         self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
         self.draining = False
+        # Request ids without a getrandom() call each: a random per-process prefix and a
+        # counter (16 hex digits, as before).
+        prefix, counter = secrets.token_hex(4), itertools.count()
+        self._new_id: Callable[[], str] = lambda: f"{prefix}{next(counter) & 0xFFFFFFFF:08x}"
         self._exchanges: set[Exchange] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -190,7 +196,7 @@ class Router:
                 status=exc.status, body=exc.to_openai_json(), content_type="application/json"
             )
             return resp
-        request_id = request.headers.get("X-Request-Id", "")[:64] or secrets.token_hex(8)
+        request_id = request.headers.get("X-Request-Id", "")[:64] or self._new_id()
         views, serving, retry_after = engine_views(
             self.fleet, self.signals, self.residency, parsed.model, t0
         )
