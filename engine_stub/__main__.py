@@ -38,6 +38,16 @@ def _nonneg_int(text: str) -> int:
     return v
 
 
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return v
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="mini-v4", help="served model name (also seeds the prefix keys)"
@@ -74,6 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=_nonneg_int, default=64, help="waiting requests before 503")
     s.add_argument("--max-batch", type=_positive(int), default=8, help="running requests (slots)")
     s.add_argument("--prefill-chunk", type=_positive(int), default=512)
+    s.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="priority: the request's integer priority, lowest first (ties by arrival)",
+    )
+    s.add_argument(
+        "--priority-variant",
+        choices=["chunk", "vllm"],
+        default="chunk",
+        help="chunk: preempt a prefill at chunk boundaries; vllm: vLLM V1's (running first)",
+    )
+    s.add_argument(
+        "--priority-aging",
+        type=_nonneg_float,
+        default=0.5,
+        help="the router's priority aging (bands the queue-wait metric only)",
+    )
     s.add_argument(
         "--max-gen", type=_positive(int), default=256, help="budget at reasoning_effort=100"
     )
@@ -137,6 +165,9 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_queue=args.max_queue,
         max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,
+        scheduling_policy=args.scheduling_policy,
+        priority_variant=args.priority_variant,
+        priority_aging=args.priority_aging,
         max_gen_tokens=args.max_gen,
         speculate=not args.no_spec,
         profile_mode=args.profile_mode,

@@ -55,6 +55,12 @@ class EngineSettings:
     max_queue: int = 64
     max_batch: int = 8
     prefill_chunk: int = 512
+    scheduling_policy: str = "fcfs"
+    """fcfs or priority (`engine_stub.scheduler`: the body's `priority`, lowest first)."""
+    priority_variant: str = "chunk"
+    """Under priority: chunk (preempt at chunk boundaries) or vllm (vLLM V1's)."""
+    priority_aging: float = 0.5
+    """The router's aging: only to band the queue-wait metric by the hint's work."""
     max_gen_tokens: int = 256
     """The generation budget at reasoning_effort=100 (and the default max_tokens)."""
     max_prompt_tokens: int = 65536
@@ -119,6 +125,9 @@ class Engine:
                 max_queue=s.max_queue,
                 prefill_chunk=s.prefill_chunk,
                 speculate=s.speculate,
+                policy=s.scheduling_policy,
+                variant=s.priority_variant,
+                priority_aging=s.priority_aging,
             ),
             metrics=self.metrics,
             speculator=self.speculator,

@@ -34,6 +34,24 @@ class EngineMetrics:
         self.queue_time = Histogram(
             "engine_queue_seconds", "Arrival to admission", buckets=_LAT, registry=r
         )
+        self.queue_wait_band = Histogram(
+            "engine_queue_wait_by_band_seconds",
+            "Arrival to first prefill chunk, by the priority hint's work band (lt_0.1s, "
+            "0.1_1s, 1_10s, ge_10s, other; fcfs when the engine does not schedule by priority)",
+            ["band"],
+            buckets=_LAT,
+            registry=r,
+        )
+        self.oldest_waiting = Gauge(
+            "engine_oldest_waiting_seconds",
+            "Age of the oldest request without its first token (waiting or prefilling)",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "engine_priority_preemptions_total",
+            "Prefilling requests that gave their slot to a better waiting one (chunk variant)",
+            registry=r,
+        )
         self.prefill_time = Histogram(
             "engine_prefill_seconds", "Prefill compute per request", buckets=_LAT, registry=r
         )

@@ -56,6 +56,9 @@ class Request:
     loop: asyncio.AbstractEventLoop
     id: int = field(default_factory=lambda: next(_ids))
     arrived: float = field(default_factory=time.perf_counter)
+    arrived_unix: float = field(default_factory=time.time)
+    priority: int = 0
+    """The body's `priority` (lowest first under `--scheduling-policy priority`)."""
     work: PromptWork = field(default_factory=PromptWork)
     out: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
     """Items: ("token", (token_id, text_piece)), ("first", None) when prefill ends,

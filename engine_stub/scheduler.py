@@ -16,6 +16,30 @@ loop stays responsive):
 Prefill chunks and decode steps alternate, so a long prompt delays running decodes by
 at most one chunk per token (the chunked-prefill trade-off).
 
+Scheduling policy (`SchedulerConfig.policy`, `--scheduling-policy`):
+
+- `fcfs` (default): admission and prefill in arrival order, as above.
+- `priority`: each request's integer `priority` (the router's hint, `ramjet.app.priority`:
+  predicted work + aging x arrival in ms; lowest first, ties by arrival; a request
+  without one has 0, as in vLLM). Two variants (`--priority-variant`):
+  - `chunk` (the simulator's chunk-preemptive model): admission by priority, and at
+    every chunk boundary the best prefilling request runs the next chunk, so a short
+    arrival preempts a long prompt's prefill after at most one chunk. With every slot
+    taken, a waiting request better than the worst running request still prefilling
+    takes that one's slot (its prefilled state is kept and resumes later).
+  - `vllm` (vLLM V1's `--scheduling-policy priority`): running requests are served
+    first, in the order they were admitted, each taking what it needs of the step's
+    token budget (`prefill_chunk`); a waiting request is admitted (best priority
+    first) only when a step has budget left over, and prefills with that leftover. A
+    running prefill is never preempted by a better arrival: priority only orders the
+    waiting queue. (vLLM also preempts its lowest-priority running request when KV
+    blocks run short; this engine's HBM is not reserved per running request, so that
+    path does not arise here.)
+- Metrics: `engine_queue_wait_by_band_seconds{band}` (arrival to first prefill chunk,
+  by the hint's work band, decoded as priority - aging x arrival_ms with the engine's
+  `priority_aging`), `engine_oldest_waiting_seconds` (the oldest request without its
+  first token), `engine_priority_preemptions_total`.
+
 Admission control: `submit` raises `QueueFull` once `max_queue` requests wait; the
 server answers 503 with a Retry-After estimated from recent service times.
 """
@@ -23,9 +47,12 @@ server answers 503 with a Retry-After estimated from recent service times.
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,6 +85,18 @@ class SchedulerConfig:
     max_queue: int = 64
     prefill_chunk: int = 512
     speculate: bool = True
+    policy: str = "fcfs"
+    """"fcfs" or "priority" (see the module docstring)."""
+    variant: str = "chunk"
+    """Under priority: "chunk" (preempt at chunk boundaries) or "vllm" (vLLM V1's)."""
+    priority_aging: float = 0.5
+    """The router's aging, used only to decode a hint's work band for the metrics."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, not {self.policy!r}")
+        if self.variant not in ("chunk", "vllm"):
+            raise ValueError(f"priority variant must be chunk or vllm, not {self.variant!r}")
 
 
 @dataclass(eq=False, slots=True)
@@ -72,6 +111,61 @@ class _Seq:
     gen: torch.Generator | None = None
     admitted: float = 0.0
     prefill_s: float = 0.0
+    order: int = 0
+    """Arrival order: ties of equal priority go to the earlier."""
+    started: bool = False
+    """Whether a prefill chunk has run (the queue wait ends there)."""
+
+    def rank(self) -> tuple[int, int]:
+        return (self.req.priority, self.order)
+
+
+BANDS = ((0.1, "lt_0.1s"), (1.0, "0.1_1s"), (10.0, "1_10s"), (float("inf"), "ge_10s"))
+
+
+def priority_band(priority: int, arrived_unix: float, aging: float) -> str:
+    """The hint's work band: priority - aging x arrival (ms) is the predicted work; a
+    value that is no hint (negative, or implausibly far from now) is "other"."""
+    work_s = (priority - round(1000.0 * aging * arrived_unix)) / 1000.0
+    if not 0.0 <= work_s < 86400.0:
+        return "other"
+    return next(name for bound, name in BANDS if work_s < bound)
+
+
+class WaitQueue:
+    """The waiting requests: arrival order (fcfs) or a heap on (priority, arrival)."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self.by_priority = by_priority
+        self._fifo: collections.deque[_Seq] = collections.deque()
+        self._heap: list[tuple[tuple[int, int], _Seq]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._fifo)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __iter__(self) -> Iterator[_Seq]:
+        if self.by_priority:
+            return iter([s for _, s in self._heap])
+        return iter(list(self._fifo))
+
+    def push(self, seq: _Seq) -> None:
+        if self.by_priority:
+            heapq.heappush(self._heap, (seq.rank(), seq))
+        else:
+            self._fifo.append(seq)
+
+    def peek(self) -> _Seq:
+        return self._heap[0][1] if self.by_priority else self._fifo[0]
+
+    def pop(self) -> _Seq:
+        return heapq.heappop(self._heap)[1] if self.by_priority else self._fifo.popleft()
+
+    def clear(self) -> None:
+        self._fifo.clear()
+        self._heap.clear()
 
 
 @dataclass(slots=True)
@@ -104,7 +198,10 @@ class Scheduler:
         self.spec = speculator
         self.epoch = 0
         self._cond = threading.Condition()
-        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._priority = config.policy == "priority"
+        self._vllm = self._priority and config.variant == "vllm"
+        self._waiting = WaitQueue(self._priority)
+        self._order = itertools.count()
         self._running: list[_Seq] = []
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -112,6 +209,7 @@ class Scheduler:
         self.steps = 0
         self.decode_tokens_per_s = 0.0
         """EMA of tokens produced per second by decode steps (whole batch)."""
+        metrics.oldest_waiting.set_function(self.oldest_waiting_s)
 
     # -- loop side ------------------------------------------------------------------
 
@@ -121,7 +219,10 @@ class Scheduler:
             if len(self._waiting) >= self.cfg.max_queue:
                 raise QueueFull(self._retry_after())
             req.work.epoch = self.epoch
-            self._waiting.append(_Seq(req, gen=req.params.generator()))
+            if not self._priority:
+                req.priority = 0
+            seq = _Seq(req, gen=req.params.generator(), order=next(self._order))
+            self._waiting.push(seq)
             self._gauges()
             self._cond.notify()
 
@@ -146,6 +247,13 @@ class Scheduler:
         with self._cond:
             seqs = [*self._waiting, *(s for s in self._running if s.pending < 0)]
             return sum(len(s.req.prompt_ids) - s.pos for s in seqs)
+
+    def oldest_waiting_s(self) -> float:
+        """Age of the oldest request without its first token (waiting or prefilling)."""
+        now = time.perf_counter()
+        with self._cond:
+            seqs = [*self._waiting, *(s for s in self._running if s.pending < 0)]
+            return max((now - s.req.arrived for s in seqs), default=0.0)
 
     def counts(self) -> tuple[int, int]:
         with self._cond:
@@ -189,15 +297,51 @@ class Scheduler:
 
     def _admit(self) -> None:
         now = time.perf_counter()
-        while self._waiting and len(self._running) < self.cfg.max_batch:
-            seq = self._waiting.popleft()
+        if self._vllm:
+            # vLLM: a waiting request is admitted only with token budget left in the step
+            # after the running prefills took theirs (decodes' single tokens not counted)
+            left = self.cfg.prefill_chunk - sum(
+                len(s.req.prompt_ids) - s.pos for s in self._running if s.pending < 0
+            )
+        else:
+            left = 1
+        while self._waiting and len(self._running) < self.cfg.max_batch and left > 0:
+            seq = self._waiting.pop()
             if seq.req.cancelled:
                 self.metrics.requests.labels("cancelled").inc()
                 continue
+            self._start(seq, now)
+            if self._vllm:
+                left -= len(seq.req.prompt_ids) - seq.pos
+        if self._priority and not self._vllm:
+            self._preempt_slots(now)
+
+    def _start(self, seq: _Seq, now: float) -> None:
+        if not seq.admitted:
             seq.admitted = now
             seq.req.work.queue_ms = (now - seq.req.arrived) * 1e3
             self.metrics.queue_time.observe(now - seq.req.arrived)
-            self._running.append(seq)
+        self._running.append(seq)
+
+    def _preempt_slots(self, now: float) -> None:
+        """Chunk variant, every slot taken: a waiting request better than the worst
+        running one still prefilling takes its slot (the other keeps its state)."""
+        while self._waiting and len(self._running) >= self.cfg.max_batch:
+            cands = [s for s in self._running if s.pending < 0]
+            if not cands:
+                return
+            worst = max(cands, key=_Seq.rank)
+            best = self._waiting.peek()
+            if best.rank() >= worst.rank():
+                return
+            self._running.remove(worst)
+            self._waiting.push(worst)
+            self.metrics.preemptions.inc()
+            seq = self._waiting.pop()
+            if seq.req.cancelled:
+                self.metrics.requests.labels("cancelled").inc()
+                continue
+            self._start(seq, now)
 
     def _abort_cancelled(self) -> None:
         for seq in [s for s in self._running if s.req.cancelled]:
@@ -219,28 +363,43 @@ class Scheduler:
         decode step for every request past prefill."""
         self.steps += 1
         prefilling = [s for s in running if s.pending < 0]
-        if prefilling:
-            self._prefill_chunk(prefilling[0])
+        if prefilling and self._vllm:
+            # running requests in admission order share the step's token budget
+            budget = self.cfg.prefill_chunk
+            for seq in prefilling:
+                if budget <= 0:
+                    break
+                budget -= self._prefill_chunk(seq, budget)
+        elif prefilling:
+            pick = min(prefilling, key=_Seq.rank) if self._priority else prefilling[0]
+            self._prefill_chunk(pick, self.cfg.prefill_chunk)
         decoding = [s for s in running if s.pending >= 0 and s.req.finish_reason is None]
         if decoding:
             self._decode(decoding)
 
     # prefill
-    def _prefill_chunk(self, seq: _Seq) -> None:
+    def _prefill_chunk(self, seq: _Seq, budget: int) -> int:
+        """One chunk of at most `budget` tokens; returns the tokens prefilled."""
         req = seq.req
         ids = req.prompt_ids
+        if not seq.started:
+            seq.started = True
+            wait = time.perf_counter() - req.arrived
+            band = priority_band(req.priority, req.arrived_unix, self.cfg.priority_aging)
+            self.metrics.queue_wait_band.labels(band if self._priority else "fcfs").observe(wait)
         if not seq.restored:
             seq.state, seq.pos = self.cache.restore(ids, req.keys, req.work)
             seq.restored = True
             self.metrics.restore_time.observe(req.work.restore_ms / 1e3)
-        end = min(len(ids), seq.pos + self.cfg.prefill_chunk)
+        start = seq.pos
+        end = min(len(ids), seq.pos + budget)
         t0 = time.perf_counter()
         logits = self.model.prefill(seq.state, ids[seq.pos : end])
         seq.prefill_s += time.perf_counter() - t0
         req.work.prefilled_tokens += end - seq.pos
         seq.pos = end
         if seq.pos < len(ids):
-            return
+            return end - start
         req.work.prefill_ms = seq.prefill_s * 1e3
         self.metrics.prefill_time.observe(seq.prefill_s)
         self.cache.store(seq.state, ids, req.keys)
@@ -249,6 +408,7 @@ class Scheduler:
         last = logits[-1] if logits.dim() == 2 else logits
         self._emit(seq, sample(last, req.params, seq.gen))
         self.metrics.ttft.observe(time.perf_counter() - req.arrived)
+        return end - start
 
     def _count_prompt(self, req: Request) -> None:
         w = req.work

@@ -3,7 +3,9 @@
 Routes:
 - `POST /v1/chat/completions`, `POST /v1/completions`: streaming (SSE, `data: [DONE]`)
   and not. Extra request field `reasoning_effort` (integer 1-100) sets the generation
-  budget: ceil(effort / 100 * max_gen_tokens), capped by `max_tokens`. Usage carries
+  budget: ceil(effort / 100 * max_gen_tokens), capped by `max_tokens`. Extra field
+  `priority` (integer, vLLM's): the order under `--scheduling-policy priority`
+  (`engine_stub.scheduler`; ignored under fcfs). Usage carries
   `prompt_tokens_details.cached_tokens` and `prompt_work` (where the prompt came from and
   what it cost); in a stream, the final chunk carries it.
 - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `GET /profile`
@@ -105,6 +107,16 @@ def parse_params(body: dict[str, Any], max_gen: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=budget, temperature=float(temp), seed=seed, stop=stops)
 
 
+def parse_priority(body: dict[str, Any]) -> int:
+    """The body's `priority` (vLLM's field): any integer, default 0."""
+    v = body.get("priority", 0)
+    if v is None:
+        return 0
+    if not isinstance(v, int) or isinstance(v, bool) or abs(v) >= 2**63:
+        raise BadRequest("priority: must be a 64-bit integer", param="priority")
+    return v
+
+
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -144,6 +156,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 code="model_not_found",
             )
         params = parse_params(body, s.max_gen_tokens)
+        priority = parse_priority(body)
         try:
             rendered: Rendered = (
                 render_chat(body.get("messages"), body.get("tools"))
@@ -165,7 +178,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         )
     keys = compute_keys(rendered, engine.key_seed)
     engine.events.describe(keys.blocks, ids)
-    req = Request(ids, keys, params, asyncio.get_running_loop())
+    req = Request(ids, keys, params, asyncio.get_running_loop(), priority=priority)
     try:
         engine.scheduler.submit(req)
     except QueueFull as exc:
