@@ -15,6 +15,9 @@
    `ramjet.fleet.signals.EngineSignals` given by `ramjet.app.wiring`), residency from
    the tables (`ramjet.fleet.views`).
 4. The mode runner (`ramjet.app.modes`) asks the policies and fixes the live pick.
+   If the live engine is in a priority pool (`ramjet.app.priority`), the request's hint
+   (predicted prompt work there, aged by arrival) is computed: logged and counted, and
+   in mode `on` inserted into the body as `priority`; otherwise the body is untouched.
 5. `ramjet.proxy.forward` forwards; a retry goes to the least-loaded routable engine not tried.
    As it forwards, the prompt's blocks become pending residency on the engine
    (`ResidencySource.add_pending`) until its report confirms them or the forward fails,
@@ -41,6 +44,7 @@ import aiohttp
 from aiohttp import web
 
 from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
+from ramjet.app.priority import PriorityHint, PriorityHints
 from ramjet.config import PolicyConfig
 from ramjet.decisions.accounting import Accounting
 from ramjet.decisions.record import DecisionRecord, DecisionSink
@@ -117,6 +121,7 @@ class Router:
         self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
         self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
+        self.priority = PriorityHints(config.priority, self.metrics.registry)
         self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
         self.draining = False
         # Request ids without a getrandom() call each: a random per-process prefix and a
@@ -239,7 +244,13 @@ class Router:
         outcome = self.modes.decide(rv, views, fleet, session_key)
         live = next((v for v in views if v.id == outcome.live.engine), None)
         new = uncached_prompt_tokens(rv, live) if live is not None else parsed.prompt_tokens
-        return await self._forward(request, parsed, outcome, request_id, t0, tuple(views), new)
+        body, hint = parsed.body, None
+        if self.priority:  # priority hints (`ramjet.app.priority`): the body changes if sent
+            age = self.clock() - t0
+            body, hint = self.priority.apply(parsed, rv, live, outcome, fleet, session_key, age)
+        return await self._forward(
+            request, parsed, outcome, request_id, t0, tuple(views), new, body, hint
+        )
 
     async def _forward(
         self,
@@ -250,9 +261,12 @@ class Router:
         t0: float,
         views: tuple[EngineView, ...],
         new_tokens: int,
+        body: bytes,
+        hint: PriorityHint | None = None,
     ) -> web.StreamResponse:
         """`new_tokens`: the prompt tokens predicted uncached on the live engine, counted
-        in flight there until the first byte (a retry counts the same figure)."""
+        in flight there until the first byte (a retry counts the same figure). `body`: what
+        is forwarded (the client's, or with a priority hint `hint`)."""
         first = self.fleet.get(outcome.live.engine)
         pending = self.residency.add_pending(first.id, parsed.keys, self.clock())
         exchange = Exchange()
@@ -262,7 +276,7 @@ class Router:
         try:
             resp, res = await self.proxy.forward(
                 request,
-                parsed.body,
+                body,
                 first,
                 new_tokens,
                 lambda tried: retry_engine(self.fleet, parsed.model, tried),
@@ -281,7 +295,7 @@ class Router:
             self._exchanges.discard(exchange)
             if not self._exchanges:
                 self._idle.set()
-            self._account(parsed, outcome, request_id, t0, res, views)
+            self._account(parsed, outcome, request_id, t0, res, views, hint)
 
     def _account(
         self,
@@ -291,6 +305,7 @@ class Router:
         t0: float,
         res: ForwardResult,
         views: tuple[EngineView, ...],
+        hint: PriorityHint | None = None,
     ) -> None:
         m = self.metrics
         duration = self.clock() - t0
@@ -327,6 +342,7 @@ class Router:
             engine_headers=res.engine_headers,
             views=views,
             response_tail=res.tail.bytes(),
+            priority=None if hint is None else hint.to_json(),
         )
         try:
             self.sink.on_decision(record)
