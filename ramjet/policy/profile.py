@@ -79,34 +79,41 @@ class EngineProfile(BaseModel):
 
     # -- the curve ---------------------------------------------------------------
 
-    def _rate(self, x: float) -> float:
+    def _curve(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(context tokens, seconds per token) of the curve as tuples, made once per curve:
+        the cost model reads it several times per engine per request, and building the
+        lists on each call was most of a decision's time. Kept beside the fields (as a
+        cached_property would be) with the list it was made from, so a `model_copy` with
+        another curve makes its own."""
         pts = self.prefill_curve
-        if len(pts) == 1:
-            return pts[0].seconds_per_token
-        xs = [p.context_tokens for p in pts]
+        memo = self.__dict__.get("_curve_memo")
+        if memo is None or memo[0] is not pts:
+            memo = (pts, tuple(float(p.context_tokens) for p in pts))
+            memo += (tuple(p.seconds_per_token for p in pts),)
+            self.__dict__["_curve_memo"] = memo
+        return memo[1], memo[2]
+
+    def _rate(self, x: float) -> float:
+        xs, ys = self._curve()
+        if len(xs) == 1:
+            return ys[0]
         i = bisect.bisect_right(xs, x) - 1
-        i = min(max(i, 0), len(pts) - 2)
-        a, b = pts[i], pts[i + 1]
-        slope = (b.seconds_per_token - a.seconds_per_token) / (b.context_tokens - a.context_tokens)
-        if x < a.context_tokens:  # before the first point: hold flat
-            return a.seconds_per_token
-        return max(0.0, a.seconds_per_token + slope * (x - a.context_tokens))
+        i = min(max(i, 0), len(xs) - 2)
+        if x < xs[i]:  # before the first point: hold flat
+            return ys[i]
+        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+        return max(0.0, ys[i] + slope * (x - xs[i]))
 
     def prefill_seconds(self, new_tokens: int, context_tokens: int = 0) -> float:
         """Time to prefill `new_tokens` on top of `context_tokens` cached ones."""
         if new_tokens <= 0:
             return 0.0
         lo, hi = float(context_tokens), float(context_tokens + new_tokens)
-        knots = (
-            [lo]
-            + [float(p.context_tokens) for p in self.prefill_curve if lo < p.context_tokens < hi]
-            + [hi]
-        )
+        xs = self._curve()[0]
+        knots = (lo, *xs[bisect.bisect_right(xs, lo) : bisect.bisect_left(xs, hi)], hi)
         total = 0.0
         for a, b in itertools.pairwise(knots):
-            total += (
-                (self._rate(a) + self._rate(b)) / 2 * (b - a)
-            )  # exact: rate is linear on [a, b]
+            total += (self._rate(a) + self._rate(b)) / 2 * (b - a)  # exact: rate is linear
         return self.prefill_overhead_s + total
 
     def restore_seconds(self, tokens_by_tier: Sequence[int]) -> float:
