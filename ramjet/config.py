@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ramjet.errors import ConfigError
 from ramjet.keys.config import KeyPoolConfig, check_pools
 from ramjet.reports.config import KeysConfig, ReportsConfig
 from ramjet.residency.config import ResidencyConfig, StoreConfig
@@ -264,7 +265,7 @@ class PolicyConfig(_Frozen):
         return self
 
 
-class PolicyFileError(ValueError):
+class PolicyFileError(ConfigError, ValueError):
     """A policy file that does not load. `problems` holds (field path, message) pairs."""
 
     def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from ramjet.app.router import Router
 from ramjet.config import PolicyConfig, PolicyFileError, load_policy
+from ramjet.errors import ConfigError
 from ramjet.policy.base import RoutingPolicy
 from ramjet.policy.registry import PolicyConfigError, create_policy
 from ramjet.request.openai_errors import json_error
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 _LIVE = ("mode", "incumbent", "candidate")
 
 
-class ReloadError(ValueError):
+class ReloadError(ConfigError, ValueError):
     """The policy file did not load; nothing changed."""
 
 

@@ -45,6 +45,7 @@ from typing import Any, TypeVar, cast
 
 import xxhash
 
+from ramjet.errors import RamjetError
 from ramjet.types import PrefixKey
 
 SPEC_VERSION = 1
@@ -62,7 +63,7 @@ RESERVED_ROLES = frozenset({"tools", "meta", "part", "end", "ids"})
 """Marker names a message role may not take (they would forge a section)."""
 
 
-class PromptError(ValueError):
+class PromptError(RamjetError, ValueError):
     """The request has no prompt we can render (wrong types, missing fields).
 
     `param` names the offending field in OpenAI style (`messages[2].content`); `code` is

@@ -35,6 +35,7 @@ from typing import Any, Protocol, cast
 
 import xxhash
 
+from ramjet.errors import ConfigError
 from ramjet.keys.prefix import PrefixKeys, PromptError, render_chat, render_completion
 from ramjet.types import PrefixKey
 
@@ -102,7 +103,7 @@ class ByteTokenizer:
         return list(render_completion(text).text)
 
 
-class TokenizerFileError(ValueError):
+class TokenizerFileError(ConfigError, ValueError):
     """A tokenizer or chat template that cannot be loaded from its files."""
 
 

@@ -19,11 +19,12 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from ramjet.errors import ConfigError
 from ramjet.policy import baselines, tier_aware
 from ramjet.policy.base import RoutingPolicy
 
 
-class PolicyConfigError(ValueError):
+class PolicyConfigError(ConfigError, ValueError):
     """A policy name or its parameters are invalid. `path` names the field."""
 
     def __init__(self, path: str, message: str) -> None:

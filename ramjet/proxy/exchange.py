@@ -8,11 +8,12 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from ramjet.errors import ProxyError
 from ramjet.proxy.http1 import UpstreamResponse
 from ramjet.types import EngineId
 
 
-class UpstreamError(Exception):
+class UpstreamError(ProxyError):
     """An attempt failed; `kind` is a metric label (connect, first_byte_timeout, ...)."""
 
     def __init__(self, kind: str, detail: str = "") -> None:

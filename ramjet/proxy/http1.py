@@ -34,6 +34,8 @@ from collections.abc import Iterable
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from ramjet.errors import ProxyError
+
 _MAX_HEAD_BYTES = 64 * 1024
 """A response head (status line and headers) longer than this is refused."""
 _MAX_HEADERS = 256
@@ -42,11 +44,11 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """A header name (RFC 9110 token)."""
 
 
-class UpstreamConnectError(OSError):
+class UpstreamConnectError(ProxyError, OSError):
     """The connection to the engine could not be made (refused, unreachable, timed out)."""
 
 
-class UpstreamClosed(OSError):
+class UpstreamClosed(ProxyError, OSError):
     """The engine closed or broke the connection, or answered something not HTTP/1.x."""
 
 

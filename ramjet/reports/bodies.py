@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
 
+from ramjet.errors import ReportError
 from ramjet.policy.profile import EngineProfile
 from ramjet.types import PrefixKey, Tier
 
@@ -164,7 +165,7 @@ BODY_TYPES: dict[str, type[DeltaBody] | type[SnapshotBody] | type[LoadBody] | ty
 }
 
 
-class BodyError(ValueError):
+class BodyError(ReportError, ValueError):
     """A body that does not parse, breaks a bound, or contradicts its envelope."""
 
 

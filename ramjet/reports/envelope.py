@@ -26,6 +26,7 @@ from typing import Literal, get_args
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from ramjet.errors import ReportError
 from ramjet.types import ID_PATTERN as ID_PATTERN
 from ramjet.types import EngineId
 
@@ -39,7 +40,7 @@ _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 
 
-class EnvelopeError(ValueError):
+class EnvelopeError(ReportError, ValueError):
     """A frame that is not a well-formed report. `reason` is the rejection reason:
     "oversize", "malformed" or "missing_signature"."""
 

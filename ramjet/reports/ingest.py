@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import aiohttp
 from aiohttp import web
 
+from ramjet.errors import ReportError
 from ramjet.reports import transport as tp
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.verify import Accepted, Reason, Rejected
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 _STATUS = {Reason.OVERSIZE: 413, Reason.RATE_LIMITED: 429}
 
 
-class ResponseTooLarge(Exception):
+class ResponseTooLarge(ReportError):
     """An engine's reports response exceeded the size cap; nothing of it was parsed."""
 
 

@@ -20,11 +20,12 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from ramjet.errors import ConfigError
 from ramjet.reports.config import KeyEntry, KeysConfig
 from ramjet.types import EngineId
 
 
-class KeyError_(ValueError):
+class KeyError_(ConfigError, ValueError):
     """A key that cannot be loaded (bad encoding, not Ed25519, unreadable file)."""
 
 

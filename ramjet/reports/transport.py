@@ -27,6 +27,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Iterator
 
+from ramjet.errors import ReportError
+
 REPORTS_PATH = "/ramjet/reports"
 SNAPSHOT_PATH = "/ramjet/snapshot"
 BATCH_TYPE = "application/x-ramjet-reports"
@@ -47,7 +49,7 @@ def pack_frames(frames: Iterable[bytes]) -> bytes:
     return bytes(out)
 
 
-class BatchError(ValueError):
+class BatchError(ReportError, ValueError):
     """A batch whose framing is broken (truncated length or frame)."""
 
 

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ramjet.errors import RamjetError
 from ramjet.keys.prefix import (
     PrefixKeys,
     PromptError,
@@ -50,7 +51,7 @@ COMPLETION_PATH = "/v1/completions"
 RequestKind = Literal["chat", "completion"]
 
 
-class RequestError(Exception):
+class RequestError(RamjetError):
     """A request the router refuses, with the HTTP status and OpenAI error fields."""
 
     def __init__(

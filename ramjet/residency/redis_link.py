@@ -35,6 +35,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ramjet.errors import RamjetError
 from ramjet.residency.config import RedisSettings as RedisSettings
 from ramjet.residency.config import StoreConfig as StoreConfig
 
@@ -42,7 +43,7 @@ T = TypeVar("T")
 Client = aioredis.Redis | RedisCluster
 
 
-class RedisUnavailable(Exception):
+class RedisUnavailable(RamjetError):
     """Redis did not answer in time, refused, or the breaker is open. Fail open."""
 
 

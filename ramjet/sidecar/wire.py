@@ -57,13 +57,15 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ramjet.errors import RamjetError
+
 END_SEQ = b"\xff" * 8
 """Seq bytes of the replay socket's end-of-replay marker."""
 
 EngineHash = int | bytes
 
 
-class WireError(ValueError):
+class WireError(RamjetError, ValueError):
     """A frame, batch or event that does not decode."""
 
 
