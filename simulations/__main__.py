@@ -3,23 +3,31 @@
 run: replay a trace through the engine pair under each named policy at each load, print
 a table per load, write `results.csv`, `table.md` and `ttft_vs_load.png` to --out.
 plan: the capacity planner (`simulations.plan`).
+
+Traces with sessions and turns (the agent traces) replay closed-loop by default
+(`simulations.sessions`); the others open-loop. The run fails (exit 3) when a policy
+beats the oracle or a strict bound (`simulations.checks`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
 
+from ramjet.config import FleetStatsConfig, PolicyFileError, load_policy
 from simulations import plan as planner
 from simulations.bounds import floor, srpt_merged
+from simulations.checks import violations, with_oracle
 from simulations.lineup import ENTRANTS, resolve
 from simulations.preset import PRESETS, engine_spec
 from simulations.report import markdown, plot, table, write_csv
+from simulations.sessions import SessionPlan, closed_loop_plan, scale_for_load, scaled
 from simulations.simulator import Simulation
 from simulations.summary import Row, bound_row, summarize
-from simulations.workload import TraceError, load_trace, replicate, scale_rate
+from simulations.workload import Request, TraceError, load_trace, replicate, scale_rate
 
 
 class Progress:
@@ -58,6 +66,13 @@ def _floats(text: str) -> list[float]:
     return vals
 
 
+def closed_loop_wanted(mode: str, reqs: list[Request]) -> bool:
+    """auto: closed loop when every request has a session and a turn (agent traces)."""
+    if mode == "auto":
+        return bool(reqs) and all(r.session is not None and r.turn is not None for r in reqs)
+    return mode == "on"
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     try:
         entrants = resolve(a.policies)
@@ -76,36 +91,76 @@ def cmd_run(a: argparse.Namespace) -> int:
             ssd_tokens=a.ssd_tokens,
             aging=a.aging,
         )
-    except (ValueError, TraceError) as exc:
+        fleet_cfg = load_policy(a.policy_file).fleet_stats if a.policy_file else FleetStatsConfig()
+        closed = closed_loop_wanted(a.closed_loop, reqs)
+        if a.limit:
+            reqs = reqs[: a.limit]
+        plan: SessionPlan | None = None
+        if closed:
+            sessions = a.sessions or len({r.session for r in reqs}) * a.replicate
+            plan = closed_loop_plan(
+                reqs,
+                block,
+                sessions=sessions,
+                fanout=a.fanout,
+                fanout_share=a.fanout_share,
+                seed=a.seed,
+            )
+            reqs = plan.requests
+        elif a.replicate > 1:
+            reqs = replicate(reqs, a.replicate, block, a.seed)
+        elif a.fanout > 1:
+            raise ValueError("--fanout needs closed-loop replay (a trace with sessions and turns)")
+        fl = floor(reqs, spec.profile)
+        if plan is not None:
+            loads = a.load or [math.nan] * len(a.rate_scale)
+            scales = (
+                [round(scale_for_load(plan, fl.work_s, x, a.engines), 4) for x in a.load]
+                if a.load
+                else a.rate_scale
+            )
+        else:
+            span = reqs[-1].arrival_s - reqs[0].arrival_s
+            loads = a.load or [math.nan] * len(a.rate_scale)
+            # offered load relative to the floor's work: floor seconds / (engines · span / scale)
+            scales = (
+                [round(x * a.engines * span / sum(fl.work_s), 4) for x in a.load]
+                if a.load
+                else a.rate_scale
+            )
+    except (ValueError, TraceError, PolicyFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if a.limit:
-        reqs = reqs[: a.limit]
-    if a.replicate > 1:
-        reqs = replicate(reqs, a.replicate, block, a.seed)
-    fl = floor(reqs, spec.profile)
-    span = reqs[-1].arrival_s - reqs[0].arrival_s
-    if a.load:
-        # offered load relative to the floor's work: floor seconds / (engines · span / scale)
-        scales = [round(x * a.engines * span / sum(fl.work_s), 4) for x in a.load]
-    else:
-        scales = a.rate_scale
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if plan is not None:
+        replay = (
+            f"closed-loop replay: {plan.sessions} sessions, first turns at trace times "
+            f"x scale, think time {plan.think.describe()}; fan-out "
+            + (
+                f"{a.fanout} siblings on {a.fanout_share:.0%} of later turns"
+                if a.fanout > 1
+                else "off"
+            )
+        )
+        span_text = f"{plan.sessions * plan.period_s:.0f} s of session starts (unscaled)"
+    else:
+        replay = "open-loop replay: every request at its trace time x scale"
+        span_text = f"{reqs[-1].arrival_s - reqs[0].arrival_s:.0f} s"
     print(
-        f"trace {a.trace}: {len(reqs)} requests over {span:.0f} s, block {block} tokens; "
+        f"trace {a.trace}: {len(reqs)} requests over {span_text}, block {block} tokens; "
         f"floor {fl.tokens / 1e6:.2f} M prefill tokens ({sum(fl.work_s):.0f} s of work); "
-        f"scheduler {spec.scheduler}; engines {a.engines}"
+        f"scheduler {spec.scheduler}; engines {a.engines}\n{replay}"
     )
     progress = Progress(len(entrants) * len(scales) * len(reqs), not a.quiet)
     rows: list[Row] = []
     t0 = time.perf_counter()
-    for scale in scales:
-        scaled = scale_rate(reqs, scale)
+    for scale, load in zip(scales, loads, strict=True):
+        run_reqs = scaled(plan, scale) if plan is not None else scale_rate(reqs, scale)
         for ent in entrants:
             progress.label = f"{ent.name} x{scale:g}"
             sim = Simulation(
-                scaled,
+                run_reqs,
                 spec,
                 ent.make(a.seed),
                 block_tokens=block,
@@ -113,26 +168,38 @@ def cmd_run(a: argparse.Namespace) -> int:
                 knowledge=ent.knowledge,
                 shared_cache=ent.shared_cache,
                 progress=progress,
+                fleet_stats=fleet_cfg,
+                loop=plan.loop if plan is not None else None,
             )
-            rows.append(summarize(ent.name, scale, scaled, sim.run(), fl.tokens, a.ttft_target_s))
-        rows.append(bound_row("bound:alone", scale, fl.work_s, fl.tokens, a.ttft_target_s))
-        rows.append(
-            bound_row(
-                "bound:srpt_merged_2x",
-                scale,
-                srpt_merged(scaled, fl.work_s),
-                fl.tokens,
-                a.ttft_target_s,
+            out = sim.run()
+            rows.append(
+                summarize(
+                    ent.name, scale, run_reqs, out, fl.tokens, a.ttft_target_s, load, fl.work_s
+                )
             )
-        )
+        rows.append(bound_row("bound:alone", scale, fl.work_s, fl.tokens, a.ttft_target_s, load))
+        if plan is None:  # SRPT over fixed arrivals: no bound when arrivals depend on service
+            srpt = srpt_merged(run_reqs, fl.work_s)
+            rows.append(
+                bound_row("bound:srpt_merged_2x", scale, srpt, fl.tokens, a.ttft_target_s, load)
+            )
     progress.close()
+    rows = with_oracle(rows)
     elapsed = time.perf_counter() - t0
-    md = [f"trace `{a.trace}`, {len(reqs)} requests, TTFT target {a.ttft_target_s:g} s\n"]
-    for scale in scales:
+    md = [
+        f"trace `{a.trace}`, {len(reqs)} requests, TTFT target {a.ttft_target_s:g} s\n\n{replay}\n"
+    ]
+    for scale, load in zip(scales, loads, strict=True):
         these = [r for r in rows if r.rate_scale == scale]
+        title = f"rate scale x{scale:g}" + ("" if math.isnan(load) else f" (load {load:g})")
         print()
-        print(table(these, f"rate scale x{scale:g}"))
-        md.append(f"\n### rate scale x{scale:g}\n\n{markdown(these)}\n")
+        print(table(these, title))
+        md.append(f"\n### {title}\n\n{markdown(these)}\n")
+    problems = violations(rows)
+    if problems:
+        md.append(
+            "\n### FAILED: a policy beats a bound\n\n" + "".join(f"- {p}\n" for p in problems)
+        )
     write_csv(rows, out_dir / "results.csv")
     (out_dir / "table.md").write_text("".join(md))
     if not a.no_plot:
@@ -141,6 +208,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(
         f"\n{runs} runs of {len(reqs)} requests in {elapsed:.1f} s ({elapsed / runs:.2f} s per run); wrote {out_dir}/"
     )
+    if problems:
+        print("FAILED: a policy beats the oracle or a strict bound:", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -187,6 +259,31 @@ def main(argv: list[str] | None = None) -> int:
         help="overlay N copies of a session trace (closed-loop load)",
     )
     r.add_argument("--limit", type=int, default=0, help="first N requests only")
+    r.add_argument(
+        "--closed-loop",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="session replay: a turn is sent a think time after the previous one ended "
+        "(auto: when every request has session_id and turn)",
+    )
+    r.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        help="closed loop: sessions in the run (default: the trace's x --replicate)",
+    )
+    r.add_argument(
+        "--fanout", type=int, default=1, help="closed loop: split a turn into K siblings"
+    )
+    r.add_argument(
+        "--fanout-share",
+        type=float,
+        default=0.25,
+        help="closed loop: share of later turns that fan out",
+    )
+    r.add_argument(
+        "--policy-file", help="take the fleet estimators' time constants from this policy file"
+    )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-plot", action="store_true")
     r.add_argument("--quiet", action="store_true")

@@ -91,6 +91,7 @@ class Engine:
         schedule: Callable[[float, Callable[[float], None]], None],
         on_start: Callable[[Job, float], None],
         on_first_token: Callable[[Job, float], None],
+        on_finish: Callable[[Job, float], None] | None = None,
     ) -> None:
         self.index = index
         self.id = EngineId(f"e{index}")
@@ -101,6 +102,7 @@ class Engine:
         self._schedule = schedule
         self._on_start = on_start
         self._on_first_token = on_first_token
+        self._on_finish = on_finish
         self.priority = spec.scheduler == "priority"
         self.fifo: deque[Job] = deque()
         self.heap: list[tuple[float, int, Job]] = []
@@ -114,6 +116,10 @@ class Engine:
         self.decoding = 0
         self.decode_tokens = 0
         self.busy_s = 0.0
+        self.window: tuple[float, float] | None = None
+        """Measurement window (closed-loop steady state): busy time inside it is summed
+        in `busy_window_s` as well."""
+        self.busy_window_s = 0.0
         self.prefilled_tokens = 0
         self.overhead = self.profile.prefill_overhead_s
         self.step_s = self.profile.decode_step_s
@@ -193,6 +199,11 @@ class Engine:
         if self.decoding > 0:
             dur += self.step_s
         self.busy_s += dur
+        w = self.window
+        if w is not None:
+            lo, hi = max(now, w[0]), min(now + dur, w[1])
+            if hi > lo:
+                self.busy_window_s += hi - lo
         self._schedule(now + dur, lambda t: self._chunk_done(job, k, t))
 
     def _chunk_done(self, job: Job, k: int, now: float) -> None:
@@ -233,6 +244,8 @@ class Engine:
             self.inflight -= 1
             if req.swa_key is not None:
                 self.swa.store(req.swa_key, now)
+            if self._on_finish is not None:
+                self._on_finish(job, now)
             return
         self.decoding += 1
         self.decode_tokens += ctx
@@ -244,3 +257,5 @@ class Engine:
         self.inflight -= 1
         if job.req.swa_key is not None:
             self.swa.store(job.req.swa_key, now)
+        if self._on_finish is not None:
+            self._on_finish(job, now)

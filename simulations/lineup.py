@@ -3,10 +3,11 @@
 `<peer>:exact` gives a peer exact residency (isolates its policy); `<peer>:real` gives it
 the knowledge that peer really has (ANCHORS.md; figures in docs/simulation.md). Ramjet's
 own policies are built by `ramjet.policy.registry.create_policy` and see exact residency
-(authenticated engine reports). `oracle` is `tier_aware` on engines that share one
-cache and one SWA pool: it knows where every block is and may use it on either engine
-at no transfer cost, which no online router can have; the gap to it is the cost of
-partitioning the cache between engines.
+(authenticated engine reports). `oracle:tier_aware` and `oracle:least_work` run
+`tier_aware` and least-work routing on engines that share one cache and one SWA pool:
+they know where every block is and may use it on either engine at no transfer cost,
+which no online router can have; the gap to the better of them (the `oracle` row,
+`simulations.checks`) is the cost of partitioning the cache between engines.
 """
 
 from __future__ import annotations
@@ -75,8 +76,15 @@ ENTRANTS: dict[str, Entrant] = {
             "prodstack_prefix:real", lambda s: ProdstackPrefix(seed=s), HBM_ONLY, origin="peer"
         ),
         Entrant(
-            "oracle",
-            _ramjet("tier_aware", None, "oracle"),
+            "oracle:tier_aware",
+            _ramjet("tier_aware", None, "oracle:tier_aware"),
+            EXACT,
+            shared_cache=True,
+            origin="bound",
+        ),
+        Entrant(
+            "oracle:least_work",
+            _ramjet("least_loaded", None, "oracle:least_work"),
             EXACT,
             shared_cache=True,
             origin="bound",

@@ -80,6 +80,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
     by_policy: dict[str, list[Row]] = {}
     for r in rows:
         by_policy.setdefault(r.policy, []).append(r)
+    by_load = None if any(math.isnan(r.load) for r in rows) else True
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, attr, label in (
         (axes[0], "ttft_mean_s", "mean TTFT (s)"),
@@ -87,10 +88,10 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
     ):
         for name, rs in by_policy.items():
             rs = sorted(rs, key=lambda r: r.rate_scale)
-            style = "--" if name.startswith("bound") or name == "oracle" else "-"
+            style = "--" if name.startswith(("bound", "oracle")) else "-"
             width = 2.5 if name.startswith("tier_aware") or name == "prefix_affinity" else 1.0
             ax.plot(
-                [r.rate_scale for r in rs],
+                [r.rate_scale if by_load is None else r.load for r in rs],
                 [getattr(r, attr) for r in rs],
                 style,
                 lw=width,
@@ -98,7 +99,11 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
                 ms=3,
                 label=name,
             )
-        ax.set_xlabel("rate scale (x trace arrival rate)")
+        ax.set_xlabel(
+            "rate scale (x trace arrival rate)"
+            if by_load is None
+            else "load (floor prefill work / capacity)"
+        )
         ax.set_ylabel(label)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)

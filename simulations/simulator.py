@@ -17,6 +17,12 @@ request on the engine it names.
 Knowledge (what residency the policy sees): "exact" (the caches), "hbm_only",
 "routed" (a `RoutedIndex` per engine fed by this run's decisions), or "none". The
 oracle shares one cache and one SWA pool between all engines (`shared_cache`).
+
+Closed loop (`loop`, a `simulations.sessions.ClosedLoop`): only requests without parents
+(sessions' first turns) arrive at their `arrival_s`; every other request is released
+when the last of its parents has finished (last token) plus its think time, so no turn
+starts before the previous turn of its session has ended. `Outcome.arrival` and
+`Outcome.finish` record when each request was sent and when it ended.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ramjet.config import FleetStatsConfig
@@ -35,8 +42,13 @@ from ramjet.types import EngineId, TrustGrade
 from simulations.cache import SwaPool, TieredCache
 from simulations.engine import Engine, Job
 from simulations.preset import EngineSpec
+from simulations.sessions import ClosedLoop
 from simulations.views import Clock, ExactResidency, HbmOnlyResidency, RoutedIndex
 from simulations.workload import Request
+
+WARMUP_SHARE = 0.15
+"""Closed loop: the first 15% of the session-start span is warm-up (sessions ramping up);
+the window ends at the last session start (after it, load drains)."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,8 @@ class Outcome:
     """Per-request results of one run (index = request index)."""
 
     engine: list[int] = field(default_factory=list)
+    arrival: list[float] = field(default_factory=list)
+    finish: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)
     wait: list[float] = field(default_factory=list)
     hit: list[tuple[int, int, int]] = field(default_factory=list)
@@ -60,6 +74,10 @@ class Outcome:
     replay: list[bool] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
+    window: tuple[float, float] | None = None
+    """Closed loop: the steady-state window (summaries count requests sent inside it and
+    busy time inside it); None: the whole run."""
+    busy_window_s: list[float] = field(default_factory=list)
     span_s: float = 0.0
     demotions: int = 0
     evictions: int = 0
@@ -99,6 +117,7 @@ class Simulation:
         check_capacity: bool = False,
         progress: Callable[[int], None] | None = None,
         fleet_stats: FleetStatsConfig = FleetStatsConfig(),
+        loop: ClosedLoop | None = None,
     ) -> None:
         self.requests = requests
         self.spec = spec
@@ -111,6 +130,8 @@ class Simulation:
         n = len(requests)
         self.out = Outcome(
             engine=[-1] * n,
+            arrival=[math.nan] * n,
+            finish=[math.nan] * n,
             ttft=[math.nan] * n,
             wait=[math.nan] * n,
             hit=[(0, 0, 0)] * n,
@@ -131,7 +152,16 @@ class Simulation:
         for i in range(engines):
             cache, swa = shared or make_cache()
             self.engines.append(
-                Engine(i, spec, cache, swa, self._schedule, self._on_start, self._on_first_token)
+                Engine(
+                    i,
+                    spec,
+                    cache,
+                    swa,
+                    self._schedule,
+                    self._on_start,
+                    self._on_first_token,
+                    self._on_finish,
+                )
             )
         self.index_of = {e.id: e.index for e in self.engines}
         self.knowledge = knowledge
@@ -158,6 +188,12 @@ class Simulation:
             self.routed = []
         self.estimators = FleetEstimators(fleet_stats.arrival_tau_s, fleet_stats.wait_tau_s)
         self.peak = [[0, 0, 0] for _ in self.engines]
+        if loop is not None and len(loop.parents) != n:
+            raise ValueError("the closed loop does not match the requests")
+        self.loop = loop
+        self._unfinished = list(loop.parents) if loop is not None else []
+        self._ready = [0.0] * n if loop is not None else []
+        self._arrived = 0
 
     # -- events ----------------------------------------------------------------------
 
@@ -186,6 +222,19 @@ class Simulation:
                     raise AssertionError(f"tier {t} over capacity: {used} > {cache.capacity[t]}")
                 peak = self.peak[job.engine]
                 peak[t] = max(peak[t], used)
+
+    def _on_finish(self, job: Job, now: float) -> None:
+        i = job.req.index
+        self.out.finish[i] = now
+        loop = self.loop
+        if loop is None:
+            return
+        reqs = self.requests
+        for c in loop.children[i]:
+            self._unfinished[c] -= 1
+            self._ready[c] = max(self._ready[c], now)
+            if self._unfinished[c] == 0:
+                self._schedule(self._ready[c] + loop.think_s[c], partial(self._arrive, reqs[c]))
 
     # -- routing ---------------------------------------------------------------------
 
@@ -218,12 +267,24 @@ class Simulation:
         q = engine.swa.match(req.boundaries, now) if req.boundaries else 0
         work = prompt_work(engine.profile, req.prompt_tokens, GlobalMatch(hbm, host, ssd), q)
         self.out.engine[req.index] = idx
+        self.out.arrival[req.index] = now
         self.out.decisions += 1
         job = Job(req, idx, max(req.prompt_tokens - work.resume_tokens, 0), work.work_s)
+        job.arrival = now
         engine.submit(job, now)
+        self._arrived += 1
+        if self.progress is not None and self._arrived % 256 == 0:
+            self.progress(256)
 
     def run(self) -> Outcome:
         reqs = self.requests
+        if self.loop is not None:
+            reqs = sorted((reqs[i] for i in self.loop.roots()), key=lambda r: r.arrival_s)
+            if reqs:
+                first, last = reqs[0].arrival_s, reqs[-1].arrival_s
+                self.out.window = (first + WARMUP_SHARE * (last - first), last)
+                for e in self.engines:
+                    e.window = self.out.window
         events = self._events
         clock = self.clock
         i, n = 0, len(reqs)
@@ -234,17 +295,18 @@ class Simulation:
                 i += 1
                 clock.now = req.arrival_s
                 self._arrive(req, req.arrival_s)
-                if self.progress is not None and i % 256 == 0:
-                    self.progress(256)
             else:
                 t, _, fn = pop(events)
                 clock.now = t
                 fn(t)
         if self.progress is not None:
-            self.progress(n % 256)
+            self.progress(self._arrived % 256)
         out = self.out
+        if self._arrived != len(self.requests):
+            raise AssertionError(f"{len(self.requests) - self._arrived} requests never arrived")
         out.busy_s = [e.busy_s for e in self.engines]
-        out.span_s = (reqs[-1].arrival_s - reqs[0].arrival_s) if n else 0.0
+        out.busy_window_s = [e.busy_window_s for e in self.engines]
+        out.span_s = (max(out.arrival) - min(out.arrival)) if out.arrival else 0.0
         caches = {id(e.cache): e.cache for e in self.engines}.values()
         out.demotions = sum(c.demotions for c in caches)
         out.evictions = sum(c.evictions for c in caches)

@@ -33,6 +33,11 @@ class Row:
     """max engine busy time / mean − 1 (0 = balanced)."""
     within_target: float
     """Share of requests with TTFT ≤ the target."""
+    load: float = math.nan
+    """The nominal load asked for (floor prefill work / capacity); NaN for --rate-scale."""
+    alone_mean_s: float = math.nan
+    """`bound:alone`'s mean over the same requests the TTFT figures count (a policy below
+    it has broken the bound)."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -52,17 +57,30 @@ def summarize(
     out: Outcome,
     floor_tokens: int,
     target_s: float,
+    load: float = math.nan,
+    alone_s: Sequence[float] | None = None,
 ) -> Row:
-    tt = sorted(out.ttft)
+    """TTFT figures over the requests sent inside `out.window` (all when None), and the
+    utilisation inside it; prefill and hit figures over all requests."""
+    w = out.window
+    counted = [i for i, t in enumerate(out.arrival) if w is None or (w[0] <= t <= w[1])] or list(
+        range(len(out.ttft))
+    )
+    tt = sorted(out.ttft[i] for i in counted)
     n = len(tt)
     prompt = sum(r.prompt_tokens for r in reqs) or 1
     hits = [sum(h[t] for h in out.hit) for t in range(3)]
     busy = out.busy_s
     mean_busy = sum(busy) / len(busy) if busy else 0.0
+    if w is not None and w[1] > w[0]:
+        util = sum(out.busy_window_s) / (len(busy) * (w[1] - w[0]))
+    else:
+        util = sum(busy) / (len(busy) * out.span_s) if out.span_s > 0 else math.nan
+    alone = math.nan if alone_s is None else sum(alone_s[i] for i in counted) / len(counted)
     return Row(
         policy=policy,
         rate_scale=scale,
-        utilization=sum(busy) / (len(busy) * out.span_s) if out.span_s > 0 else math.nan,
+        utilization=util,
         ttft_mean_s=sum(tt) / n if n else math.nan,
         ttft_p50_s=percentile(tt, 50),
         ttft_p99_s=percentile(tt, 99),
@@ -71,15 +89,24 @@ def summarize(
         hit_hbm=hits[0] / prompt,
         hit_host=hits[1] / prompt,
         hit_ssd=hits[2] / prompt,
-        swa_resumes=sum(1 for r in out.resume if r == "swa") / n if n else 0.0,
+        swa_resumes=sum(1 for r in out.resume if r == "swa") / len(out.resume)
+        if out.resume
+        else 0.0,
         replays=sum(out.replay),
         imbalance=max(busy) / mean_busy - 1 if mean_busy > 0 else 0.0,
         within_target=sum(1 for t in tt if t <= target_s) / n if n else 0.0,
+        load=load,
+        alone_mean_s=alone,
     )
 
 
 def bound_row(
-    policy: str, scale: float, ttft: Sequence[float], floor_tokens: int, target_s: float
+    policy: str,
+    scale: float,
+    ttft: Sequence[float],
+    floor_tokens: int,
+    target_s: float,
+    load: float = math.nan,
 ) -> Row:
     tt = sorted(ttft)
     n = len(tt)
@@ -87,5 +114,5 @@ def bound_row(
     return Row(
         policy, scale, nan, sum(tt) / n if n else nan, percentile(tt, 50), percentile(tt, 99),
         floor_tokens, 1.0, nan, nan, nan, nan, 0, nan,
-        sum(1 for t in tt if t <= target_s) / n if n else 0.0,
+        sum(1 for t in tt if t <= target_s) / n if n else 0.0, load,
     )  # fmt: skip

@@ -7,7 +7,9 @@ Formats (auto-detected by extension and fields, see `load_trace`):
   real production traces timestamps are rounded to ~3 s buckets; `jitter_s` spreads the
   requests of a bucket uniformly (seeded) over it. The bundled synthetic trace has
   millisecond timestamps already, so the default is no jitter.
-- Agent jsonl: the same plus `session_id` and `turn`, 64-token blocks.
+- Agent jsonl: the same plus `session_id` and `turn`, 64-token blocks; optionally
+  `service_ms`, the time the original run took from sending the turn to its last token
+  (closed-loop replay subtracts it from the gap to the next turn: `simulations.sessions`).
 - Azure CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`): lengths and arrivals only;
   prefix identity and sessions are generated, seeded (`azure_sessions`).
 
@@ -27,7 +29,7 @@ import csv
 import json
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -61,6 +63,10 @@ class Request:
     swa_offset: int = 0
     view: object | None = None
     """The `RequestView` built for it (cached: it does not depend on simulated state)."""
+    turn: int | None = None
+    """Position in its session (agent traces), 0 first."""
+    service_s: float | None = None
+    """The original run's time from send to last token, where the trace records it."""
 
 
 def chain_keys(hash_ids: Iterable[int]) -> list[PrefixKey]:
@@ -123,6 +129,14 @@ def load_jsonl(
             if jitter_s > 0:
                 ts = (ts // jitter_s) * jitter_s + rng.random() * jitter_s
             session = obj.get("session_id")
+            try:
+                turn = None if obj.get("turn") is None else int(obj["turn"])
+                service = obj.get("service_ms")
+                service_s = None if service is None else float(service) / 1000.0
+            except (ValueError, TypeError) as exc:
+                raise TraceError(f"{path}:{lineno}: {exc!r}") from None
+            if (turn is not None and turn < 0) or (service_s is not None and service_s < 0):
+                raise TraceError(f"{path}:{lineno}: negative turn or service_ms")
             out.append(
                 Request(
                     index=0,
@@ -132,6 +146,8 @@ def load_jsonl(
                     block_keys=chain_keys(ids),
                     block_tokens=_blocks(n, len(ids), block),
                     session=str(session) if session is not None else None,
+                    turn=turn,
+                    service_s=service_s,
                 )
             )
     if block is None:
@@ -224,22 +240,7 @@ def scale_rate(requests: list[Request], factor: float) -> list[Request]:
     if factor <= 0:
         raise ValueError("rate scale must be positive")
     t0 = requests[0].arrival_s if requests else 0.0
-    return [
-        Request(
-            r.index,
-            (r.arrival_s - t0) / factor,
-            r.prompt_tokens,
-            r.output_tokens,
-            r.block_keys,
-            r.block_tokens,
-            r.session,
-            r.boundaries,
-            r.swa_key,
-            r.swa_offset,
-            r.view,
-        )
-        for r in requests
-    ]
+    return [replace(r, arrival_s=(r.arrival_s - t0) / factor) for r in requests]
 
 
 def replicate(requests: list[Request], copies: int, block: int, seed: int = 0) -> list[Request]:
@@ -284,6 +285,8 @@ def replicate(requests: list[Request], copies: int, block: int, seed: int = 0) -
                         keys,
                         r.block_tokens,
                         session,
+                        turn=r.turn,
+                        service_s=r.service_s,
                     )
                 )
     return finish(out, block)

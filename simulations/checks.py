@@ -1,0 +1,76 @@
+"""The oracle row and the run's sanity check: no routing policy may beat a bound.
+
+The oracle is full knowledge without a partitioned cache: both engines share one cache
+and one SWA pool, so a block computed anywhere is a hit everywhere and a request never
+prefills more than the floor plus what causality forces (a block still being computed
+for a sibling sent at the same instant). Two routings run on it, `oracle:tier_aware`
+(the cost model's pick) and `oracle:least_work` (the engine with the fewest predicted
+uncached tokens queued: on a shared cache that is the earliest free engine, central
+FCFS); the `oracle` row at each load is the one of them with the lower mean TTFT.
+
+`violations` lists every row that beats the oracle's mean TTFT or a strict bound's
+(`bound:alone` always, over the same requests the row counts; `bound:srpt_merged_2x` in
+open-loop runs, where arrivals do not depend on the policy); the runner fails a run
+that has any. Closed-loop rows count the requests sent in the steady-state window
+(`simulations.simulator.WARMUP_SHARE`), so the oracle and a policy are compared over
+the same sessions' steady-state turns, not the identical request set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from simulations.summary import Row
+
+ORACLES = ("oracle:tier_aware", "oracle:least_work")
+
+
+def with_oracle(rows: Sequence[Row]) -> list[Row]:
+    """`rows` plus, per load, an `oracle` row: the better of the oracle routings."""
+    out = list(rows)
+    for scale in dict.fromkeys(r.rate_scale for r in rows):
+        cands = [r for r in rows if r.rate_scale == scale and r.policy in ORACLES]
+        if cands:
+            best = min(cands, key=lambda r: r.ttft_mean_s)
+            out.append(replace(best, policy="oracle"))
+    return out
+
+
+def violations(rows: Sequence[Row], tolerance: float = 0.0) -> list[str]:
+    """Rows whose mean TTFT is below the oracle's or a strict bound's at the same load."""
+    problems = []
+    for scale in dict.fromkeys(r.rate_scale for r in rows):
+        these = [r for r in rows if r.rate_scale == scale]
+        bounds = [
+            r
+            for r in these
+            if r.policy == "oracle" or r.policy.startswith("bound:")
+            if not math.isnan(r.ttft_mean_s)
+        ]
+        for r in these:
+            if r.policy == "oracle" or r.policy.startswith(("bound:", "oracle:")):
+                continue
+            if r.ttft_mean_s < r.alone_mean_s * (1 - tolerance):
+                problems.append(
+                    f"x{scale:g}: {r.policy} mean TTFT {r.ttft_mean_s:.4f} s beats bound:alone "
+                    f"{r.alone_mean_s:.4f} s over the same requests"
+                )
+            for b in bounds:
+                if b.policy == "bound:alone" and not math.isnan(r.alone_mean_s):
+                    continue  # compared over the same requests above
+                if r.ttft_mean_s < b.ttft_mean_s * (1 - tolerance):
+                    problems.append(
+                        f"x{scale:g}: {r.policy} mean TTFT {r.ttft_mean_s:.4f} s beats "
+                        f"{b.policy} {b.ttft_mean_s:.4f} s"
+                    )
+        for b in these:  # the oracle itself must respect the strict bounds
+            if b.policy != "oracle":
+                continue
+            for s in these:
+                if s.policy.startswith("bound:") and b.ttft_mean_s < s.ttft_mean_s:
+                    problems.append(
+                        f"x{scale:g}: oracle mean TTFT {b.ttft_mean_s:.4f} s beats {s.policy}"
+                    )
+    return problems

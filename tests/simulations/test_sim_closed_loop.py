@@ -1,0 +1,265 @@
+"""Closed-loop session replay, fan-out, the oracle and the no-policy-beats-a-bound check."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import random
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from sim_helpers import BLOCK, spec
+
+from ramjet.policy.registry import create_policy
+from simulations import __main__ as cli
+from simulations.bounds import floor
+from simulations.checks import violations, with_oracle
+from simulations.lineup import ENTRANTS
+from simulations.sessions import closed_loop_plan, scale_for_load, scaled, session_groups
+from simulations.simulator import Simulation
+from simulations.summary import Row, summarize
+from simulations.workload import Request, chain_keys, finish
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+def agent_trace(sessions: int = 6, turns: int = 8, seed: int = 1) -> list[Request]:
+    """Sessions whose turn k+1 extends turn k's prompt (as in the agent traces), with
+    trace gaps far shorter than a turn's service time at high load."""
+    rng = random.Random(seed)
+    out = []
+    fresh = iter(range(10_000, 1 << 30))
+    for s in range(sessions):
+        ids = [next(fresh) for _ in range(rng.randint(4, 12))]
+        t = s * 0.7
+        for k in range(turns):
+            ids = ids + [next(fresh) for _ in range(rng.randint(1, 4))]
+            out.append(
+                Request(
+                    0,
+                    t,
+                    len(ids) * BLOCK,
+                    rng.randint(0, 30),
+                    chain_keys(ids),
+                    [BLOCK] * len(ids),
+                    session=f"s{s}",
+                    turn=k,
+                )
+            )
+            t += rng.uniform(0.05, 0.3)
+    return finish(out, BLOCK)
+
+
+def run(plan_reqs: list[Request], loop: object, policy: str = "tier_aware", **kw: object) -> object:
+    sim = Simulation(
+        plan_reqs,
+        spec(),
+        create_policy(policy, {}),
+        block_tokens=BLOCK,
+        loop=loop,  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+    return sim.run()
+
+
+@pytest.mark.parametrize("fanout", [1, 3])
+@pytest.mark.parametrize("scale", [0.5, 5.0, 1e4])
+def test_no_turn_starts_before_the_previous_turn_of_its_session_finished(
+    scale: float, fanout: int
+) -> None:
+    plan = closed_loop_plan(agent_trace(), BLOCK, sessions=14, fanout=fanout, fanout_share=0.5)
+    reqs = scaled(plan, scale)
+    out = run(reqs, plan.loop)
+    loop = plan.loop
+    by_session: dict[str | None, list[int]] = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r.index)
+    checked = 0
+    for i, ps in enumerate(loop.parents):
+        if ps == 0:
+            assert out.arrival[i] == pytest.approx(reqs[i].arrival_s)  # type: ignore[attr-defined]
+            continue
+        parents = [p for p, cs in enumerate(loop.children) if i in cs]
+        assert len(parents) == ps
+        last = max(out.finish[p] for p in parents)  # type: ignore[attr-defined]
+        assert out.arrival[i] >= last  # type: ignore[attr-defined]
+        assert out.arrival[i] == pytest.approx(last + loop.think_s[i])  # type: ignore[attr-defined]
+        checked += 1
+    assert checked > 14 * 5
+    # and per session: every turn starts after every earlier turn's last token
+    for idx in by_session.values():
+        turns = sorted(idx, key=lambda i: out.arrival[i])  # type: ignore[attr-defined]
+        for a, b in itertools.pairwise(turns):
+            if reqs[a].turn != reqs[b].turn:
+                assert out.arrival[b] >= out.finish[a]  # type: ignore[attr-defined]
+    assert all(not math.isnan(t) for t in out.ttft)  # type: ignore[attr-defined]
+
+
+def test_load_is_set_by_session_rate_and_think_times_are_never_shrunk() -> None:
+    plan = closed_loop_plan(agent_trace(), BLOCK, sessions=12)
+    fl = floor(plan.requests, spec().profile)
+    low = scale_for_load(plan, fl.work_s, 0.2, 2)
+    high = scale_for_load(plan, fl.work_s, 0.8, 2)
+    assert high == pytest.approx(4 * low)
+    a, b = scaled(plan, low), scaled(plan, high)
+    roots = plan.loop.roots()
+    # first turns are compressed by the factor, think times are the plan's at both loads
+    assert b[roots[-1]].arrival_s == pytest.approx(a[roots[-1]].arrival_s * low / high)
+    assert min(plan.loop.think_s[i] for i in range(len(a)) if i not in roots) > 0
+    assert plan.think.source == "fitted" and plan.think.gaps == 6 * 7
+
+
+def test_think_time_is_trace_gap_minus_service_when_the_trace_has_it() -> None:
+    reqs = agent_trace(sessions=2, turns=3)
+    for r in reqs:
+        r.service_s = 0.01
+    plan = closed_loop_plan(reqs, BLOCK)
+    assert plan.think.source == "trace"
+    groups = session_groups(reqs)
+    want = sorted(
+        max(b.arrival_s - a.arrival_s - 0.01, 0.0) for g in groups for a, b in itertools.pairwise(g)
+    )
+    got = sorted(t for i, t in enumerate(plan.loop.think_s) if plan.loop.parents[i])
+    assert got == pytest.approx(want)
+
+
+def test_fanout_siblings_share_the_prefix_and_arrive_together() -> None:
+    plan = closed_loop_plan(agent_trace(), BLOCK, sessions=6, fanout=3, fanout_share=1.0)
+    reqs = scaled(plan, 1.0)
+    out = run(reqs, plan.loop)
+    groups: dict[tuple[str | None, int | None], list[Request]] = {}
+    for r in reqs:
+        groups.setdefault((r.session, r.turn), []).append(r)
+    fanned = [g for g in groups.values() if len(g) == 3]
+    assert len(fanned) == 6 * 7  # every later turn
+    for g in fanned:
+        assert len({out.arrival[r.index] for r in g}) == 1  # type: ignore[attr-defined]
+        keysets = [r.block_keys for r in g]
+        assert keysets[0] != keysets[1] != keysets[2]
+        shared = 0
+        while all(k[shared] == keysets[0][shared] for k in keysets):
+            shared += 1
+        assert shared >= 4  # the blocks the turn shares with the previous one
+
+
+@pytest.mark.parametrize("scale", [1.0, 20.0, 1e4])
+def test_the_oracle_never_prefills_more_than_the_floor_without_fanout(scale: float) -> None:
+    plan = closed_loop_plan(agent_trace(sessions=8), BLOCK, sessions=24)
+    fl = floor(plan.requests, spec().profile)
+    reqs = scaled(plan, scale)
+    for name in ("oracle:tier_aware", "oracle:least_work"):
+        ent = ENTRANTS[name]
+        sim = Simulation(
+            reqs,
+            spec(),
+            ent.make(0),
+            block_tokens=BLOCK,
+            knowledge=ent.knowledge,
+            shared_cache=ent.shared_cache,
+            loop=plan.loop,
+        )
+        out = sim.run()
+        assert sum(out.new_tokens) <= fl.tokens
+    # a partitioned cache does prefill more than the floor on the same plan
+    rr = run(reqs, plan.loop, "round_robin")
+    assert sum(rr.new_tokens) > fl.tokens  # type: ignore[attr-defined]
+
+
+def test_no_policy_beats_the_oracle_or_a_bound_in_a_closed_loop_run() -> None:
+    plan = closed_loop_plan(agent_trace(sessions=8), BLOCK, sessions=24, fanout=2)
+    fl = floor(plan.requests, spec().profile)
+    rows = []
+    for scale in (scale_for_load(plan, fl.work_s, x, 2) for x in (0.4, 0.9)):
+        reqs = scaled(plan, scale)
+        for name in ("tier_aware", "round_robin", "smg_cache_aware:exact", "oracle:tier_aware",
+                     "oracle:least_work"):  # fmt: skip
+            ent = ENTRANTS[name]
+            sim = Simulation(
+                reqs,
+                spec(),
+                ent.make(0),
+                block_tokens=BLOCK,
+                knowledge=ent.knowledge,
+                shared_cache=ent.shared_cache,
+                loop=plan.loop,
+            )
+            rows.append(summarize(name, scale, reqs, sim.run(), fl.tokens, 2.0, alone_s=fl.work_s))
+    rows = with_oracle(rows)
+    assert [r.policy for r in rows].count("oracle") == 2
+    assert violations(rows) == []
+
+
+def _row(policy: str, mean: float, alone: float = math.nan) -> Row:
+    nan = math.nan
+    return Row(policy, 1.0, nan, mean, nan, nan, 0, nan, nan, nan, nan, nan, 0, nan, nan,
+               0.5, alone)  # fmt: skip
+
+
+def test_the_check_fails_a_run_where_a_policy_beats_the_oracle_or_a_bound() -> None:
+    rows = with_oracle([_row("oracle:tier_aware", 1.0), _row("oracle:least_work", 1.2)])
+    assert violations([*rows, _row("p", 1.1, alone=0.2)]) == []
+    beat = violations([*rows, _row("p", 0.9, alone=0.2)])
+    assert len(beat) == 1 and "p mean TTFT" in beat[0] and "oracle" in beat[0]
+    below = violations([*rows, _row("p", 1.1, alone=1.5)])
+    assert len(below) == 1 and "bound:alone" in below[0]
+    srpt = violations([*rows, _row("bound:srpt_merged_2x", 1.05), _row("p", 1.02)])
+    assert len(srpt) == 2 and "p mean TTFT" in srpt[0] and "srpt" in srpt[0]
+    assert "oracle mean TTFT" in srpt[1]  # the oracle itself is held to the strict bounds
+
+
+def _read(path: Path) -> list[Row]:
+    kinds = {f.name: f.type for f in fields(Row)}
+    out = []
+    with path.open() as f:
+        for rec in csv.DictReader(f):
+            vals = {}
+            for k, v in rec.items():
+                t = str(kinds[k])
+                vals[k] = v if t == "str" else (int(v) if t == "int" else float(v))
+            out.append(Row(**vals))  # type: ignore[arg-type]
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*/results.csv")), ids=lambda p: p.parent.name)
+def test_no_policy_beats_the_oracle_or_a_bound_in_the_results_tables(path: Path) -> None:
+    rows = _read(path)
+    assert any(r.policy == "oracle" for r in rows)
+    assert violations(rows) == []
+
+
+def test_cli_replays_a_session_trace_closed_loop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "agent.jsonl"
+    lines = []
+    for r in agent_trace(sessions=4, turns=5):
+        ids = list(range(len(r.block_keys)))  # ids only need to chain like the keys
+        lines.append(
+            {
+                "timestamp": r.arrival_s * 1000,
+                "session_id": r.session,
+                "turn": r.turn,
+                "input_length": r.prompt_tokens,
+                "output_length": r.output_tokens,
+                "hash_ids": [hash((r.session, i)) & 0xFFFF_FFFF for i in ids],
+            }
+        )
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    code = cli.main(
+        ["run", "--trace", str(trace), "--policies", "tier_aware,round_robin,oracle",
+         "--load", "0.5,0.9", "--sessions", "12", "--fanout", "2", "--out", str(tmp_path / "o"),
+         "--quiet", "--no-plot"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "closed-loop replay: 12 sessions" in printed and "fan-out 2 siblings" in printed
+    assert "(load 0.9)" in printed and "bound:srpt_merged_2x" not in printed
+    assert "oracle " in printed
+    code = cli.main(
+        ["run", "--trace", str(trace), "--closed-loop", "off", "--fanout", "2",
+         "--out", str(tmp_path / "x"), "--quiet"]
+    )  # fmt: skip
+    assert code == 2
