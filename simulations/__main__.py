@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ramjet.config import FleetStatsConfig, PolicyFileError, load_policy
+from simulations import compare
 from simulations import plan as planner
 from simulations.bounds import floor, srpt_merged
 from simulations.checks import violations, with_oracle
@@ -288,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--no-plot", action="store_true")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(handler=cmd_run)
+    cp = sub.add_parser("compare", help="a policy against the best peer per load")
+    compare.add_arguments(cp)
+    cp.set_defaults(handler=compare.main)
     pl = sub.add_parser("plan", help="capacity planner for the target deployment")
     planner.add_arguments(pl)
     pl.set_defaults(handler=planner.main)
