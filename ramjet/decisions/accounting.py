@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -48,6 +49,8 @@ from ramjet.decisions.log import (
 from ramjet.decisions.record import DecisionRecord, DecisionSink
 from ramjet.policy.fleet_stats import DEFAULT_WAIT_TAU_S
 from ramjet.policy.fleet_stats import MeanWait as MeanWait
+
+_M = TypeVar("_M", Counter, Gauge, Histogram)
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +212,7 @@ class Accounting:
         self.downstream = downstream
         self.clock = clock
         self.waits = MeanWait(wait_tau_s)
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         m = self.metrics
         self.log: DecisionLog | None = None
         if log_path is not None:
@@ -236,29 +240,38 @@ class Accounting:
         if self.downstream is not None:
             self.downstream.on_decision(record)
 
+    def _of(self, metric: _M, *values: str) -> _M:
+        """`metric.labels(*values)` (label order), cached: the accounting reads up to a
+        dozen children per request and `labels()` costs a lock and a validation each."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child  # type: ignore[return-value]
+
     def _measure(self, record: DecisionRecord, realized: RealizedWork | None) -> None:
         m, mode = self.metrics, record.mode
         inc, cand = record.incumbent, record.candidate
         if inc is not None and cand is not None and record.status and record.status < 500:
-            m.compared.labels(mode=mode).inc()
-            m.gain_total.labels(mode=mode)  # both series exist from the first comparison
-            m.loss_total.labels(mode=mode)
-            agreed = m.agreed.labels(mode=mode)  # at 0 until the first agreement: rate 0
+            self._of(m.compared, mode).inc()
+            self._of(m.gain_total, mode)  # both series exist from the first comparison
+            self._of(m.loss_total, mode)
+            agreed = self._of(m.agreed, mode)  # at 0 until the first agreement: rate 0
             if inc.engine == cand.engine:
                 agreed.inc()
             on_inc = predicted_for(cand, inc.engine, "ttft_s")
             on_cand = predicted_for(cand, cand.engine, "ttft_s")
             if on_inc is not None and on_cand is not None:
                 gain = on_inc - on_cand
-                m.gain.labels(mode=mode).observe(gain)
+                self._of(m.gain, mode).observe(gain)
                 if gain > 0:
-                    m.gain_total.labels(mode=mode).inc(gain)
+                    self._of(m.gain_total, mode).inc(gain)
                 elif gain < 0:
-                    m.loss_total.labels(mode=mode).inc(-gain)
+                    self._of(m.loss_total, mode).inc(-gain)
         if record.engine is None or record.status >= 400:
             return
         if realized is None:
-            m.usage_missing.labels(engine=record.engine).inc()
+            self._of(m.usage_missing, record.engine).inc()
         else:
             self.waits.add(self.clock(), realized.queue_ms / 1e3)
             m.mean_wait.set(self.waits.mean())
@@ -271,21 +284,21 @@ class Accounting:
                 ("prefilled", realized.prefilled_tokens),
             ):
                 if n:
-                    m.realized_tokens.labels(engine=record.engine, source=source).inc(n)
+                    self._of(m.realized_tokens, record.engine, source).inc(n)
         predicted = predicted_for(cand, record.engine, "ttft_s")
         real, _ = realized_ttft(record, realized)
         if predicted is not None and real is not None:
-            m.ttft_error.labels(mode=mode).observe(predicted - real)
-            m.ttft_abs_error.labels(mode=mode).observe(abs(predicted - real))
-            m.ttft_predicted.labels(mode=mode).observe(predicted)
-            m.ttft_realized.labels(mode=mode).observe(real)
+            self._of(m.ttft_error, mode).observe(predicted - real)
+            self._of(m.ttft_abs_error, mode).observe(abs(predicted - real))
+            self._of(m.ttft_predicted, mode).observe(predicted)
+            self._of(m.ttft_realized, mode).observe(real)
             if real > 0:
-                m.ttft_relative_error.labels(mode=mode).observe((predicted - real) / real)
+                self._of(m.ttft_relative_error, mode).observe((predicted - real) / real)
         resume = predicted_for(cand, record.engine, "resume_tokens")
         if resume is not None and realized is not None:
-            m.cached_error.labels(mode=mode).observe(resume - realized.cached_tokens)
-            m.cached_predicted.labels(mode=mode).inc(max(resume, 0))
-            m.cached_realized.labels(mode=mode).inc(realized.cached_tokens)
+            self._of(m.cached_error, mode).observe(resume - realized.cached_tokens)
+            self._of(m.cached_predicted, mode).inc(max(resume, 0))
+            self._of(m.cached_realized, mode).inc(realized.cached_tokens)
 
     def start(self) -> None:
         return None
