@@ -15,9 +15,10 @@ is set on it afterwards:
   files named in `keys:` resolve against the policy file's directory;
 - the key pools (`KeyPools`, from `key_pools:`).
 
-`mount(app, wired)` then adds what rides on the aiohttp app: `POST /ramjet/reports`,
-`app[REPORTS_KEY]`, and the start and stop of the residency sync and the report runtime
-(in that order; stopped in reverse).
+`mount(app, wired)` then adds what rides on the aiohttp app: `app[REPORTS_KEY]` and the
+start and stop of the residency sync and the report runtime (in that order; stopped in
+reverse). Report pushes have a listener of their own (`reports.push`), never the client
+port.
 """
 
 from __future__ import annotations
@@ -107,7 +108,6 @@ def mount(app: web.Application, wired: Wired) -> None:
     stop with the app's lifecycle."""
     reports, runtime = wired.reports, wired.residency
     if reports is not None:
-        reports.add_routes(app)
         app[REPORTS_KEY] = reports
     if reports is None and runtime is None:
         return

@@ -11,6 +11,7 @@ reports:
   stale_ttl_s: 60             # ... for this long: residency stops steering
   poll: {wait_s: 20, timeout_s: 30, max_batch: 512, backoff_min_s: 0.2, backoff_max_s: 5}
   engines: {e0: "http://127.0.0.1:8001"}   # engines to pull from (base URLs)
+  push: {host: 127.0.0.1, port: null, rate_per_s: 50, burst: 200}   # push listener, off
 keys:
   engines:
     e0:
@@ -51,6 +52,23 @@ class PollConfig(BaseModel):
         return self
 
 
+class PushConfig(BaseModel):
+    """`reports.push`: the listener for report pushes (`ramjet.reports.push`). Off by
+    default: the router pulls; pushes never ride on the client port."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=0, le=65535)
+    """None: no push listener (the default; engines are pulled). 0: any free port."""
+    rate_per_s: float = Field(default=50.0, gt=0)
+    """Frames per second per source address, counted before reading or verifying."""
+    burst: int = Field(default=200, ge=1)
+    max_sources: int = Field(default=4096, ge=1)
+    max_connections: int = Field(default=256, ge=1)
+    idle_s: float = Field(default=10.0, gt=0)
+
+
 class ReportsConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -65,6 +83,7 @@ class ReportsConfig(BaseModel):
     poll: PollConfig = PollConfig()
     engines: dict[str, str] = {}
     """Engines to pull reports from: engine id -> base URL (http://host:port)."""
+    push: PushConfig = PushConfig()
 
     @model_validator(mode="after")
     def _check(self) -> ReportsConfig:

@@ -15,14 +15,16 @@ replica's claim has made unnecessary is then no error. Errors back off exponenti
 (`poll.backoff_min_s` .. `poll.backoff_max_s`); a response bigger than a batch may be
 is cut off unread.
 
-Push: `POST /ramjet/reports` (mount with `add_routes(app)` on the router's app), one
-frame per request, read up to the size cap and no further; the same `submit`.
+Push: `POST /ramjet/reports` on the push listener (`ramjet.reports.push`), never on the
+client port, and only when `reports.push.port` is set (off by default); each frame is
+counted against its source address's token bucket before it is read, then goes through
+the same `submit`. `push_url` is the listener's base URL once started.
 
 Fault injection (tests): `drop`, when set, is asked about every pulled frame before it
 is submitted; a frame it returns True for is discarded as if lost in transit.
 
-`start()` launches the pull loops and a 1 s tick (staleness, expiry); `stop()` cancels
-them and closes the HTTP session.
+`start()` launches the pull loops, a 1 s tick (staleness, expiry) and the push listener
+when configured; `stop()` cancels them, closes the listener and the HTTP session.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ import random
 from collections.abc import Awaitable, Callable, Mapping
 
 import aiohttp
-from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from ramjet.errors import ReportError
 from ramjet.reports import transport as tp
 from ramjet.reports.processor import ReportProcessor
+from ramjet.reports.push import PushListener
 from ramjet.reports.verify import Accepted, Reason, Rejected
 from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.types import EngineId
@@ -46,8 +49,6 @@ SubmitFn = Callable[[bytes, EngineId | None], Awaitable[Accepted | Rejected]]
 """The door frames go through: `ReportProcessor.submit_async` or `SharedReports.submit`."""
 
 log = logging.getLogger(__name__)
-
-_STATUS = {Reason.OVERSIZE: 413, Reason.RATE_LIMITED: 429}
 
 
 class ResponseTooLarge(ReportError):
@@ -72,6 +73,7 @@ class ReportIngest:
         tick_interval_s: float = 1.0,
         seed: int | None = None,
         submit: SubmitFn | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.processor = processor
         self.submit: SubmitFn = submit if submit is not None else processor.submit_async
@@ -90,31 +92,27 @@ class ReportIngest:
         self.polls: dict[EngineId, int] = {}
         self.drop: Callable[[EngineId, bytes], bool] | None = None
         """Test seam: pulled frames it returns True for are discarded (lost in transit)."""
+        self.push: PushListener | None = None
+        if cfg.push.port is not None:
+            self.push = PushListener(
+                cfg.push,
+                self.submit,
+                registry if registry is not None else CollectorRegistry(),
+                max_report_bytes=cfg.max_report_bytes,
+                count_oversize=lambda: processor.count_rejected(Reason.OVERSIZE),
+            )
 
-    # -- push -----------------------------------------------------------------------------
-
-    def add_routes(self, app: web.Application) -> None:
-        app.router.add_post(tp.REPORTS_PATH, self._handle_push)
-
-    async def _handle_push(self, request: web.Request) -> web.Response:
-        cap = self.processor.config.max_report_bytes
-        if request.content_length is not None and request.content_length > cap:
-            self.processor.count_rejected(Reason.OVERSIZE)
-            return web.json_response({"rejected": Reason.OVERSIZE.value}, status=413)
-        try:
-            frame = await _read_limited(request.content, cap)
-        except ResponseTooLarge:
-            self.processor.count_rejected(Reason.OVERSIZE)
-            return web.json_response({"rejected": Reason.OVERSIZE.value}, status=413)
-        outcome = await self.submit(frame, None)
-        if isinstance(outcome, Rejected):
-            status = _STATUS.get(outcome.reason, 400)
-            return web.json_response({"rejected": outcome.reason.value}, status=status)
-        return web.json_response({"accepted": outcome.envelope.seq}, status=202)
+    @property
+    def push_url(self) -> str:
+        """`http://host:port/ramjet/reports` of the started push listener."""
+        assert self.push is not None, "reports.push.port is not set: no push listener"
+        return self.push.url + tp.REPORTS_PATH
 
     # -- pull -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.push is not None:
+            await self.push.start()
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self._poll.timeout_s)
@@ -126,6 +124,8 @@ class ReportIngest:
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(tasks)
+        if self.push is not None:
+            await self.push.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None

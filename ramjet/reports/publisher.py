@@ -308,7 +308,8 @@ class ReportPublisher:
                         url, data=io.BytesIO(frame), headers={"Content-Type": tp.FRAME_TYPE}
                     ) as resp:
                         await resp.read()
-                        if resp.status >= 500:
+                        # 429: over the router's per-source push limit; keep the frame
+                        if resp.status >= 500 or resp.status == 429:
                             raise aiohttp.ClientResponseError(
                                 resp.request_info, (), status=resp.status
                             )

@@ -3,9 +3,10 @@
     rt = ReportsRuntime.build(config.reports, config.keys, tables, registry,
                               engine_urls={e.id: e.url for e in config.engines},
                               base_dir=policy_path.parent)
-    rt.add_routes(app)        # POST /ramjet/reports (push)
     await rt.start()          # pull loops + staleness/expiry tick (1 s, or
-                              #   stale_after_s / 4 when that is shorter)
+                              #   stale_after_s / 4 when that is shorter), and the
+                              #   push listener when reports.push.port is set
+    rt.push_url               # its POST /ramjet/reports (never on the client port)
     rt.processor.trust(engine), .load(engine), .profile(engine)
     await rt.stop()
 
@@ -32,7 +33,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from ramjet.reports.config import KeysConfig, ReportsConfig
@@ -81,13 +81,18 @@ class ReportsRuntime:
         tick_s = min(1.0, reports.stale_after_s / 4)
         store = tables.store.shared()
         if store is None:
-            return cls(processor, ReportIngest(processor, targets, tick_interval_s=tick_s))
+            ingest = ReportIngest(processor, targets, tick_interval_s=tick_s, registry=registry)
+            return cls(processor, ingest)
         shared = SharedReports(processor, store, targets, registry)
-        ingest = ReportIngest(processor, targets, tick_interval_s=tick_s, submit=shared.submit)
+        ingest = ReportIngest(
+            processor, targets, tick_interval_s=tick_s, submit=shared.submit, registry=registry
+        )
         return cls(processor, ingest, shared)
 
-    def add_routes(self, app: web.Application) -> None:
-        self.ingest.add_routes(app)
+    @property
+    def push_url(self) -> str:
+        """The push listener's `POST /ramjet/reports` URL (`reports.push`, started)."""
+        return self.ingest.push_url
 
     async def start(self) -> None:
         if self.shared is not None and self._sync is None:

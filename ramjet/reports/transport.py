@@ -12,11 +12,12 @@ Endpoints on the engine (`publisher.py`):
     GET /ramjet/snapshot
         200, Content-Type application/x-ramjet-report, body: one signed snapshot frame.
 
-Endpoint on the router (`ingest.py`):
+Endpoint on the router's push listener (`push.py`, `reports.push.port`; off by default,
+never the client port):
 
     POST /ramjet/reports   body: one frame. 202 accepted; 400 {"rejected": reason}
-        (413 when oversize, 429 when rate limited). Authenticated by the frame's
-        signature, exactly as pulled frames are.
+        (413 when oversize, 429 when rate limited, per source before verifying or per
+        engine after). Authenticated by the frame's signature, exactly as pulled frames are.
 
 The headers are not signed: a party that forges them can at most make the router
 fetch a (signed) snapshot early or poll again. Nothing unsigned reaches the tables.

@@ -46,8 +46,8 @@ from redis_server import redis_server
 
 from ramjet.app.server import RouterServer
 from ramjet.config import PolicyConfig, parse_policy
+from ramjet.fleet.signals import REPORTS_KEY
 from ramjet.reports.keys import public_key_b64, write_keypair
-from ramjet.reports.runtime import ReportsRuntime
 from ramjet.residency.factory import ResidencyRuntime, build_residency
 
 pytestmark = [pytest.mark.redis, pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(150)]
@@ -183,34 +183,19 @@ def policy(engines: dict[str, tuple[EngineProcess, Any]], redis_url: str) -> Pol
 
 class Replica:
     """One router as `ramjet serve` runs it, with Redis residency and signed reports on
-    one registry (one /metrics). Where the server does not yet mount the report runtime
-    itself, it is built and mounted here the same way."""
+    one registry (one /metrics); the server builds and mounts its report runtime."""
 
     def __init__(self, config: PolicyConfig) -> None:
         self.registry = CollectorRegistry()
         self.residency: ResidencyRuntime = build_residency(config, self.registry)
         self.server = RouterServer(config, registry=self.registry, residency=self.residency.tables)
-        self.reports: ReportsRuntime | None = None
-        mounted = {r.resource.canonical for r in self.server.app.router.routes() if r.resource}
-        if "/ramjet/reports" not in mounted:
-            self.reports = ReportsRuntime.build(
-                config.reports,
-                config.keys,
-                self.residency.tables,
-                self.registry,
-                engine_urls={e.id: e.url for e in config.engines},
-            )
-            self.reports.add_routes(self.server.app)
+        assert REPORTS_KEY in self.server.app, "the server mounts the report runtime"
 
     async def start(self) -> None:
         await self.residency.start()
         await self.server.start()
-        if self.reports is not None:
-            await self.reports.start()
 
     async def stop(self) -> None:
-        if self.reports is not None:
-            await self.reports.stop()
         await self.server.stop(drain_s=0.5)
         await self.residency.stop()
 

@@ -3,7 +3,7 @@
 Rig: a real redis-server, two `RouterServer` replicas on loopback over `build_residency`
 (`store.kind: redis`, or `memory` as the control), a real signing `ReportPublisher` for
 e0 in a small aiohttp app that both replicas pull from, and hand-signed frames for e1
-pushed to the replicas' `POST /ramjet/reports`.
+pushed to the replicas' push listeners (`reports.push`, `POST /ramjet/reports`).
 
 - Push: a report pushed to replica A and then the same frame pushed to replica B is
   refused by B as `replayed` (counted by reason) and applied once; B learns it from
@@ -149,6 +149,7 @@ async def rig(
                 "engines": {"e0": p.url},
                 "poll": {"wait_s": 0.5, "timeout_s": 2.0, "backoff_min_s": 0.05,
                          "backoff_max_s": 0.1},
+                "push": {"port": 0},
             },
         )  # fmt: skip
         for _ in range(2):
@@ -184,7 +185,7 @@ def e1_frame(epoch: int, seq: int, body: DeltaBody) -> bytes:
 
 
 async def push(s: aiohttp.ClientSession, r: Replica, frame: bytes) -> tuple[int, Any]:
-    async with s.post(r.server.url + "/ramjet/reports", data=frame) as resp:
+    async with s.post(r.server.app[REPORTS_KEY].push_url, data=frame) as resp:
         return resp.status, await resp.json()
 
 
@@ -272,9 +273,11 @@ async def test_serve_with_the_replicated_policy_shares_report_cursors(
     policy = yaml.safe_load((ROOT / "policies" / "replicated.yaml").read_text())
     policy["store"]["url"] = redis_proc.url
     policy["keys"] = key_section()
+    push_port = free_port()
     policy["reports"] = {
         "engines": {"e0": p.url},
         "poll": {"wait_s": 0.5, "timeout_s": 2.0, "backoff_min_s": 0.05, "backoff_max_s": 0.1},
+        "push": {"port": push_port},
     }
     policy.setdefault("timeouts", {})["drain_s"] = 0.5
     path = tmp_path / "replicated.yaml"
@@ -321,7 +324,8 @@ async def test_serve_with_the_replicated_policy_shares_report_cursors(
                 await asyncio.sleep(0.05)
             # a replay pushed to the served router is refused by the shared cursor
             frame = p.pub.frames_after(seq - 1)[0]
-            async with s.post(url + "/ramjet/reports", data=frame) as resp:
+            push_url = f"http://127.0.0.1:{push_port}/ramjet/reports"
+            async with s.post(push_url, data=frame) as resp:
                 assert resp.status == 400 and (await resp.json())["rejected"] == "replayed"
             async with s.get(url + "/metrics") as resp:
                 text = await resp.text()

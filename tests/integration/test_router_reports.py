@@ -4,7 +4,8 @@ fake upstreams, pulling signed reports from a real publisher app for e0 on loopb
 - Views: e0's trust, profile and load come from its signed reports, merged with the
   router's own in-flight counters; residency comes from its exact reports, and the
   router's own routing never overrides it (an SSD block stays SSD after routing there).
-- Push: `POST /ramjet/reports` on the router's port verifies like a pull.
+- Push: `POST /ramjet/reports` on the push listener (`reports.push.port`) verifies like a
+  pull; the client port does not take pushes.
 - Staleness (RELIABILITY row 9): a silent engine's "queue full" stops holding traffic
   off within `stale_after_s`, and its residency stops holding traffic on within
   `stale_ttl_s`.
@@ -136,7 +137,7 @@ def caught_up(server: RouterServer, p: Publisher) -> Callable[[], bool]:
 async def test_views_carry_signed_trust_profile_load_and_exact_residency(
     rig: Callable[..., Any],
 ) -> None:
-    server, p, records = await rig("prefix_affinity")
+    server, p, records = await rig("prefix_affinity", push={"port": 0})
     keys = block_keys(PROMPT)
     assert len(keys) >= 4
     p.pub.publish_profile(V41_FLASH_TP4_ESTIMATE)
@@ -173,8 +174,9 @@ async def test_views_carry_signed_trust_profile_load_and_exact_residency(
     else:  # a reporting engine gets no approximate entries
         assert now_view.global_match(other_keys, [256] * len(other_keys)).total == 0
 
-    # push: the same verification on the router's own port
-    cursor = server.app[REPORTS_KEY].processor.cursor(E0)
+    # push: the same verification on the push listener, never on the client port
+    runtime = server.app[REPORTS_KEY]
+    cursor = runtime.processor.cursor(E0)
     assert cursor is not None
     env = Envelope(
         E0, "e0-a", cursor.epoch, cursor.seq + 1, int(time.time() * 1000),
@@ -183,8 +185,11 @@ async def test_views_carry_signed_trust_profile_load_and_exact_residency(
     frame = sign(env, KEY)
     async with aiohttp.ClientSession() as s:
         async with s.post(server.url + "/ramjet/reports", data=frame) as r:
+            assert r.status in (404, 405), r.status
+        assert runtime.processor.cursor(E0) == cursor  # the client port changed nothing
+        async with s.post(runtime.push_url, data=frame) as r:
             assert r.status == 202
-        async with s.post(server.url + "/ramjet/reports", data=frame) as r:
+        async with s.post(runtime.push_url, data=frame) as r:
             assert r.status == 400 and (await r.json())["rejected"] == "replayed"
     view = server.router.residency.view(E0)
     assert view.global_match(keys, tokens).ssd == 256 * (len(keys) - 1)

@@ -10,7 +10,7 @@ HBM -> host -> SSD; the engine withholds live batch 2 (kept for replay). Then:
 - the router's residency for the engine (exact entries) equals the engine's own cache
   (`/cache`, in text keys, mapped onto token keys by the prompts sent), with demoted
   blocks in it;
-- an unsigned frame and a frame forged with another key, pushed straight to the router,
+- an unsigned frame and a frame forged with another key, pushed to the router's push listener,
   are refused and change nothing.
 """
 
@@ -37,6 +37,7 @@ from engines import REPO, EngineProcess, free_port
 
 from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
+from ramjet.fleet.signals import REPORTS_KEY
 from ramjet.keys.prefix import compute_keys, key_seed, render_chat
 from ramjet.keys.tokens import compute_token_keys, token_key_seed
 from ramjet.reports.bodies import DeltaBody, encode_body
@@ -146,6 +147,7 @@ key_pools:
 reports:
   engines: {{e0: "{sidecar.url}"}}
   poll: {{wait_s: 0.5, timeout_s: 3, backoff_min_s: 0.05, backoff_max_s: 0.2}}
+  push: {{port: 0}}
 keys:
   engines:
     e0: [{{key_id: e0-sc, public_key_file: keys/e0-sc.pub}}]
@@ -209,7 +211,7 @@ keys:
                 json.dumps({"evicted": list(before)}).encode(),  # not a frame at all
             ]
             for frame in frames:
-                async with http.post(server.url + "/ramjet/reports", data=frame) as r:
+                async with http.post(server.app[REPORTS_KEY].push_url, data=frame) as r:
                     assert r.status == 400, (r.status, await r.text())
             assert router_blocks(server) == before
             reg = server.router.metrics.registry

@@ -16,7 +16,7 @@ from reports_fixtures import E0, KEYS, keyring
 
 from ramjet.reports import transport as tp
 from ramjet.reports.bodies import DeltaBody, LoadBody, SwaStates, TierKeys
-from ramjet.reports.config import PollConfig, ReportsConfig
+from ramjet.reports.config import PollConfig, PushConfig, ReportsConfig
 from ramjet.reports.ingest import ReportIngest
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.publisher import ReportPublisher
@@ -107,11 +107,12 @@ class Engine:
             await self.runner.cleanup()
 
 
-def router() -> tuple[ResidencyTables, ReportProcessor]:
+def router(push: PushConfig | None = None) -> tuple[ResidencyTables, ReportProcessor]:
     reg = CollectorRegistry()
     tables = ResidencyTables(registry=reg)
     cfg = ReportsConfig(
-        poll=PollConfig(wait_s=0.5, timeout_s=3, backoff_min_s=0.05, backoff_max_s=0.2)
+        poll=PollConfig(wait_s=0.5, timeout_s=3, backoff_min_s=0.05, backoff_max_s=0.2),
+        push=push or PushConfig(),
     )
     return tables, ReportProcessor(keyring(), tables, cfg, reg)
 
@@ -222,20 +223,13 @@ async def test_long_poll_returns_when_a_report_is_published(engines: list[Engine
         await ingest.stop()
 
 
-async def test_push_endpoint_verifies_like_pull(engines: list[Engine]) -> None:
-    tables, proc = router()
+async def test_push_listener_verifies_like_pull(engines: list[Engine]) -> None:
+    tables, proc = router(PushConfig(port=0))
     ingest = ReportIngest(proc, {})
-    app = web.Application()
-    ingest.add_routes(app)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    eng = Engine(epoch=3, push_url=f"http://127.0.0.1:{port}{tp.REPORTS_PATH}")
+    await ingest.start()
+    eng = Engine(epoch=3, push_url=ingest.push_url)
     engines.append(eng)
     await eng.start()
-    await ingest.start()
     try:
         eng.store(K[:4])
         await until(lambda: held(tables) == 4)
@@ -245,17 +239,22 @@ async def test_push_endpoint_verifies_like_pull(engines: list[Engine]) -> None:
         async with aiohttp.ClientSession() as s:
             forged = bytearray(eng.pub.frames_after(0)[0])
             forged[-1] ^= 1
-            async with s.post(f"http://127.0.0.1:{port}{tp.REPORTS_PATH}", data=bytes(forged)) as r:
+            async with s.post(ingest.push_url, data=bytes(forged)) as r:
                 assert r.status == 400 and (await r.json())["rejected"] == "bad_signature"
             big = bytes(proc.config.max_report_bytes + 1)
-            async with s.post(
-                f"http://127.0.0.1:{port}{tp.REPORTS_PATH}", data=io.BytesIO(big)
-            ) as r:
+            async with s.post(ingest.push_url, data=io.BytesIO(big)) as r:
                 assert r.status == 413
         assert held(tables) == 4
     finally:
         await ingest.stop()
-        await runner.cleanup()
+
+
+async def test_no_push_listener_by_default() -> None:
+    _, proc = router()
+    ingest = ReportIngest(proc, {})
+    assert ingest.push is None
+    with pytest.raises(AssertionError, match="no push listener"):
+        _ = ingest.push_url
 
 
 async def test_runtime_built_from_policy_sections_pulls_keyed_engines(
