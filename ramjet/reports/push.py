@@ -14,7 +14,8 @@ The listener speaks just enough HTTP/1.1 for `POST /ramjet/reports` with a
 Content-Length body (what `ReportPublisher` sends); it is an asyncio protocol, not an
 aiohttp app, so that a refused frame costs a few microseconds:
 
-- over the source's bucket: `429` and the connection is closed, the body unread
+- over the source's bucket: `429`, the body passed over unread and unverified, the
+  connection kept (a reconnect would cost more than the refusal) and counted
   (`ramjet_reports_push_limited_total`);
 - a body over `reports.max_report_bytes`: `413`, closed (counted as `oversize`);
 - no Content-Length, a Transfer-Encoding, a bad head: `400`/`411`, closed;
@@ -139,6 +140,9 @@ class PushMetrics:
         )
 
 
+_LIMITED: dict[str, object] = {"rejected": "push_rate_limited"}
+
+
 def _response(status: int, body: dict[str, object], close: bool) -> bytes:
     data = json.dumps(body, separators=(",", ":")).encode()
     head = (
@@ -150,6 +154,9 @@ def _response(status: int, body: dict[str, object], close: bool) -> bytes:
     return head.encode("latin-1") + data
 
 
+_LIMITED_RESPONSE = _response(429, _LIMITED, close=False)
+
+
 class _PushProtocol(asyncio.Protocol):
     def __init__(self, listener: PushListener) -> None:
         self.listener = listener
@@ -157,6 +164,7 @@ class _PushProtocol(asyncio.Protocol):
         self.source = ""
         self.buf = bytearray()
         self.need: int | None = None  # body bytes wanted once the head is read
+        self.skip = 0  # body bytes of a refused frame still to pass over unread
         self.busy = False
         self.timer: asyncio.TimerHandle | None = None
 
@@ -212,6 +220,12 @@ class _PushProtocol(asyncio.Protocol):
     def _advance(self) -> None:
         """Handle what the buffer holds: a head, then its body, then the next request."""
         while not self.busy and self.transport is not None and not self.transport.is_closing():
+            if self.skip:
+                n = min(self.skip, len(self.buf))
+                del self.buf[:n]
+                self.skip -= n
+                if self.skip:
+                    return
             if self.need is None:
                 end = self.buf.find(b"\r\n\r\n")
                 if end < 0:
@@ -222,6 +236,8 @@ class _PushProtocol(asyncio.Protocol):
                 head = bytes(self.buf[:end])
                 del self.buf[: end + 4]
                 if not self._head(head):
+                    if self.skip:
+                        continue  # a limited frame: its body is passed over, unread
                     return
             if len(self.buf) < (self.need or 0):
                 return
@@ -237,7 +253,9 @@ class _PushProtocol(asyncio.Protocol):
             task.add_done_callback(self.listener.tasks.discard)
 
     def _head(self, head: bytes) -> bool:
-        """Parse a request head; True when a body of `self.need` bytes is to be read."""
+        """Parse a request head; True when a body of `self.need` bytes is to be read.
+        False when answered already: the connection is closed, or (a frame over the
+        source's limit) `self.skip` body bytes are to be passed over unread."""
         lst = self.listener
         lines = head.split(b"\r\n")
         parts = lines[0].split(b" ")
@@ -277,10 +295,17 @@ class _PushProtocol(asyncio.Protocol):
             lst.metrics.refused.labels("length_required").inc()
             self._close_with(411, {"error": "send a Content-Length body"})
             return False
-        # the limit comes before anything else costs: the body is not even read
+        # the limit comes before anything else costs: the body is passed over unread and
+        # unverified; the connection stays open (a reconnect would cost more than a 429)
         if not lst.limiter.allow(self.source):
             lst.metrics.limited.inc()
-            self._close_with(429, {"rejected": "push_rate_limited"})
+            if length > lst.max_report_bytes:
+                self._close_with(429, _LIMITED)
+            else:
+                assert self.transport is not None
+                self.transport.write(_LIMITED_RESPONSE)
+                self.skip = length
+                self._arm()
             return False
         if length > lst.max_report_bytes:
             lst.count_oversize()
