@@ -238,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", help="an EngineProfile JSON (the reference engine's profiler output)"
     )
     r.add_argument("--engines", type=int, default=2)
-    r.add_argument("--scheduler", choices=("fcfs", "priority"), default="fcfs")
+    r.add_argument(
+        "--scheduler", choices=("fcfs", "priority", "vllm-fcfs", "vllm-priority"), default="fcfs"
+    )
     r.add_argument("--aging", type=float, help="priority hint aging (s of work per s waited)")
     r.add_argument("--swa-ttl-s", type=float)
     r.add_argument("--chunk-tokens", type=int)

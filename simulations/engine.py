@@ -15,7 +15,20 @@ a heap on `hint + aging · arrival` where the hint is the router's predicted pro
 (seconds); since every waiting job ages at the same rate, that static key orders jobs as
 "least predicted work first, forgiving `aging` seconds of work per second waited". The
 running job is re-queued at each chunk boundary with its remaining work (preemption at
-chunk granularity, as engines that accept priorities do).
+chunk granularity: `priority`, the chunk-preemptive engine; the reference engine's
+`--priority-variant chunk`).
+
+vLLM's variant (`vllm-priority`, vLLM V1 with `--scheduling-policy priority`): the same
+heap orders the *waiting* jobs, but a job that has started is never preempted by a better
+arrival. vLLM schedules its running requests first each step, each taking what it needs
+of the step's token budget (`max_num_batched_tokens`, here `chunk_tokens`); waiting
+requests, best (priority, arrival) first, get only the budget left over. So a running
+long prefill keeps the whole budget until its last chunk, and the leftover of that last
+chunk goes to the best waiting job in the same forward pass (no second decode step).
+vLLM's other preemption, of its lowest-priority running request when KV blocks run
+short, is not modelled: running requests reserve no HBM here (see Decode). `vllm-fcfs`
+is the same step packing in arrival order (vLLM's default policy), to separate the
+packing's effect from the priority order's.
 
 Decode. A request decodes `ceil(output / spec_tokens_per_step)` steps of `decode_step_s`
 after its first token (batch size does not stretch a step: an approximation), then
@@ -103,7 +116,14 @@ class Engine:
         self._on_start = on_start
         self._on_first_token = on_first_token
         self._on_finish = on_finish
-        self.priority = spec.scheduler == "priority"
+        self.priority = spec.scheduler in ("priority", "vllm-priority")
+        """A heap on the key orders the waiting jobs."""
+        self.preempt = spec.scheduler == "priority"
+        """The running job is re-queued at each chunk boundary."""
+        self.pack = spec.scheduler in ("vllm-fcfs", "vllm-priority")
+        """vLLM: a job's last chunk leaves the step's budget to the next job."""
+        self._carry = 0
+        self._left = 0
         self.fifo: deque[Job] = deque()
         self.heap: list[tuple[float, int, Job]] = []
         self._seq = 0
@@ -150,11 +170,13 @@ class Engine:
         if self.priority:
             if not self.heap:
                 self.current = None
+                self._carry = 0
                 return
             job = heapq.heappop(self.heap)[2]
         else:
             if not self.fifo:
                 self.current = None
+                self._carry = 0
                 return
             job = self.fifo.popleft()
         self.current = job
@@ -191,12 +213,16 @@ class Engine:
     def _chunk(self, now: float) -> None:
         job = self.current
         assert job is not None
-        k = min(self.spec.chunk_tokens, job.end - job.ctx)
+        carried = self._carry > 0  # vLLM: the rest of the step a job's last chunk left
+        budget = self._carry if carried else self.spec.chunk_tokens
+        self._carry = 0
+        k = min(budget, job.end - job.ctx)
+        self._left = budget - k
         dur = job.pending_s
         job.pending_s = 0.0
         if k > 0:
             dur += self.profile.prefill_seconds(k, job.ctx) - self.overhead
-        if self.decoding > 0:
+        if self.decoding > 0 and not carried:
             dur += self.step_s
         self.busy_s += dur
         w = self.window
@@ -213,8 +239,10 @@ class Engine:
         self.prefilled_tokens += k
         if job.ctx >= job.end:
             self._first_token(job, now)
+            if self.pack:
+                self._carry = self._left
             self._next(now)
-        elif self.priority:
+        elif self.preempt:
             # re-queue with the remaining work; the best job runs next chunk
             remaining = self.profile.prefill_seconds(job.end - job.ctx, job.ctx)
             job.key = remaining + self.spec.aging * job.arrival

@@ -34,7 +34,9 @@ class EngineSpec:
     swa_ttl_s: float = 300.0
     chunk_tokens: int = 8192
     scheduler: str = "fcfs"
-    """"fcfs" or "priority" (the router's hint: predicted prompt work, with aging)."""
+    """"fcfs", "priority" (the router's hint: predicted prompt work, with aging; preempted
+    at chunk boundaries), "vllm-priority" (vLLM V1's: the hint orders waiting jobs only)
+    or "vllm-fcfs" (vLLM's step packing in arrival order); `simulations.engine`."""
     aging: float = 0.5
     """Priority hint aging: seconds of predicted work forgiven per second waited."""
 

@@ -1,0 +1,91 @@
+"""The simulator's priority schedulers (`simulations.engine`): the chunk-preemptive one
+(`priority`), vLLM V1's (`vllm-priority`: the hint orders waiting jobs only; a running
+prefill is never preempted; a job's last chunk leaves the step's token budget to the next
+job), vLLM's packing in arrival order (`vllm-fcfs`), and aging bounding a long prompt's
+wait. Closed forms on one engine with the test profile."""
+
+from __future__ import annotations
+
+import pytest
+from sim_helpers import BLOCK, PROFILE, req, spec, workload
+
+from ramjet.policy.registry import create_policy
+from simulations.simulator import simulate
+from simulations.workload import Request
+
+
+def cold(t: float, n: int, base: int, out: int = 0) -> Request:
+    return req(t, [base + j for j in range(-(-n // BLOCK))], tokens=n, out=out)
+
+
+def run(reqs: list[Request], scheduler: str, aging: float = 0.5) -> list[float]:
+    """First-token times (arrival + TTFT) per request, in arrival order."""
+    out = simulate(
+        reqs,
+        spec(scheduler=scheduler, aging=aging),
+        create_policy("round_robin", {}),
+        block_tokens=BLOCK,
+        engines=1,
+    )
+    return [r.arrival_s + t for r, t in zip(reqs, out.ttft, strict=True)]
+
+
+def test_short_arrival_preempts_only_under_the_chunk_preemptive_scheduler() -> None:
+    # A long prompt runs; a second long one and then a short one arrive while it does.
+    reqs = workload([cold(0.0, 3000, 10_000), cold(0.01, 2000, 20_000), cold(0.02, 100, 30_000)])
+    a, d, c = run(reqs, "fcfs")
+    assert a < d < c  # arrival order
+    a, d, c = run(reqs, "vllm-priority")
+    assert a < c < d  # the short one overtakes the waiting long one, not the running one
+    assert a == pytest.approx(PROFILE.prefill_seconds(3000, 0), rel=1e-9)
+    a, d, c = run(reqs, "priority")
+    # the short one preempts the running prefill at a chunk boundary, and so does the
+    # second long one: its 2000 tokens are less work than the first one's remaining 2488
+    assert c < d < a
+    # ... after at most the chunk that was running when it arrived
+    first_chunk_end = PROFILE.prefill_seconds(512, 0)
+    assert c == pytest.approx(first_chunk_end + PROFILE.prefill_seconds(100, 0), rel=1e-9)
+
+
+def test_vllm_packing_saves_one_decode_step_per_packed_job() -> None:
+    # R0 decodes for a long time; R1 and R2 (short, cold) arrive together. FCFS runs one
+    # job per forward pass, each with the running batch's decode step; vLLM puts R2 in
+    # R1's step (R1 leaves 412 of 512 tokens), so R2 pays no step of its own.
+    reqs = workload([cold(0.0, 64, 1, out=1000), cold(0.5, 100, 100), cold(0.5, 100, 200)])
+    step = PROFILE.decode_step_s
+    p100 = PROFILE.prefill_seconds(100, 0)
+    _, r1, r2 = run(reqs, "fcfs")
+    assert r1 == pytest.approx(0.5 + p100 + step, rel=1e-9)
+    assert r2 == pytest.approx(0.5 + 2 * (p100 + step), rel=1e-9)
+    for sched in ("vllm-fcfs", "vllm-priority"):
+        _, r1, r2 = run(reqs, sched)
+        assert r1 == pytest.approx(0.5 + p100 + step, rel=1e-9)
+        assert r2 == pytest.approx(0.5 + 2 * p100 + step, rel=1e-9)
+
+
+def test_leftover_budget_is_dropped_when_the_engine_goes_idle() -> None:
+    # R1 ends mid-step with nothing queued; R2 arrives later: a new step, its own decode
+    reqs = workload([cold(0.0, 64, 1, out=1000), cold(0.5, 100, 100), cold(0.9, 100, 200)])
+    step = PROFILE.decode_step_s
+    p100 = PROFILE.prefill_seconds(100, 0)
+    _, _, r2 = run(reqs, "vllm-fcfs")
+    assert r2 == pytest.approx(0.9 + p100 + step, rel=1e-9)
+
+
+@pytest.mark.parametrize("scheduler", ["priority", "vllm-priority"])
+def test_aging_bounds_the_wait_of_a_long_prompt(scheduler: str) -> None:
+    # An overload of short prompts (each ~0.013 s of work every 0.01 s for 3 s) and one
+    # long prompt early on. Without aging it waits for the whole backlog; with aging a it
+    # is overtaken only by arrivals within h/a of its own (h: its predicted work).
+    shorts = [cold(0.01 * i, 100, 10_000 + 100 * i) for i in range(300)]
+    long = cold(0.05, 5000, 1)
+    reqs = workload([*shorts, long])
+    idx = next(i for i, r in enumerate(reqs) if r.prompt_tokens == 5000)
+    h = PROFILE.prefill_seconds(5000, 0)
+    no_aging = run(reqs, scheduler, aging=0.0)[idx] - 0.05
+    aged = run(reqs, scheduler, aging=0.5)[idx] - 0.05
+    backlog_end = max(run(reqs, "fcfs"))
+    assert no_aging > backlog_end - 0.05 - 2 * h  # it starves behind the whole backlog
+    # aged: arrivals within h/a overtake it (their work plus its own), then it runs
+    bound = 1.4 * (h / 0.5) + h + 2 * PROFILE.prefill_seconds(512, 0)
+    assert aged < bound < no_aging
