@@ -11,7 +11,7 @@ reports:
   stale_ttl_s: 60             # ... for this long: residency stops steering
   poll: {wait_s: 20, timeout_s: 30, max_batch: 512, backoff_min_s: 0.2, backoff_max_s: 5}
   engines: {e0: "http://127.0.0.1:8001"}   # engines to pull from (base URLs)
-  push: {host: 127.0.0.1, port: null, rate_per_s: 50, burst: 200}   # push listener, off
+  push: {host: 127.0.0.1, port: null, rate_per_s: 50, burst: 100}   # push listener, off
 keys:
   engines:
     e0:
@@ -63,7 +63,7 @@ class PushConfig(BaseModel):
     """None: no push listener (the default; engines are pulled). 0: any free port."""
     rate_per_s: float = Field(default=50.0, gt=0)
     """Frames per second per source address, counted before reading or verifying."""
-    burst: int = Field(default=200, ge=1)
+    burst: int = Field(default=100, ge=1)
     max_sources: int = Field(default=4096, ge=1)
     max_connections: int = Field(default=256, ge=1)
     idle_s: float = Field(default=10.0, gt=0)

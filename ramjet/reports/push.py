@@ -8,7 +8,7 @@ engines reach it, and every frame is counted against a token bucket of its sourc
 address *before* its body is read or verified (`PushLimiter`).
 
     reports:
-      push: {host: 127.0.0.1, port: 9401, rate_per_s: 50, burst: 200}
+      push: {host: 127.0.0.1, port: 9401, rate_per_s: 50, burst: 100}
 
 The listener speaks just enough HTTP/1.1 for `POST /ramjet/reports` with a
 Content-Length body (what `ReportPublisher` sends); it is an asyncio protocol, not an
@@ -165,6 +165,7 @@ class _PushProtocol(asyncio.Protocol):
         self.buf = bytearray()
         self.need: int | None = None  # body bytes wanted once the head is read
         self.skip = 0  # body bytes of a refused frame still to pass over unread
+        self.out = bytearray()  # answers to write in one go when the buffer is done
         self.busy = False
         self.timer: asyncio.TimerHandle | None = None
 
@@ -204,7 +205,9 @@ class _PushProtocol(asyncio.Protocol):
 
     def _close_with(self, status: int, body: dict[str, object]) -> None:
         assert self.transport is not None
-        self.transport.write(_response(status, body, close=True))
+        self.out += _response(status, body, close=True)
+        self.transport.write(bytes(self.out))
+        self.out.clear()
         self.transport.close()
         self.buf.clear()
 
@@ -218,7 +221,15 @@ class _PushProtocol(asyncio.Protocol):
             self._advance()
 
     def _advance(self) -> None:
-        """Handle what the buffer holds: a head, then its body, then the next request."""
+        """Handle what the buffer holds: a head, then its body, then the next request;
+        the answers go out in one write."""
+        self._handle()
+        if self.out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(bytes(self.out))
+            self.out.clear()
+            self._arm()
+
+    def _handle(self) -> None:
         while not self.busy and self.transport is not None and not self.transport.is_closing():
             if self.skip:
                 n = min(self.skip, len(self.buf))
@@ -302,10 +313,8 @@ class _PushProtocol(asyncio.Protocol):
             if length > lst.max_report_bytes:
                 self._close_with(429, _LIMITED)
             else:
-                assert self.transport is not None
-                self.transport.write(_LIMITED_RESPONSE)
+                self.out += _LIMITED_RESPONSE
                 self.skip = length
-                self._arm()
             return False
         if length > lst.max_report_bytes:
             lst.count_oversize()
@@ -330,7 +339,7 @@ class _PushProtocol(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
-        t.write(_response(status, body, close=False))
+        self.out += _response(status, body, close=False)
         self._arm()
         t.resume_reading()
         self._advance()
