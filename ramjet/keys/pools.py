@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,8 @@ from ramjet.keys.tokens import (
 )
 from ramjet.request.parse import ParsedRequest, RequestError
 from ramjet.types import EngineId
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,6 +66,8 @@ class KeyPools:
 
     def __init__(self, pools: Sequence[KeyPoolConfig], base_dir: Path | None = None) -> None:
         self._by_engine: dict[str, _Pool] = {}
+        self.fallbacks: Counter[str] = Counter()
+        """Requests per pool keyed by text because the pool's template refused them."""
         for cfg in pools:
             tok: PromptTokenizer | None = None
             if cfg.keys_mode == "tokens":
@@ -87,8 +93,9 @@ class KeyPools:
 
     def rekey(self, parsed: ParsedRequest, engines: Sequence[EngineId]) -> ParsedRequest:
         """`parsed` with token-block keys when every engine in `engines` is in one tokens
-        pool; unchanged otherwise. Raises `RequestError` (400) for a prompt the pool's
-        tokenizer or template refuses."""
+        pool; unchanged otherwise, and unchanged (counted in `fallbacks`) when the pool's
+        template cannot render the request: the engine decides whether it is valid.
+        Raises `RequestError` (400) only for token ids beyond 32 bits."""
         if not engines:
             return parsed
         pool = self._by_engine.get(engines[0])
@@ -96,7 +103,14 @@ class KeyPools:
             return parsed
         if any(self._by_engine.get(e) is not pool for e in engines[1:]):
             return parsed  # a mixed fleet: text keys for all
-        ids, body = self._tokens(parsed, pool)
+        try:
+            ids, body = self._tokens(parsed, pool)
+        except PromptError as exc:
+            # the engine may well render what the router cannot: keep the request's text
+            # keys (its token pool then sees a miss, never a wrong hit) and count it
+            self.fallbacks[pool.config.name] += 1
+            log.info("pool %s: text keys for this request: %s", pool.config.name, exc)
+            return parsed
         try:
             keys = compute_token_keys(ids, token_key_seed(parsed.model), pool.config.block_tokens)
         except ValueError as exc:  # token ids beyond 32 bits
@@ -111,18 +125,16 @@ class KeyPools:
         tok = pool.tokenizer
         assert tok is not None
         obj = parsed.json
-        try:
-            if parsed.kind == "chat":
-                return tok.encode_chat(obj["messages"], obj.get("tools")), parsed.body
-            prompt: Any = obj["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-                prompt = prompt[0]
-            if isinstance(prompt, list):  # token ids already (validated by parse_request)
-                return [int(t) for t in prompt], parsed.body
-            ids = tok.encode_text(prompt)
-        except PromptError as exc:
-            param = exc.param or ("messages" if parsed.kind == "chat" else "prompt")
-            raise RequestError(400, "invalid_request_error", exc.code, str(exc), param) from None
+        if parsed.kind == "chat":
+            return tok.encode_chat(obj["messages"], obj.get("tools")), parsed.body
+        prompt: Any = obj["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, list):  # token ids already (validated by parse_request)
+            return [int(t) for t in prompt], parsed.body
+        # vLLM's /v1/completions adds special tokens (BOS) unless told not to
+        special = obj.get("add_special_tokens", True)
+        ids = tok.encode_completion(prompt, special is not False)
         body = parsed.body
         if pool.config.forward_token_ids:
             rewritten = dict(obj)

@@ -271,3 +271,71 @@ class VllmEngine:
         status, data = post_json(self.url + "/reset_prefix_cache", {})
         if status != 200:
             raise AssertionError(f"{self.engine_id} reset_prefix_cache: HTTP {status}: {data}")
+
+
+class RawEvents:
+    """An independent reader of an engine's KV events (its own SUB socket, msgspec's plain
+    msgpack decode: nothing of `ramjet.sidecar`), so tests can compare the sidecar with
+    the engine's stream itself. Keeps the set of resident GPU block hashes (a store adds,
+    a removal discards, a clear empties: a set, so a re-store is no new copy), every
+    frame as received (`frames`), and the last seq."""
+
+    def __init__(self, events_url: str) -> None:
+        import threading
+
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(events_url)
+        self.resident: set[int] = set()
+        self.tokens: dict[int, tuple[int, ...]] = {}
+        self.frames: list[list[bytes]] = []
+        self.last_seq: int | None = None
+        self.cleared = 0
+        self.removed = 0
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raw-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+
+        try:
+            while not self._stop.is_set():
+                if not self._sub.poll(50):
+                    continue
+                frames = self._sub.recv_multipart()
+                _ts, events, *_ = msgspec.msgpack.decode(frames[2])
+                with self.lock:
+                    self.frames.append(frames)
+                    self.last_seq = int.from_bytes(frames[1], "big")
+                    for ev in events:
+                        kind = ev["type"]
+                        if kind == "BlockStored":
+                            size = ev["block_size"]
+                            toks = ev["token_ids"]
+                            for i, h in enumerate(ev["block_hashes"]):
+                                self.resident.add(h)
+                                self.tokens[h] = tuple(toks[i * size : (i + 1) * size])
+                        elif kind == "BlockRemoved":
+                            self.removed += len(ev["block_hashes"])
+                            self.resident.difference_update(ev["block_hashes"])
+                        elif kind == "AllBlocksCleared":
+                            self.cleared += 1
+                            self.resident.clear()
+        finally:
+            self._sub.close(linger=0)
+
+    def snapshot(self) -> tuple[int | None, set[int]]:
+        with self.lock:
+            return self.last_seq, set(self.resident)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._ctx.term()

@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -33,7 +28,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
-from engines import REPO, EngineProcess, free_port
+from engines import EngineProcess, free_port
+from sidecars import SidecarProcess as Sidecar
+from sidecars import get_json as _get_json
 
 from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
@@ -51,49 +48,8 @@ pytestmark = pytest.mark.timeout(90)
 MODEL = "mini-v4"
 
 
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
 def _endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
-
-
-class Sidecar:
-    def __init__(self, argv: list[str], port: int, log: Path) -> None:
-        self.port = port
-        self.log = log
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=out)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited: {log.read_text()[-3000:]}")
-            try:
-                self.health()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def health(self) -> dict[str, Any]:
-        data: dict[str, Any] = _get_json(self.url + "/health")
-        return data
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
 
 
 def router_blocks(server: RouterServer) -> dict[int, str]:
