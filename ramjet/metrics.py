@@ -1,4 +1,5 @@
-"""Router metrics (Prometheus, prefix `ramjet_`, units in names).
+"""Router metrics (Prometheus, prefix `ramjet_`, units in names), registered from their
+entries in `ramjet.metric_catalogue` (name, type, unit, labels, help, buckets).
 
 All metric objects live on a `CollectorRegistry` passed in, never the global default,
 so several routers can live in one process (tests). Latencies are router-observed:
@@ -18,12 +19,9 @@ from typing import Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-M = TypeVar("M", bound=MetricWrapperBase)
+from ramjet.metric_catalogue import counter, gauge, histogram
 
-_LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    120.0, 300.0,
-)  # fmt: skip
+M = TypeVar("M", bound=MetricWrapperBase)
 
 UPSTREAM_ERROR_KINDS = (
     "connect", "first_byte_timeout", "idle_timeout", "disconnect", "status_5xx", "backpressure",
@@ -55,98 +53,33 @@ class Children(Generic[M]):
 
 
 class RouterMetrics:
+    """The request path's metrics (entries of `ramjet.metric_catalogue`, source
+    `ramjet.metrics`) on one registry."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "ramjet_requests_total",
-            "Requests answered, by engine that answered ('none' if no engine), status and live policy",
-            ["engine", "status", "policy"],
-            registry=r,
-        )
-        self.decisions = Counter(
-            "ramjet_decisions_total",
-            "Routing decisions by role (incumbent/candidate/live), policy and picked engine",
-            ["role", "policy", "engine"],
-            registry=r,
-        )
+        self.requests = counter(r, "ramjet_requests_total")
+        self.decisions = counter(r, "ramjet_decisions_total")
         # Agreement is `ramjet_policy_compared_total` / `ramjet_policy_agreed_total` by mode
         # (`ramjet.decisions.accounting`): one pair, counted for every mode.
-        self.policy_errors = Counter(
-            "ramjet_policy_errors_total",
-            "Policy picks that failed and were contained, by role (candidate, incumbent) and "
-            "kind (raised, invalid, slow, skipped): live or accounting-only picks alike",
-            ["role", "kind"],
-            registry=r,
-        )
+        self.policy_errors = counter(r, "ramjet_policy_errors_total")
         for role, kinds in POLICY_ERROR_KINDS.items():  # at 0 from start: series to alert on
             for kind in kinds:
                 self.policy_errors.labels(role=role, kind=kind)
-        self.ttft = Histogram(
-            "ramjet_ttft_seconds",
-            "Router-observed time from request arrival to the first response byte sent",
-            ["engine"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.duration = Histogram(
-            "ramjet_request_duration_seconds",
-            "Router-observed time from request arrival to the end of the response",
-            ["engine"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.inflight = Gauge(
-            "ramjet_inflight_requests", "Requests being forwarded", ["engine"], registry=r
-        )
-        self.inflight_prompt_tokens = Gauge(
-            "ramjet_inflight_prompt_tokens",
-            "Prompt tokens sent whose first response byte has not arrived",
-            ["engine"],
-            registry=r,
-        )
-        self.queued = Gauge(
-            "ramjet_queued_requests", "Requests waiting for a forwarding slot", registry=r
-        )
-        self.retries = Counter(
-            "ramjet_retries_total", "Retries on another engine, by reason", ["reason"], registry=r
-        )
-        self.retries_denied = Counter(
-            "ramjet_retries_denied_total",
-            "Retries not attempted because the retry budget was spent",
-            registry=r,
-        )
-        self.ejections = Counter(
-            "ramjet_ejections_total", "Engines ejected by outlier detection", ["engine"], registry=r
-        )
-        self.engine_healthy = Gauge(
-            "ramjet_engine_healthy",
-            "1 if the engine is routable (probe ok, not ejected)",
-            ["engine"],
-            registry=r,
-        )
-        self.upstream_errors = Counter(
-            "ramjet_upstream_errors_total",
-            "Upstream failures by kind (connect, first_byte_timeout, idle_timeout, "
-            "disconnect, status_5xx, backpressure)",
-            ["engine", "kind"],
-            registry=r,
-        )
-        self.rejected = Counter(
-            "ramjet_rejected_requests_total",
-            "Requests refused before forwarding, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.stream_errors = Counter(
-            "ramjet_stream_errors_total",
-            "Responses ended early after bytes reached the client, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.arrival_rate = Gauge(
-            "ramjet_arrival_rate_per_second", "EWMA of the request arrival rate", registry=r
-        )
+        self.ttft = histogram(r, "ramjet_ttft_seconds")
+        self.duration = histogram(r, "ramjet_request_duration_seconds")
+        self.inflight = gauge(r, "ramjet_inflight_requests")
+        self.inflight_prompt_tokens = gauge(r, "ramjet_inflight_prompt_tokens")
+        self.queued = gauge(r, "ramjet_queued_requests")
+        self.retries = counter(r, "ramjet_retries_total")
+        self.retries_denied = counter(r, "ramjet_retries_denied_total")
+        self.ejections = counter(r, "ramjet_ejections_total")
+        self.engine_healthy = gauge(r, "ramjet_engine_healthy")
+        self.upstream_errors = counter(r, "ramjet_upstream_errors_total")
+        self.rejected = counter(r, "ramjet_rejected_requests_total")
+        self.stream_errors = counter(r, "ramjet_stream_errors_total")
+        self.arrival_rate = gauge(r, "ramjet_arrival_rate_per_second")
         # Cached children for the metrics touched on every request (see module docstring).
         self.requests_of: Children[Counter] = Children(self.requests)
         """(engine, status, policy)"""

@@ -29,7 +29,7 @@ PKG = ROOT / "ramjet"
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("identifiers", ("ramjet", "ramjet.types", "ramjet.errors")),
     ("config", ("ramjet.config", "ramjet.*.config")),
-    ("base", ("ramjet.metrics", "ramjet.runtime")),
+    ("base", ("ramjet.metrics", "ramjet.metric_catalogue", "ramjet.runtime")),
     ("policy", ("ramjet.policy",)),
     ("keys/request", ("ramjet.keys", "ramjet.request")),
     ("fleet/residency/reports", ("ramjet.fleet", "ramjet.residency", "ramjet.reports")),

@@ -19,6 +19,8 @@ from dashboard_panels import Dashboard, Panel  # noqa: E402
 from dashboards_fleet import ENGINES, REDIS, REPORTS  # noqa: E402
 from dashboards_router import CACHE, OBSERVE, ROUTING  # noqa: E402
 
+from ramjet.metric_catalogue import check_queries  # noqa: E402
+
 DATASOURCE = {"type": "prometheus", "uid": "ramjet-prometheus"}
 OUT = HERE / "dashboards"
 DASHBOARDS = (ROUTING, CACHE, OBSERVE, ENGINES, REPORTS, REDIS)
@@ -90,7 +92,18 @@ def files() -> dict[str, str]:
     }
 
 
+def queries() -> list[tuple[str, str]]:
+    """(dashboard/panel, expr) of every panel target."""
+    return [
+        (f"{d.uid}/{p.title}", expr) for d in DASHBOARDS for p in d.panels for expr, _ in p.targets
+    ]
+
+
 def main() -> int:
+    bad = check_queries(queries())  # every series a panel reads is in ramjet/metric_catalogue.py
+    if bad:
+        print("\n".join(bad), file=sys.stderr)
+        return 1
     OUT.mkdir(parents=True, exist_ok=True)
     for name, text in files().items():
         (OUT / name).write_text(text)

@@ -47,6 +47,7 @@ from ramjet.decisions.log import (
     realized_ttft,
 )
 from ramjet.decisions.record import DecisionRecord, DecisionSink
+from ramjet.metric_catalogue import counter, gauge, histogram
 from ramjet.policy.fleet_stats import DEFAULT_WAIT_TAU_S
 from ramjet.policy.fleet_stats import MeanWait as MeanWait
 
@@ -56,140 +57,32 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 
-_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-_SIGNED_SECONDS = (*sorted(-b for b in _SECONDS), 0.0, *_SECONDS, float("inf"))
-_RELATIVE = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, float("inf"))
-_TOKENS = (16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
-_SIGNED_TOKENS = (*sorted(-b for b in _TOKENS), 0.0, *_TOKENS, float("inf"))
-
 
 class AccountingMetrics:
     """The accounting's metrics, on the registry passed in (see module docstring)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.compared = Counter(
-            "ramjet_policy_compared_total",
-            "Answered requests where both incumbent and candidate picked, by mode",
-            ["mode"],
-            registry=r,
-        )
-        self.agreed = Counter(
-            "ramjet_policy_agreed_total",
-            "Answered requests where incumbent and candidate picked the same engine, by mode",
-            ["mode"],
-            registry=r,
-        )
-        self.ttft_error = Histogram(
-            "ramjet_ttft_prediction_error_seconds",
-            "Candidate-predicted TTFT on the answering engine minus realized TTFT",
-            ["mode"],
-            buckets=_SIGNED_SECONDS,
-            registry=r,
-        )
-        self.ttft_abs_error = Histogram(
-            "ramjet_ttft_prediction_abs_error_seconds",
-            "|predicted - realized| TTFT (the signed histograms expose no _sum: negative "
-            "buckets; this one gives the mean absolute error)",
-            ["mode"],
-            buckets=(*_SECONDS, float("inf")),
-            registry=r,
-        )
-        self.ttft_relative_error = Histogram(
-            "ramjet_ttft_prediction_relative_error_ratio",
-            "(predicted - realized) / realized TTFT",
-            ["mode"],
-            buckets=_RELATIVE,
-            registry=r,
-        )
-        self.ttft_predicted = Histogram(
-            "ramjet_ttft_predicted_seconds",
-            "Candidate-predicted TTFT on the answering engine (observed with "
-            "ramjet_ttft_realized_seconds, one pair per request: compare their means)",
-            ["mode"],
-            buckets=(*_SECONDS, float("inf")),
-            registry=r,
-        )
-        self.ttft_realized = Histogram(
-            "ramjet_ttft_realized_seconds",
-            "Realized TTFT of the requests observed in ramjet_ttft_predicted_seconds",
-            ["mode"],
-            buckets=(*_SECONDS, float("inf")),
-            registry=r,
-        )
-        self.cached_predicted = Counter(
-            "ramjet_cached_tokens_predicted_tokens_total",
-            "Predicted resume tokens, summed over the requests in the cached-token error",
-            ["mode"],
-            registry=r,
-        )
-        self.cached_realized = Counter(
-            "ramjet_cached_tokens_realized_tokens_total",
-            "Realized cached tokens (all tiers and SWA) of the same requests",
-            ["mode"],
-            registry=r,
-        )
-        self.cached_error = Histogram(
-            "ramjet_cached_tokens_prediction_error_tokens",
-            "Predicted resume tokens minus the engine's realized cached tokens",
-            ["mode"],
-            buckets=_SIGNED_TOKENS,
-            registry=r,
-        )
-        self.gain = Histogram(
-            "ramjet_candidate_gain_estimate_seconds",
-            "Predicted TTFT on the incumbent's pick minus on the candidate's pick",
-            ["mode"],
-            buckets=_SIGNED_SECONDS,
-            registry=r,
-        )
-        self.gain_total = Counter(
-            "ramjet_candidate_gain_seconds_total",
-            "Sum of positive estimated gains of the candidate over the incumbent",
-            ["mode"],
-            registry=r,
-        )
-        self.loss_total = Counter(
-            "ramjet_candidate_loss_seconds_total",
-            "Sum of negative estimated gains (as positive seconds)",
-            ["mode"],
-            registry=r,
-        )
-        self.realized_tokens = Counter(
-            "ramjet_realized_prompt_tokens_total",
-            "Prompt tokens by where the engine got them (hbm, host, ssd, swa, replayed, "
-            "prefilled), from its usage.prompt_work",
-            ["engine", "source"],
-            registry=r,
-        )
-        self.usage_missing = Counter(
-            "ramjet_realized_usage_missing_total",
-            "Answered requests whose response carried no readable usage.prompt_work",
-            ["engine"],
-            registry=r,
-        )
-        self.mean_wait = Gauge(
-            "ramjet_mean_wait_seconds",
-            "EWMA of the engines' realized queue wait (usage.prompt_work.queue_ms)",
-            registry=r,
-        )
-        self.log_lines = Counter(
-            "ramjet_decision_log_lines_total", "Decision records written", registry=r
-        )
-        self.log_dropped = Counter(
-            "ramjet_decision_log_dropped_total",
-            "Decision records dropped because the writer queue was full",
-            registry=r,
-        )
-        self.log_rotations = Counter(
-            "ramjet_decision_log_rotations_total", "Decision log file rotations", registry=r
-        )
-        self.reloads = Counter(
-            "ramjet_policy_reloads_total",
-            "Live reloads of mode and policies (ramjet.app.reload), by result (ok, refused)",
-            ["result"],
-            registry=r,
-        )
+        self.compared = counter(r, "ramjet_policy_compared_total")
+        self.agreed = counter(r, "ramjet_policy_agreed_total")
+        self.ttft_error = histogram(r, "ramjet_ttft_prediction_error_seconds")
+        self.ttft_abs_error = histogram(r, "ramjet_ttft_prediction_abs_error_seconds")
+        self.ttft_relative_error = histogram(r, "ramjet_ttft_prediction_relative_error_ratio")
+        self.ttft_predicted = histogram(r, "ramjet_ttft_predicted_seconds")
+        self.ttft_realized = histogram(r, "ramjet_ttft_realized_seconds")
+        self.cached_predicted = counter(r, "ramjet_cached_tokens_predicted_tokens_total")
+        self.cached_realized = counter(r, "ramjet_cached_tokens_realized_tokens_total")
+        self.cached_error = histogram(r, "ramjet_cached_tokens_prediction_error_tokens")
+        self.gain = histogram(r, "ramjet_candidate_gain_estimate_seconds")
+        self.gain_total = counter(r, "ramjet_candidate_gain_seconds_total")
+        self.loss_total = counter(r, "ramjet_candidate_loss_seconds_total")
+        self.realized_tokens = counter(r, "ramjet_realized_prompt_tokens_total")
+        self.usage_missing = counter(r, "ramjet_realized_usage_missing_total")
+        self.mean_wait = gauge(r, "ramjet_mean_wait_seconds")
+        self.log_lines = counter(r, "ramjet_decision_log_lines_total")
+        self.log_dropped = counter(r, "ramjet_decision_log_dropped_total")
+        self.log_rotations = counter(r, "ramjet_decision_log_rotations_total")
+        self.reloads = counter(r, "ramjet_policy_reloads_total")
 
 
 class Accounting:

@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ramjet.metric_catalogue import counter, family
 from ramjet.reports.verify import Reason
 
 
@@ -33,33 +34,11 @@ class EngineFigures:
 
 class ReportMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.rejected = Counter(
-            "ramjet_reports_rejected_total",
-            "Reports rejected, by reason",
-            ["engine", "reason"],
-            registry=registry,
-        )
-        self.accepted = Counter(
-            "ramjet_reports_accepted_total",
-            "Reports accepted, by kind",
-            ["engine", "kind"],
-            registry=registry,
-        )
-        self.gaps = Counter(
-            "ramjet_reports_gaps_total", "Sequence gaps seen", ["engine"], registry=registry
-        )
-        self.snapshots_fetched = Counter(
-            "ramjet_reports_snapshots_fetched_total",
-            "Snapshots the router fetched",
-            ["engine"],
-            registry=registry,
-        )
-        self.epoch_changes = Counter(
-            "ramjet_reports_epoch_changes_total",
-            "New engine epochs seen",
-            ["engine"],
-            registry=registry,
-        )
+        self.rejected = counter(registry, "ramjet_reports_rejected_total")
+        self.accepted = counter(registry, "ramjet_reports_accepted_total")
+        self.gaps = counter(registry, "ramjet_reports_gaps_total")
+        self.snapshots_fetched = counter(registry, "ramjet_reports_snapshots_fetched_total")
+        self.epoch_changes = counter(registry, "ramjet_reports_epoch_changes_total")
         self._registry = registry
 
     def init_engines(self, engines: Iterable[str]) -> None:
@@ -82,17 +61,9 @@ class _EngineCollector(Collector):
         self._figures = figures
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        epoch = GaugeMetricFamily("ramjet_reports_epoch", "Current epoch", labels=["engine"])
-        trust = GaugeMetricFamily(
-            "ramjet_reports_trust_grade",
-            "Trust in the engine's residency: 0 exact, 1 degraded, 2 approximate",
-            labels=["engine"],
-        )
-        stale = GaugeMetricFamily(
-            "ramjet_reports_staleness_seconds",
-            "Seconds since the engine's last accepted report",
-            labels=["engine"],
-        )
+        epoch = family("ramjet_reports_epoch")
+        trust = family("ramjet_reports_trust_grade")
+        stale = family("ramjet_reports_staleness_seconds")
         for f in self._figures():
             trust.add_metric([f.engine], float(f.trust))
             if f.epoch is not None:

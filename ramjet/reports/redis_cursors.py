@@ -51,8 +51,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
+from ramjet.metric_catalogue import counter
 from ramjet.reports.bodies import BodyError, LoadBody, ProfileBody, parse_body
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected
@@ -117,18 +118,8 @@ class SharedReports:
         self._locks: dict[EngineId, asyncio.Lock] = {}
         self._stopping = False
         reg = registry if registry is not None else CollectorRegistry()
-        self.unclaimed = Counter(
-            "ramjet_reports_unclaimed_total",
-            "Reports applied without a shared claim because Redis was unreachable",
-            ["engine"],
-            registry=reg,
-        )
-        self.absorbed = Counter(
-            "ramjet_reports_shared_absorbed_total",
-            "Times this replica moved an engine's report state forward from Redis",
-            ["engine"],
-            registry=reg,
-        )
+        self.unclaimed = counter(reg, "ramjet_reports_unclaimed_total")
+        self.absorbed = counter(reg, "ramjet_reports_shared_absorbed_total")
         for engine in (*engines, *processor.engines()):
             self._track(engine)
 

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ramjet.errors import RamjetError
+from ramjet.metric_catalogue import counter, gauge, histogram
 from ramjet.residency.config import RedisSettings as RedisSettings
 from ramjet.residency.config import StoreConfig as StoreConfig
 
@@ -59,31 +60,11 @@ class LuaScript:
 
 class LinkMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.degraded = Gauge(
-            "ramjet_redis_degraded",
-            "1 while the Redis breaker is open or probing: routing runs from local state",
-            registry=registry,
-        )
-        self.errors = Counter(
-            "ramjet_redis_errors_total",
-            "Redis calls that failed, by kind (timeout, connection, breaker_open, other)",
-            ["kind"],
-            registry=registry,
-        )
-        self.breaker_opens = Counter(
-            "ramjet_redis_breaker_opens_total", "Times the Redis breaker opened", registry=registry
-        )
-        self.script_reloads = Counter(
-            "ramjet_redis_script_reloads_total",
-            "Scripts loaded again after NOSCRIPT (cache flush, failover, restart)",
-            registry=registry,
-        )
-        self.call_seconds = Histogram(
-            "ramjet_redis_call_seconds",
-            "Latency of successful Redis calls",
-            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
-            registry=registry,
-        )
+        self.degraded = gauge(registry, "ramjet_redis_degraded")
+        self.errors = counter(registry, "ramjet_redis_errors_total")
+        self.breaker_opens = counter(registry, "ramjet_redis_breaker_opens_total")
+        self.script_reloads = counter(registry, "ramjet_redis_script_reloads_total")
+        self.call_seconds = histogram(registry, "ramjet_redis_call_seconds")
 
 
 class Breaker:

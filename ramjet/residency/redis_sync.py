@@ -32,8 +32,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
+from ramjet.metric_catalogue import counter, gauge
 from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
 from ramjet.residency.redis_ops import (
     CODE_TABLE,
@@ -65,39 +66,12 @@ class Tail:
 
 class StoreMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.resyncs = Counter(
-            "ramjet_redis_resyncs_total",
-            "Full resyncs of one engine's residency: pull (mirror from Redis) or push (seed "
-            "Redis from the mirror), by reason",
-            ["direction", "reason"],
-            registry=registry,
-        )
-        self.recoveries = Counter(
-            "ramjet_redis_recoveries_total",
-            "Times Redis came back after the breaker had opened",
-            registry=registry,
-        )
-        self.pending = Gauge(
-            "ramjet_redis_pending_batches",
-            "Residency write batches waiting for Redis",
-            registry=registry,
-        )
-        self.dropped = Counter(
-            "ramjet_redis_dropped_batches_total",
-            "Residency write batches dropped because the queue was full while Redis was away",
-            registry=registry,
-        )
-        self.batches = Counter(
-            "ramjet_redis_batches_total",
-            "Residency write batches sent to Redis, by result (ok, dup, stale, missing)",
-            ["result"],
-            registry=registry,
-        )
-        self.applied = Counter(
-            "ramjet_redis_log_entries_applied_total",
-            "Change-log entries (any replica's) applied to this replica's mirror",
-            registry=registry,
-        )
+        self.resyncs = counter(registry, "ramjet_redis_resyncs_total")
+        self.recoveries = counter(registry, "ramjet_redis_recoveries_total")
+        self.pending = gauge(registry, "ramjet_redis_pending_batches")
+        self.dropped = counter(registry, "ramjet_redis_dropped_batches_total")
+        self.batches = counter(registry, "ramjet_redis_batches_total")
+        self.applied = counter(registry, "ramjet_redis_log_entries_applied_total")
 
 
 class RedisSync:

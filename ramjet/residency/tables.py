@@ -54,6 +54,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ramjet.keys.prefix import PrefixKeys, longest_prefix
+from ramjet.metric_catalogue import family
 from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.pending import PendingOverlay, PendingTicket
@@ -401,14 +402,8 @@ class _SizeCollector(Collector):
         self._tables = tables
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        fam = GaugeMetricFamily(
-            "ramjet_residency_entries", "Entries held per residency table", labels=["table"]
-        )
+        fam = family("ramjet_residency_entries")
         for table in Table:
             fam.add_metric([table.value], float(self._tables.size(table)))
         yield fam
-        yield GaugeMetricFamily(
-            "ramjet_residency_pending_entries",
-            "Pending (engine, key) holds: requests sent, not yet confirmed by a report",
-            value=float(self._tables.pending.size()),
-        )
+        yield family("ramjet_residency_pending_entries", float(self._tables.pending.size()))
