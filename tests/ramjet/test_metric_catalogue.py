@@ -174,14 +174,14 @@ def test_check_queries_refuses_unknown_series() -> None:
 
 
 def test_catalogue_rules_refuse_bad_entries() -> None:
-    ok = mc.Metric("ramjet_x_total", mc.COUNTER, "", (), "x", "ramjet.x")
+    ok = mc.Metric("ramjet_x_total", mc.COUNTER, "", (), "ramjet.x", "x")
     mc._check([ok])
     for bad, msg in [
-        (mc.Metric("ramjet_x", mc.COUNTER, "", (), "x", "ramjet.x"), "_total"),
-        (mc.Metric("ramjet_x_total", mc.GAUGE, "", (), "x", "ramjet.x"), "_total"),
-        (mc.Metric("ramjet_wait_ms", mc.GAUGE, "seconds", (), "x", "ramjet.x"), "unit"),
-        (mc.Metric("other_x", mc.GAUGE, "", (), "x", "ramjet.x"), "ramjet_"),
-        (mc.Metric("ramjet_x", mc.GAUGE, "", (), "x", "ramjet.x", buckets=(1.0,)), "buckets"),
+        (mc.Metric("ramjet_x", mc.COUNTER, "", (), "ramjet.x", "x"), "_total"),
+        (mc.Metric("ramjet_x_total", mc.GAUGE, "", (), "ramjet.x", "x"), "_total"),
+        (mc.Metric("ramjet_wait_ms", mc.GAUGE, "seconds", (), "ramjet.x", "x"), "unit"),
+        (mc.Metric("other_x", mc.GAUGE, "", (), "ramjet.x", "x"), "ramjet_"),
+        (mc.Metric("ramjet_x", mc.GAUGE, "", (), "ramjet.x", "x", buckets=(1.0,)), "buckets"),
     ]:
         with pytest.raises(ValueError, match=msg):
             mc._check([bad])
