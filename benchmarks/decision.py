@@ -15,6 +15,13 @@
    upstreams, `--requests` sequential 4 KB and 100 KB requests, incumbent alone vs observe
    mode with the candidate: the router process's CPU time per request (utime + stime from
    /proc/<pid>/stat) and the share of it the candidate adds.
+
+Checked before the figures are printed (`self-check:` line; any miss stops the run): the
+parsed request's model, message count and prompt tokens match the body sent; both
+policies pick e0, the engine holding the whole prefix (e1 holds half, loads are equal);
+every router answer is 200 with the upstream's exact stream (its 4 chunks, the finish
+chunk and [DONE], byte for byte), and each upstream
+received every request it was sent with the body's messages intact (JSON-parsed).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import socket
 import statistics
@@ -40,7 +48,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
-from fake_upstream import FakeUpstream
+from fake_upstream import Behavior, FakeUpstream, completion_body, sse_chunk
 from prefix_keys import make_body
 
 from ramjet.keys.prefix import compute_keys, key_seed, render_chat
@@ -53,6 +61,12 @@ from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId
 
 PATH = "/v1/chat/completions"
+
+
+class BenchError(RuntimeError):
+    """A check failed: the figures would not measure what they claim."""
+
+
 LIMITS = ParseLimits(max_body_bytes=64 << 20)
 SIZES = (("4 KB", 4 << 10), ("100 KB", 100 << 10), ("4 MB", 4 << 20))
 
@@ -67,13 +81,13 @@ def median_s(fn: Callable[[], object], repeats: int) -> float:
 
 
 def decision_breakdown(size: int, repeats: int) -> dict[str, float]:
-    import json
-
     body = make_body(size)
     headers = {"Content-Type": "application/json"}
     parsed = parse_request(PATH, body, headers, LIMITS)
     obj = json.loads(body)
     rv = to_request_view(parsed, "r1")
+    if parsed.model != obj["model"] or not rv.block_keys or rv.prompt_tokens <= 0:
+        raise BenchError(f"{size} B body: parsed {parsed.model!r}, {len(rv.block_keys)} blocks")
     # e0 holds the whole prefix (recorded as routed); e1 the first half of it.
     tables = ResidencyTables()
     now = time.monotonic()
@@ -94,6 +108,10 @@ def decision_breakdown(size: int, repeats: int) -> dict[str, float]:
     fleet = FleetStats(now_s=now, arrival_rate_per_s=20.0, mean_wait_s=0.05)
     cand, inc = TierAware(), PrefixAffinity()
     seed = key_seed(parsed.model)
+    for p in (cand, inc):
+        got = p.pick(rv, fresh_views(), fleet).engine
+        if got != "e0":
+            raise BenchError(f"{size} B body: {p.name} picked {got}, not e0 (whole prefix)")
 
     def lookups() -> None:
         for v in fresh_views():
@@ -139,7 +157,7 @@ def _cpu_s(pid: int) -> float:
 
 
 async def router_cpu_per_request(
-    urls: list[str], candidate: bool, body: bytes, n: int, tmp: Path
+    urls: list[str], candidate: bool, body: bytes, n: int, tmp: Path, answers: set[bytes]
 ) -> float:
     policy: dict[str, Any] = {
         "engines": [
@@ -177,8 +195,9 @@ async def router_cpu_per_request(
             c0 = _cpu_s(proc.pid)
             for _ in range(n):
                 async with s.post(url, data=body, headers=hdr) as r:
-                    await r.read()
-                    assert r.status == 200, r.status
+                    got = await r.read()
+                    if r.status != 200 or got not in answers:
+                        raise BenchError(f"router answered {r.status} {got[:200]!r}")
             return (_cpu_s(proc.pid) - c0) / n
     finally:
         proc.terminate()
@@ -189,6 +208,15 @@ async def router_cpu_per_request(
             proc.wait(10)
 
 
+def expected_answer(u: FakeUpstream, stream: bool) -> bytes:
+    """The exact body `u` sends: its completion, or its chunks, the finish chunk, [DONE]."""
+    if not stream:
+        return completion_body(u.name, u.model)
+    n = Behavior().chunks
+    chunks = [sse_chunk(u.name, u.model, i) for i in range(n)]
+    return b"".join([*chunks, sse_chunk(u.name, u.model, n, finish=True), b"data: [DONE]\n\n"])
+
+
 async def cpu_share(n: int) -> list[tuple[str, float, float]]:
     ups = [FakeUpstream("e0"), FakeUpstream("e1")]
     for u in ups:
@@ -196,11 +224,23 @@ async def cpu_share(n: int) -> list[tuple[str, float, float]]:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            seen = {u.name: 0 for u in ups}
             for label, size in SIZES[:2]:
                 body = make_body(size)
-                base = await router_cpu_per_request([u.url for u in ups], False, body, n, Path(tmp))
-                obs = await router_cpu_per_request([u.url for u in ups], True, body, n, Path(tmp))
+                sent = json.loads(body)
+                answers = {expected_answer(u, bool(sent.get("stream"))) for u in ups}
+                urls = [u.url for u in ups]
+                base = await router_cpu_per_request(urls, False, body, n, Path(tmp), answers)
+                obs = await router_cpu_per_request(urls, True, body, n, Path(tmp), answers)
                 rows.append((label, base, obs))
+                got = [r for u in ups for r in u.generation_requests()[seen[u.name] :]]
+                seen = {u.name: len(u.generation_requests()) for u in ups}
+                intact = sum(json.loads(r.body)["messages"] == sent["messages"] for r in got)
+                if len(got) != 2 * (n + 20) or intact != len(got):
+                    raise BenchError(
+                        f"{label}: upstreams got {len(got)} of {2 * (n + 20)} requests, "
+                        f"{intact} with the messages sent"
+                    )
     finally:
         for u in ups:
             await u.stop()
@@ -229,7 +269,9 @@ def main() -> int:
             f"{ms['incumbent_pick']:9.3f} {r['candidate_pick'] / r['incumbent_pick']:8.2f}"
             f" {ms['decision']:9.3f} {r['decision'] / r['parse']:9.2f}"
         )
+    checked = "parsed model and prompt match each body; both policies pick e0 (whole prefix)"
     if args.no_router:
+        print(f"self-check: {checked}")
         return 0
     print(f"\nrouter process CPU per request, {args.requests} sequential requests (ms):")
     print("(CPU clock ticks are 10 ms: the measured share is +-0.01/requests s per request;")
@@ -238,13 +280,29 @@ def main() -> int:
         f"{'body':>7} {'incumbent only':>15} {'observe+cand':>13} {'measured share':>15}"
         f" {'pick/CPU':>9}"
     )
-    for label, base, obs in asyncio.run(cpu_share(args.requests)):
+    rows = asyncio.run(cpu_share(args.requests))
+    for label, base, obs in rows:
         share = (obs - base) / obs if obs > 0 else float("nan")
         est = picks[label] / obs if obs > 0 else float("nan")
         print(
             f"{label:>7} {base * 1e3:15.3f} {obs * 1e3:13.3f} {share * 100:14.1f}%"
             f" {est * 100:8.1f}%"
         )
+        print(
+            f"figure: decision: router CPU per request / {label}, incumbent only = {base * 1e6:.0f} us"
+        )
+        print(
+            f"figure: decision: router CPU per request / {label}, observe + candidate = {obs * 1e6:.0f} us"
+        )
+    print(
+        f"self-check: {checked}; every router answer 200 with the upstream's exact stream (4 chunks, finish, [DONE]), "
+        f"every request reached an upstream with its messages intact ({4 * (args.requests + 20)} checked)"
+    )
+    label = SIZES[0][0]
+    print(
+        f"decision result: the candidate's pick takes {picks[label] * 1e3:.3f} ms on a {label} "
+        f"body, {picks[label] / rows[0][2] * 100:.1f}% of the observe router's CPU per request"
+    )
     return 0
 
 

@@ -369,6 +369,11 @@ def main() -> int:
                     f"  {r.name:9s}: CPU per client request quiet {q * 1e6:.0f} us, "
                     f"under flood {f * 1e6:.0f} us ({rises[r.name] * 100:+.1f}%)"
                 )
+                group = "report flood: router CPU per client request"
+                print(f"figure: {group} / {r.name}, quiet = {q * 1e6:.1f} us")
+                print(
+                    f"figure: {group} / {r.name}, {args.flood_rate:g} forged/s = {f * 1e6:.1f} us"
+                )
             ok = rises["limited"] <= TARGET_RISE
             print(
                 f"report flood result: router CPU per client request {rises['limited'] * 100:+.1f}% "
