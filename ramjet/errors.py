@@ -22,8 +22,8 @@ catch what they caught. The groups are new: nothing caught them before.
     │   └── ResponseTooLarge                 ramjet.reports.ingest: a pull answer over the cap
     ├── ProxyError                         forwarding to an engine failed
     │   ├── UpstreamError                    ramjet.proxy.exchange: an attempt failed (`kind`)
-    │   ├── UpstreamConnectError (OSError)   ramjet.proxy.http1: no connection
-    │   └── UpstreamClosed (OSError)         ramjet.proxy.http1: closed, broken, not HTTP/1.x
+    │   ├── UpstreamConnectError (OSError)   ramjet.proxy.transport: no connection
+    │   └── UpstreamClosed (OSError)         ramjet.proxy.transport: closed, broken, not HTTP
     ├── RedisUnavailable                   ramjet.residency.redis_link: fail open to local state
     └── WireError (ValueError)             ramjet.sidecar.wire: an engine event not decodable
         └── UnknownEventType

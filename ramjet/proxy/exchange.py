@@ -9,7 +9,7 @@ import collections
 from dataclasses import dataclass, field
 
 from ramjet.errors import ProxyError
-from ramjet.proxy.http1 import UpstreamResponse
+from ramjet.proxy.transport import EngineResponse
 from ramjet.types import EngineId
 
 
@@ -74,7 +74,7 @@ class Exchange:
     __slots__ = ("shutdown", "upstream")
 
     def __init__(self) -> None:
-        self.upstream: UpstreamResponse | None = None
+        self.upstream: EngineResponse | None = None
         self.shutdown = False
 
     def abort(self) -> None:

@@ -17,7 +17,11 @@ request may be retried on another engine:
   engine's request by closing its connection.
 
 Headers are cleaned both ways by `ramjet.proxy.headers`; the record of a forward is
-`ramjet.proxy.exchange`.
+`ramjet.proxy.exchange`. Engines are reached through `ramjet.proxy.transport`'s
+`EngineTransport` (HTTP/1.1 pools, `ramjet.proxy.http1`, unless `Proxy` is given other
+`transports`). `Proxy.open` is everything up to the first byte (attempts, retries,
+in-flight counts) and writes nothing to the client, so it is unit-tested over in-memory
+engines; `Proxy.forward` is `open`, then the stream, then `finish`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -34,29 +39,73 @@ from ramjet.fleet.engines import EngineState, Fleet, Outcome, Ticket, classify_s
 from ramjet.metrics import RouterMetrics
 from ramjet.proxy.exchange import Attempt, Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import upstream_request_headers
-from ramjet.proxy.http1 import EnginePool, UpstreamConnectError, UpstreamResponse
+from ramjet.proxy.http1 import EnginePool
 from ramjet.proxy.retries import RETRY_STATUSES, RetryBudget, parse_retry_after
 from ramjet.proxy.stream import StreamWriter
+from ramjet.proxy.transport import EngineResponse, EngineTransport, UpstreamConnectError
 from ramjet.request.openai_errors import json_error
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
 
 ChooseNext = Callable[[set[EngineId]], EngineState | None]
+TransportFactory = Callable[[EngineState], EngineTransport]
+"""Builds an engine's transport (called in `Proxy.start`, on the running loop)."""
+
+
+class _NextEngine:
+    """The engine a failed attempt would be retried on, chosen only when asked (most
+    attempts succeed and never ask)."""
+
+    __slots__ = ("_choose", "_done", "_engine", "_more", "_tried")
+
+    def __init__(self, choose: ChooseNext, tried: set[EngineId], more: bool) -> None:
+        self._choose, self._tried, self._more = choose, tried, more
+        self._done = False
+        self._engine: EngineState | None = None
+
+    def get(self) -> EngineState | None:
+        if not self._done:
+            self._done = True
+            self._engine = self._choose(self._tried) if self._more else None
+        return self._engine
+
+
+@dataclass(slots=True)
+class Opened:
+    """An attempt that got its first body byte (or a body-less end): what `forward`
+    streams to the client. `ticket` and a held retry token (`retried`) are released by
+    whoever finishes the exchange (`Proxy.finish`)."""
+
+    engine: EngineState
+    upstream: EngineResponse
+    first: bytes
+    ticket: Ticket
+    retried: bool
 
 
 class Proxy:
-    def __init__(self, config: PolicyConfig, fleet: Fleet, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        config: PolicyConfig,
+        fleet: Fleet,
+        metrics: RouterMetrics,
+        transports: TransportFactory | None = None,
+    ) -> None:
+        """`transports`: how each engine is reached; HTTP/1.1 pools by default
+        (`ramjet.proxy.http1.EnginePool`), a `ramjet.proxy.transport.MemoryTransport` in
+        unit tests."""
         self._cfg = config
         self._fleet = fleet
         self._metrics = metrics
         self.budget = RetryBudget(config.retry.budget_ratio, config.retry.min_retries)
         self._writer = StreamWriter(config, fleet, metrics)
+        self._make_transport = transports or self._http1
         # The in-flight gauges read the engines' counters when scraped, instead of
         # being set twice per attempt.
         for e in fleet.engines:
             self._watch(e)
-        self._pools: dict[EngineId, EnginePool] = {}
+        self._pools: dict[EngineId, EngineTransport] = {}
 
     def _watch(self, e: EngineState) -> None:
         def requests() -> float:
@@ -68,15 +117,18 @@ class Proxy:
         self._metrics.inflight_of(e.id).set_function(requests)
         self._metrics.inflight_prompt_tokens_of(e.id).set_function(prompt_tokens)
 
+    def _http1(self, e: EngineState) -> EngineTransport:
+        return EnginePool(
+            e.url,
+            limit=self._cfg.limits.connections_per_engine,
+            connect_s=self._cfg.timeouts.connect_s,
+            keepalive_s=30.0,
+            read_high=64 * 1024,
+        )
+
     async def start(self) -> None:
         for e in self._fleet.engines:
-            self._pools[e.id] = EnginePool(
-                e.url,
-                limit=self._cfg.limits.connections_per_engine,
-                connect_s=self._cfg.timeouts.connect_s,
-                keepalive_s=30.0,
-                read_high=64 * 1024,
-            )
+            self._pools[e.id] = self._make_transport(e)
 
     async def close(self) -> None:
         for p in self._pools.values():
@@ -95,53 +147,88 @@ class Proxy:
     ) -> tuple[web.StreamResponse, ForwardResult]:
         res = ForwardResult()
         headers = upstream_request_headers(request.headers, request_id)
+        t0 = time.monotonic()
+        self.budget.active += 1
+        opened: Opened | None = None
+        try:
+            opened = await self.open(
+                request.method,
+                request.rel_url.path_qs,
+                headers,
+                body,
+                first,
+                prompt_tokens,
+                choose_next,
+                exchange,
+                res,
+            )
+            if opened is None:
+                return self._give_up(res), res
+            resp = await self._writer.stream(
+                request, opened.upstream, opened.first, opened.engine, res, exchange, t0
+            )
+            return resp, res
+        finally:
+            if opened is not None:
+                self.finish(opened)
+            self.budget.active -= 1
+
+    def finish(self, opened: Opened) -> None:
+        """The exchange `open` returned is over: release its in-flight share and retry."""
+        opened.ticket.close()
+        if opened.retried:
+            self.budget.release()
+            opened.retried = False
+
+    async def open(
+        self,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        first: EngineState,
+        prompt_tokens: int,
+        choose_next: ChooseNext,
+        exchange: Exchange,
+        res: ForwardResult,
+    ) -> Opened | None:
+        """Attempts, from `first`, until one gets its first body byte: that one
+        (`finish` it when done), or None when every attempt failed (`res.attempts` says
+        how). Nothing here writes to the client, so everything may be retried."""
         engine: EngineState | None = first
         tried: set[EngineId] = set()
-        t0 = time.monotonic()
         retrying = False
-        self.budget.active += 1
-        try:
-            while engine is not None:
-                tried.add(engine.id)
-                attempt = Attempt(engine.id)
-                res.attempts.append(attempt)
-                ticket = Ticket(engine, prompt_tokens)
-                nxt = None
-                if len(res.attempts) < self._cfg.retry.max_attempts:
-                    nxt = choose_next(tried)
-                can_retry = nxt is not None and self.budget.has_room()
-                try:
-                    out = await self._attempt(
-                        request,
-                        body,
-                        headers,
-                        engine,
-                        ticket,
-                        attempt,
-                        res,
-                        exchange,
-                        t0,
-                        can_retry,
-                    )
-                finally:
+        while engine is not None:
+            tried.add(engine.id)
+            attempt = Attempt(engine.id)
+            res.attempts.append(attempt)
+            ticket = Ticket(engine, prompt_tokens)
+            more = len(res.attempts) < self._cfg.retry.max_attempts
+            nxt = _NextEngine(choose_next, tried, more)
+            got = None
+            try:
+                got = await self._attempt(
+                    method, path_qs, headers, body, engine, attempt, exchange, nxt
+                )
+            finally:
+                if got is None:
                     ticket.close()
                     if retrying:
                         self.budget.release()
                         retrying = False
-                if out is not None:
-                    return out, res
-                # The attempt failed before any byte reached the client: maybe retry.
-                if nxt is None or exchange.shutdown:
-                    break
-                if not self.budget.try_acquire():
-                    self._metrics.retries_denied.inc()
-                    break
-                retrying = True
-                self._metrics.retries.labels(reason=attempt.error or str(attempt.status)).inc()
-                engine = nxt
-            return self._give_up(res), res
-        finally:
-            self.budget.active -= 1
+            if got is not None:
+                ticket.first_byte()
+                return Opened(engine, got[0], got[1], ticket, retrying)
+            # The attempt failed before any byte reached the client: maybe retry.
+            if exchange.shutdown or nxt.get() is None:
+                break
+            if not self.budget.try_acquire():
+                self._metrics.retries_denied.inc()
+                break
+            retrying = True
+            self._metrics.retries.labels(reason=attempt.error or str(attempt.status)).inc()
+            engine = nxt.get()
+        return None
 
     def _give_up(self, res: ForwardResult) -> web.StreamResponse:
         last = res.attempts[-1] if res.attempts else None
@@ -162,27 +249,24 @@ class Proxy:
 
     async def _attempt(
         self,
-        request: web.Request,
-        body: bytes,
+        method: str,
+        path_qs: str,
         headers: list[tuple[str, str]],
+        body: bytes,
         engine: EngineState,
-        ticket: Ticket,
         attempt: Attempt,
-        res: ForwardResult,
         exchange: Exchange,
-        t0: float,
-        can_retry: bool,
-    ) -> web.StreamResponse | None:
-        """One attempt. Returns the client response, or None if it may be retried."""
+        nxt: _NextEngine,
+    ) -> tuple[EngineResponse, bytes] | None:
+        """One attempt: the response and its first body piece, or None if it failed
+        before that (or answered a retryable status while a retry is possible)."""
         t = self._cfg.timeouts
         pool = self._pools[engine.id]
-        upstream: UpstreamResponse | None = None
+        upstream: EngineResponse | None = None
         try:
             try:
                 async with asyncio.timeout(t.first_byte_s):
-                    upstream = await pool.request(
-                        request.method, request.rel_url.path_qs, headers, body
-                    )
+                    upstream = await pool.request(method, path_qs, headers, body)
                     exchange.upstream = upstream
                     status = upstream.status
                     attempt.status = status
@@ -193,7 +277,7 @@ class Proxy:
                         kind = "backpressure" if outcome is Outcome.BACKPRESSURE else "status_5xx"
                         self._metrics.upstream_errors.labels(engine=engine.id, kind=kind).inc()
                         attempt.error = kind
-                        if can_retry:
+                        if nxt.get() is not None and self.budget.has_room():
                             upstream.close()
                             return None
                     first = await upstream.readany()
@@ -217,5 +301,4 @@ class Proxy:
             self._fleet.record(engine, Outcome.FAILURE)
             self._metrics.upstream_errors.labels(engine=engine.id, kind=exc.kind).inc()
             return None
-        ticket.first_byte()
-        return await self._writer.stream(request, upstream, first, engine, res, exchange, t0)
+        return upstream, first

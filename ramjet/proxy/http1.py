@@ -1,5 +1,6 @@
 """A lean HTTP/1.1 client for the router's hop to an engine: one keep-alive pool per
-engine, on an `asyncio.Protocol`.
+engine, on an `asyncio.Protocol`. `EnginePool` is the HTTP/1.1 `EngineTransport` and
+`UpstreamResponse` its `EngineResponse` (`ramjet.proxy.transport` holds the contract).
 
 Per request: the head and the body leave in one write; the response's status line and
 headers are parsed once they are complete (`\\r\\n\\r\\n`), then body bytes go to the
@@ -34,7 +35,8 @@ from collections.abc import Iterable
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from ramjet.errors import ProxyError
+from ramjet.proxy.transport import UpstreamClosed as UpstreamClosed
+from ramjet.proxy.transport import UpstreamConnectError as UpstreamConnectError
 
 _MAX_HEAD_BYTES = 64 * 1024
 """A response head (status line and headers) longer than this is refused."""
@@ -42,14 +44,6 @@ _MAX_HEADERS = 256
 """A response head with more header lines than this is refused."""
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """A header name (RFC 9110 token)."""
-
-
-class UpstreamConnectError(ProxyError, OSError):
-    """The connection to the engine could not be made (refused, unreachable, timed out)."""
-
-
-class UpstreamClosed(ProxyError, OSError):
-    """The engine closed or broke the connection, or answered something not HTTP/1.x."""
 
 
 class UpstreamResponse:

@@ -30,8 +30,8 @@ from ramjet.fleet.engines import EngineState, Fleet, Outcome, classify_status
 from ramjet.metrics import RouterMetrics
 from ramjet.proxy.exchange import Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import client_response_headers
-from ramjet.proxy.http1 import UpstreamResponse
 from ramjet.proxy.retries import RETRY_STATUSES
+from ramjet.proxy.transport import EngineResponse
 from ramjet.request.openai_errors import error_body
 from ramjet.types import EngineId
 
@@ -56,7 +56,7 @@ class StreamWriter:
     async def stream(
         self,
         request: web.Request,
-        upstream: UpstreamResponse,
+        upstream: EngineResponse,
         first: bytes,
         engine: EngineState,
         res: ForwardResult,
