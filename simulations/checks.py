@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from simulations.summary import Row
 
-ORACLES = ("oracle:tier_aware", "oracle:least_work")
+ORACLES = ("oracle:tier_aware", "oracle:least_work", "oracle:spread")
 
 
 def with_oracle(rows: Sequence[Row]) -> list[Row]:

@@ -60,6 +60,10 @@ ENTRANTS: dict[str, Entrant] = {
             "tier_aware_selfish",
             _ramjet("tier_aware", {"externality_scale": 0.0}, "tier_aware_selfish"),
         ),
+        Entrant(
+            "tier_aware:session",
+            _ramjet("tier_aware", {"session_scale": 1.0}, "tier_aware:session"),
+        ),
         Entrant("prefix_affinity", _ramjet("prefix_affinity")),
         Entrant("round_robin", _ramjet("round_robin"), NONE),
         Entrant("least_loaded", _ramjet("least_loaded"), NONE),
@@ -85,6 +89,13 @@ ENTRANTS: dict[str, Entrant] = {
         Entrant(
             "oracle:least_work",
             _ramjet("least_loaded", None, "oracle:least_work"),
+            EXACT,
+            shared_cache=True,
+            origin="bound",
+        ),
+        Entrant(
+            "oracle:spread",
+            _ramjet("round_robin", None, "oracle:spread"),
             EXACT,
             shared_cache=True,
             origin="bound",

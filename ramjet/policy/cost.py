@@ -34,7 +34,11 @@ For request r (n prompt tokens) on engine e, with profile P:
   is the fleet's measured arrival rate and W its measured mean wait (both from
   `FleetStats`, both EWMAs the router or simulator measures; not tuned constants):
 
-      cost_e = wait_e + work_e + scale · λ · W · Δ_e          (scale defaults to 1)
+      cost_e = wait_e + work_e + scale · λ · W · Δ_e  [+ session_e]  (scale defaults to 1)
+
+  session_e, given by `tier_aware` for requests of a session (`ramjet.policy.session_load`):
+  R · W · (C_e / C_fair - 1), the extra wait the session's R expected later turns meet on
+  an engine whose committed session work C_e is above its fair share.
 
   The engine of least cost wins; ties go to the shorter wait. Affinity needs no separate
   load gate: a busy engine's wait is in its cost.
@@ -50,7 +54,7 @@ APPROXIMATE views (no reports, the router's own routing) are used as they are.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ramjet.policy.base import EngineView, FleetStats, GlobalMatch, RequestView
@@ -194,6 +198,9 @@ class EngineEstimate:
     externality_s: float
     default_profile: bool
     degraded: bool
+    session_s: float = 0.0
+    """The session term (`ramjet.policy.session_load`): what the session's later turns
+    are expected to wait more (or less) on this engine than on a fair share."""
 
     @property
     def ttft_s(self) -> float:
@@ -201,7 +208,7 @@ class EngineEstimate:
 
     @property
     def cost_s(self) -> float:
-        return self.ttft_s + self.externality_s
+        return self.ttft_s + self.externality_s + self.session_s
 
     def components(self) -> dict[str, float]:
         w = self.work
@@ -221,6 +228,7 @@ class EngineEstimate:
             "ttft_s": self.ttft_s,
             "delta_s": self.delta_s,
             "externality_s": self.externality_s,
+            "session_s": self.session_s,
             "cost_s": self.cost_s,
             "default_profile": 1.0 if self.default_profile else 0.0,
         }
@@ -239,8 +247,10 @@ def estimate(
     default_profile: EngineProfile = V41_FLASH_TP4_ESTIMATE,
     chunk_tokens: int = 8192,
     externality_scale: float = 1.0,
+    session_s: Mapping[EngineId, float] | None = None,
 ) -> list[EngineEstimate]:
-    """Per-engine estimates for `request`, in the order of `engines` (see module docstring)."""
+    """Per-engine estimates for `request`, in the order of `engines` (see module docstring).
+    `session_s`: the session term per engine, added to the cost (absent: 0)."""
     n = request.prompt_tokens
     staged: list[tuple[EngineView, Work, GlobalMatch, int, float, bool, bool]] = []
     for e in engines:
@@ -263,7 +273,10 @@ def estimate(
     out: list[EngineEstimate] = []
     for e, work, match, swa, wait, use_default, degraded in staged:
         delta = work.work_s - least
+        extra = session_s.get(e.id, 0.0) if session_s else 0.0
         out.append(
-            EngineEstimate(e.id, work, match, swa, wait, delta, rate * delta, use_default, degraded)
+            EngineEstimate(
+                e.id, work, match, swa, wait, delta, rate * delta, use_default, degraded, extra
+            )
         )
     return out

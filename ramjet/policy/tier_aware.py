@@ -5,9 +5,9 @@ only holds the parameters, picks the minimum and records every component.
 
 Decision.components[engine] holds every figure of `EngineEstimate.components()`
 (`wait_s`, `work_s`, `restore_s`, `replay_s`, `prefill_s`, `delta_s`, `externality_s`,
-`cost_s`, tokens by tier, ...). Notes: `default_profile:<engine>` when an engine has not
-reported a profile, `degraded:<engine>` when its view is degraded, `externality_off`
-while the fleet has no measured arrival rate or wait yet.
+`session_s`, `cost_s`, tokens by tier, ...). Notes: `default_profile:<engine>` when an
+engine has not reported a profile, `degraded:<engine>` when its view is degraded,
+`externality_off` while the fleet has no measured arrival rate or wait yet.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from ramjet.policy.candidates import eligible
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, EngineEstimate, estimate
 from ramjet.policy.profile import EngineProfile
+from ramjet.policy.session_load import SessionLoad
 
 
 class TierAwareParams(BaseModel):
@@ -32,6 +33,12 @@ class TierAwareParams(BaseModel):
     """Engine prefill chunk: one decode step interleaves per chunk while requests decode."""
     externality_scale: Annotated[float, Field(ge=0)] = 1.0
     """Multiplies λ·W (both measured). 0 gives the selfish minimum-TTFT policy."""
+    session_scale: Annotated[float, Field(ge=0)] = 0.0
+    """Multiplies the session term R·W·(C_e/C_fair - 1) (`ramjet.policy.session_load`);
+    0 (the default) turns it off: on the closed-loop agent replays it did not pay
+    (docs/results.md, ablation rows `tier_aware:session`)."""
+    session_idle_s: Annotated[float, Field(gt=0)] = 60.0
+    """A session not seen for this long has ended (its length is learned)."""
 
 
 class TierAware:
@@ -43,18 +50,27 @@ class TierAware:
         self.name = name
         self.params = params or TierAwareParams()
         self._ties = 0
+        self.sessions = SessionLoad(self.params.session_idle_s)
 
     def estimates(
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> list[EngineEstimate]:
         p = self.params
+        pool = eligible(request, engines)
+        session = None
+        if p.session_scale > 0 and request.session is not None:
+            terms = self.sessions.session_cost(
+                request.session, [e.id for e in pool], fleet.mean_wait_s
+            )
+            session = {e: p.session_scale * v for e, v in terms.items()}
         return estimate(
             request,
-            eligible(request, engines),
+            pool,
             fleet,
             default_profile=p.default_profile,
             chunk_tokens=p.chunk_tokens,
             externality_scale=p.externality_scale,
+            session_s=session,
         )
 
     def pick(
@@ -66,6 +82,8 @@ class TierAware:
         best = tied[self._ties % len(tied)]
         if len(tied) > 1:
             self._ties += 1
+        if self.params.session_scale > 0:
+            self.sessions.routed(request.session, best.engine, best.work.work_s, fleet.now_s)
         notes = [
             f"default_profile:{s.engine}" for s in ests if s.default_profile and not s.degraded
         ]
