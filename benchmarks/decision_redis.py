@@ -60,10 +60,13 @@ def requests(sessions: int, kb: int) -> list[RequestView]:
     return out
 
 
-def fill(tables: ResidencyTables, reqs: list[RequestView]) -> None:
+def fill(tables: ResidencyTables, reqs: list[RequestView], only: EngineId | None = None) -> None:
+    """Request i's prefix on ENGINES[i % 2] (only that engine's requests when `only`)."""
     now = tables.clock()
     for i, rv in enumerate(reqs):
         engine = ENGINES[i % 2]
+        if only is not None and engine != only:
+            continue
         # fresh int objects, as when keys arrive in a report: a dict lookup with the very
         # object it holds skips the equality test, which would flatter the memory store
         keys = [PrefixKey(int(str(k))) for k in rv.block_keys]
@@ -75,7 +78,13 @@ def fill(tables: ResidencyTables, reqs: list[RequestView]) -> None:
         tables.set_mode(e, ViewMode.REPORTED)
 
 
-def timed_local(tables: ResidencyTables, reqs: list[RequestView], n: int) -> list[float]:
+Picks = dict[int, set[tuple[str, ...]]]
+"""Request index -> the (prefix_affinity, tier_aware) engines each timed decision picked."""
+
+
+def timed_local(
+    tables: ResidencyTables, reqs: list[RequestView], n: int, picks: Picks | None = None
+) -> list[float]:
     policies = [create_policy("prefix_affinity"), create_policy("tier_aware")]
     fleet = FleetStats()
     out = []
@@ -84,13 +93,16 @@ def timed_local(tables: ResidencyTables, reqs: list[RequestView], n: int) -> lis
         t0 = time.perf_counter()
         now = tables.clock()
         views = [EngineView(e, True, EngineLoad(), tables.view(e, now)) for e in ENGINES]
-        for p in policies:
-            p.pick(rv, views, fleet)
+        got = tuple(p.pick(rv, views, fleet).engine for p in policies)
         out.append(time.perf_counter() - t0)
+        if picks is not None:
+            picks.setdefault(i % len(reqs), set()).add(got)
     return out
 
 
-async def timed_direct(link: RedisLink, reqs: list[RequestView], n: int) -> list[float]:
+async def timed_direct(
+    link: RedisLink, reqs: list[RequestView], n: int, picks: Picks | None = None
+) -> list[float]:
     """Fetch each request's entries from Redis, load them into a scratch table, score."""
     policies = [create_policy("prefix_affinity"), create_policy("tier_aware")]
     fleet = FleetStats()
@@ -113,9 +125,10 @@ async def timed_direct(link: RedisLink, reqs: list[RequestView], n: int) -> list
                     scratch.store_global(e, ks, tier, now)
             scratch.set_mode(e, ViewMode.REPORTED)
         views = [EngineView(e, True, EngineLoad(), scratch.view(e, now)) for e in ENGINES]
-        for p in policies:
-            p.pick(rv, views, fleet)
+        got = tuple(p.pick(rv, views, fleet).engine for p in policies)
         out.append(time.perf_counter() - t0)
+        if picks is not None:
+            picks.setdefault(i % len(reqs), set()).add(got)
     return out
 
 
@@ -144,7 +157,7 @@ async def main() -> None:
         t0 = time.perf_counter()
         for e in ENGINES:  # one report batch per engine
             with store.report(e, 1, 1):
-                fill(shared, [r for i, r in enumerate(reqs) if ENGINES[i % 2] == e])
+                fill(shared, reqs, only=e)
         await store.sync_once()
         print(
             f"writing {store.size(Table.GLOBAL)} entries to Redis and syncing: {time.perf_counter() - t0:.2f} s"
@@ -164,14 +177,24 @@ async def main() -> None:
         gc.collect()
         gc.freeze()  # the tables are long-lived: keep the collector from re-walking them
         results: dict[str, list[float]] = {"memory": [], "redis mirror": [], "redis direct": []}
+        picks: dict[str, Picks] = {name: {} for name in results}
         rounds = 10  # interleaved, so load from other processes hits all three alike
         for _ in range(rounds):
-            results["memory"] += timed_local(memory, reqs, args.decisions // rounds)
-            results["redis mirror"] += timed_local(shared, reqs, args.decisions // rounds)
+            n = args.decisions // rounds
+            results["memory"] += timed_local(memory, reqs, n, picks["memory"])
+            results["redis mirror"] += timed_local(shared, reqs, n, picks["redis mirror"])
             results["redis direct"] += await timed_direct(
-                link, reqs, max(20, args.decisions // rounds // 4)
+                link, reqs, max(20, n // 4), picks["redis direct"]
             )
         await link.close()
+    # every way of serving the lookups must decide alike, and as the residency says:
+    # request i's prefix sits on ENGINES[i % 2], so both policies pick that engine
+    for name, by_req in picks.items():
+        for i, got in by_req.items():
+            want = {(ENGINES[i % 2], ENGINES[i % 2])}
+            if got != want:
+                raise SystemExit(f"FAILED: {name}: request {i} picked {sorted(got)}, want {want}")
+    checked = {name: sum(1 for _ in by_req) for name, by_req in picks.items()}
     base = statistics.median(results["memory"])
     base99 = pct(results["memory"], 0.99)
     print(f"{'store':14} {'p50 us':>9} {'p99 us':>9} {'p50 x mem':>10} {'p99 x mem':>10}")
@@ -180,6 +203,14 @@ async def main() -> None:
         print(
             f"{name:14} {p50 * 1e6:9.1f} {p99 * 1e6:9.1f} {p50 / base:10.2f} {p99 / base99:10.2f}"
         )
+        print(f"figure: decision redis: p50 per decision / {name} = {p50 * 1e6:.1f} us")
+    print(
+        f"self-check: {sum(len(x) for x in results.values())} timed decisions; every one picked "
+        "the engine whose reported residency holds the request's prefix, with both policies, "
+        f"alike over memory, the Redis mirror and direct Redis reads (requests per store: {checked})"
+    )
+    mirror = statistics.median(results["redis mirror"])
+    print(f"decision redis result: Redis mirror p50 {mirror / base:.2f}x memory's")
 
 
 if __name__ == "__main__":
