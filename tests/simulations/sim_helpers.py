@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
+from simulations.lineup import ENTRANTS
 from simulations.preset import EngineSpec
+from simulations.simulator import Outcome, Simulation
 from simulations.workload import Request, chain_keys, finish
 
 BLOCK = 64
@@ -47,3 +49,18 @@ def req(
 
 def workload(reqs: list[Request]) -> list[Request]:
     return finish(reqs, BLOCK)
+
+
+def run_entrant(reqs: list[Request], name: str, **kw: object) -> Outcome:
+    """One simulated run of a lineup entrant (its policy, knowledge and cache sharing)."""
+    ent = ENTRANTS[name]
+    sim = Simulation(
+        reqs,
+        spec(),
+        ent.make(0),
+        block_tokens=BLOCK,
+        knowledge=ent.knowledge,
+        shared_cache=ent.shared_cache,
+        **kw,  # type: ignore[arg-type]
+    )
+    return sim.run()

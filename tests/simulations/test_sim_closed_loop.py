@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import math
 import random
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from sim_helpers import BLOCK, spec
+from sim_helpers import BLOCK, run_entrant, spec
 
-from ramjet.policy.registry import create_policy
 from simulations import __main__ as cli
 from simulations.bounds import floor
 from simulations.checks import violations, with_oracle
-from simulations.lineup import ENTRANTS
+from simulations.compare import read_rows
 from simulations.sessions import closed_loop_plan, scale_for_load, scaled, session_groups
-from simulations.simulator import Simulation
 from simulations.summary import Row, summarize
 from simulations.workload import Request, chain_keys, finish
 
@@ -53,18 +49,6 @@ def agent_trace(sessions: int = 6, turns: int = 8, seed: int = 1) -> list[Reques
     return finish(out, BLOCK)
 
 
-def run(plan_reqs: list[Request], loop: object, policy: str = "tier_aware", **kw: object) -> object:
-    sim = Simulation(
-        plan_reqs,
-        spec(),
-        create_policy(policy, {}),
-        block_tokens=BLOCK,
-        loop=loop,  # type: ignore[arg-type]
-        **kw,  # type: ignore[arg-type]
-    )
-    return sim.run()
-
-
 @pytest.mark.parametrize("fanout", [1, 3])
 @pytest.mark.parametrize("scale", [0.5, 5.0, 1e4])
 def test_no_turn_starts_before_the_previous_turn_of_its_session_finished(
@@ -72,7 +56,7 @@ def test_no_turn_starts_before_the_previous_turn_of_its_session_finished(
 ) -> None:
     plan = closed_loop_plan(agent_trace(), BLOCK, sessions=14, fanout=fanout, fanout_share=0.5)
     reqs = scaled(plan, scale)
-    out = run(reqs, plan.loop)
+    out = run_entrant(reqs, "tier_aware", loop=plan.loop)
     loop = plan.loop
     by_session: dict[str | None, list[int]] = {}
     for r in reqs:
@@ -80,22 +64,22 @@ def test_no_turn_starts_before_the_previous_turn_of_its_session_finished(
     checked = 0
     for i, ps in enumerate(loop.parents):
         if ps == 0:
-            assert out.arrival[i] == pytest.approx(reqs[i].arrival_s)  # type: ignore[attr-defined]
+            assert out.arrival[i] == pytest.approx(reqs[i].arrival_s)
             continue
         parents = [p for p, cs in enumerate(loop.children) if i in cs]
         assert len(parents) == ps
-        last = max(out.finish[p] for p in parents)  # type: ignore[attr-defined]
-        assert out.arrival[i] >= last  # type: ignore[attr-defined]
-        assert out.arrival[i] == pytest.approx(last + loop.think_s[i])  # type: ignore[attr-defined]
+        last = max(out.finish[p] for p in parents)
+        assert out.arrival[i] >= last
+        assert out.arrival[i] == pytest.approx(last + loop.think_s[i])
         checked += 1
     assert checked > 14 * 5
     # and per session: every turn starts after every earlier turn's last token
     for idx in by_session.values():
-        turns = sorted(idx, key=lambda i: out.arrival[i])  # type: ignore[attr-defined]
+        turns = sorted(idx, key=lambda i: out.arrival[i])
         for a, b in itertools.pairwise(turns):
             if reqs[a].turn != reqs[b].turn:
-                assert out.arrival[b] >= out.finish[a]  # type: ignore[attr-defined]
-    assert all(not math.isnan(t) for t in out.ttft)  # type: ignore[attr-defined]
+                assert out.arrival[b] >= out.finish[a]
+    assert all(not math.isnan(t) for t in out.ttft)
 
 
 def test_load_is_set_by_session_rate_and_think_times_are_never_shrunk() -> None:
@@ -129,14 +113,14 @@ def test_think_time_is_trace_gap_minus_service_when_the_trace_has_it() -> None:
 def test_fanout_siblings_share_the_prefix_and_arrive_together() -> None:
     plan = closed_loop_plan(agent_trace(), BLOCK, sessions=6, fanout=3, fanout_share=1.0)
     reqs = scaled(plan, 1.0)
-    out = run(reqs, plan.loop)
+    out = run_entrant(reqs, "tier_aware", loop=plan.loop)
     groups: dict[tuple[str | None, int | None], list[Request]] = {}
     for r in reqs:
         groups.setdefault((r.session, r.turn), []).append(r)
     fanned = [g for g in groups.values() if len(g) == 3]
     assert len(fanned) == 6 * 7  # every later turn
     for g in fanned:
-        assert len({out.arrival[r.index] for r in g}) == 1  # type: ignore[attr-defined]
+        assert len({out.arrival[r.index] for r in g}) == 1
         keysets = [r.block_keys for r in g]
         assert keysets[0] != keysets[1] != keysets[2]
         shared = 0
@@ -150,22 +134,12 @@ def test_the_oracle_never_prefills_more_than_the_floor_without_fanout(scale: flo
     plan = closed_loop_plan(agent_trace(sessions=8), BLOCK, sessions=24)
     fl = floor(plan.requests, spec().profile)
     reqs = scaled(plan, scale)
-    for name in ("oracle:tier_aware", "oracle:least_work"):
-        ent = ENTRANTS[name]
-        sim = Simulation(
-            reqs,
-            spec(),
-            ent.make(0),
-            block_tokens=BLOCK,
-            knowledge=ent.knowledge,
-            shared_cache=ent.shared_cache,
-            loop=plan.loop,
-        )
-        out = sim.run()
+    for name in ("oracle:tier_aware", "oracle:least_work", "oracle:spread"):
+        out = run_entrant(reqs, name, loop=plan.loop)
         assert sum(out.new_tokens) <= fl.tokens
     # a partitioned cache does prefill more than the floor on the same plan
-    rr = run(reqs, plan.loop, "round_robin")
-    assert sum(rr.new_tokens) > fl.tokens  # type: ignore[attr-defined]
+    rr = run_entrant(reqs, "round_robin", loop=plan.loop)
+    assert sum(rr.new_tokens) > fl.tokens
 
 
 def test_no_policy_beats_the_oracle_or_a_bound_in_a_closed_loop_run() -> None:
@@ -175,18 +149,9 @@ def test_no_policy_beats_the_oracle_or_a_bound_in_a_closed_loop_run() -> None:
     for scale in (scale_for_load(plan, fl.work_s, x, 2) for x in (0.4, 0.9)):
         reqs = scaled(plan, scale)
         for name in ("tier_aware", "round_robin", "smg_cache_aware:exact", "oracle:tier_aware",
-                     "oracle:least_work"):  # fmt: skip
-            ent = ENTRANTS[name]
-            sim = Simulation(
-                reqs,
-                spec(),
-                ent.make(0),
-                block_tokens=BLOCK,
-                knowledge=ent.knowledge,
-                shared_cache=ent.shared_cache,
-                loop=plan.loop,
-            )
-            rows.append(summarize(name, scale, reqs, sim.run(), fl.tokens, 2.0, alone_s=fl.work_s))
+                     "oracle:least_work", "oracle:spread"):  # fmt: skip
+            out = run_entrant(reqs, name, loop=plan.loop)
+            rows.append(summarize(name, scale, reqs, out, fl.tokens, 2.0, alone_s=fl.work_s))
     rows = with_oracle(rows)
     assert [r.policy for r in rows].count("oracle") == 2
     assert violations(rows) == []
@@ -210,22 +175,9 @@ def test_the_check_fails_a_run_where_a_policy_beats_the_oracle_or_a_bound() -> N
     assert "oracle mean TTFT" in srpt[1]  # the oracle itself is held to the strict bounds
 
 
-def _read(path: Path) -> list[Row]:
-    kinds = {f.name: f.type for f in fields(Row)}
-    out = []
-    with path.open() as f:
-        for rec in csv.DictReader(f):
-            vals = {}
-            for k, v in rec.items():
-                t = str(kinds[k])
-                vals[k] = v if t == "str" else (int(v) if t == "int" else float(v))
-            out.append(Row(**vals))  # type: ignore[arg-type]
-    return out
-
-
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*/results.csv")), ids=lambda p: p.parent.name)
 def test_no_policy_beats_the_oracle_or_a_bound_in_the_results_tables(path: Path) -> None:
-    rows = _read(path)
+    rows = read_rows(path)
     assert any(r.policy == "oracle" for r in rows)
     assert violations(rows) == []
 
