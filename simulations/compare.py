@@ -104,7 +104,39 @@ def render(ratios: Sequence[PeerRatio], policy: str) -> str:
     return "\n".join(lines)
 
 
+def condensed(rows: Sequence[Row]) -> str:
+    """One line per policy, one column per load: mean TTFT s / p99 TTFT s / prefill ÷
+    floor; column headers give the rate scale, the load asked for and tier_aware's
+    realised utilisation."""
+    scales = list(dict.fromkeys(r.rate_scale for r in rows))
+    policies = list(dict.fromkeys(r.policy for r in rows))
+    cell = {(r.policy, r.rate_scale): r for r in rows}
+    heads = []
+    for sc in scales:
+        ta = cell.get(("tier_aware", sc))
+        load = next((r.load for r in rows if r.rate_scale == sc), math.nan)
+        util = f", util {ta.utilization:.0%}" if ta is not None else ""
+        asked = "" if math.isnan(load) else f"load {load:.0%}"
+        heads.append(f"x{sc:g} ({asked}{util})" if asked else f"x{sc:g} ({util[2:]})")
+    lines = ["| policy | " + " | ".join(heads) + " |", "|---|" + "---|" * len(scales)]
+    for p in policies:
+        cells = []
+        for sc in scales:
+            r = cell.get((p, sc))
+            cells.append(
+                "-"
+                if r is None
+                else f"{r.ttft_mean_s:.3g} / {r.ttft_p99_s:.3g} / {r.floor_ratio:.3f}"
+            )
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(a: argparse.Namespace) -> int:
+    if a.condensed:
+        for path in a.results:
+            print(f"{path}:\n{condensed(read_rows(path))}\n")
+        return 0
     first = peer_ratios(read_rows(a.results[0]), a.policy)
     print(f"{a.results[0]}:\n{render(first, a.policy)}")
     if len(a.results) > 1:
@@ -126,3 +158,8 @@ def main(a: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", help="one or two results.csv files")
     p.add_argument("--policy", default="tier_aware")
+    p.add_argument(
+        "--condensed",
+        action="store_true",
+        help="print each file's condensed table (mean / p99 / prefill per floor) instead",
+    )
