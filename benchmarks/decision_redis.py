@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 from prometheus_client import CollectorRegistry
 
@@ -115,7 +116,11 @@ async def timed_direct(
         scratch = ResidencyTables(CFG)
         now = scratch.clock()
         for e in ENGINES:
-            vals = await link.client.mget([keys[e].entry("gx", k) for k in names])
+            # the link's client returns bytes (no decode_responses)
+            vals = cast(
+                "list[bytes | None]",
+                await link.client.mget([keys[e].entry("gx", k) for k in names]),
+            )
             held = [
                 (k, int(v.split(b",")[0])) for k, v in zip(rv.block_keys, vals, strict=True) if v
             ]

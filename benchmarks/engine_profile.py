@@ -30,8 +30,8 @@ from engine_stub.kvstore import GlobalKVStore
 from engine_stub.model import MiniV4, ModelConfig
 from engine_stub.profiler import Profiler
 from engine_stub.prompt_cache import PromptCache
-from engine_stub.request import PromptWork
 from engine_stub.swa_pool import SWAPool
+from ramjet.decisions.prompt_work import PromptWork
 from ramjet.keys.prefix import compute_keys, key_seed, render_chat
 
 

@@ -224,7 +224,7 @@ def build_cases(dev: torch.device, full: bool) -> list[Case]:
         # unique window rows (prefill windows overlap) and gathered global rows
         uniq_w = int(torch.unique(win_idx[win_idx >= 0]).numel())
         uniq_g = int(torch.unique(glob_idx[glob_idx >= 0]).numel())
-        return nbytes(q, o, win_idx, glob_idx) + uniq_w * row_w + uniq_g * (D // 2 + D // 16)
+        return nbytes(q, o, win_idx, glob_idx) + int(uniq_w * row_w) + uniq_g * (D // 2 + D // 16)
 
     entries = W + KSEL
     cases.append(
@@ -311,12 +311,13 @@ def build_cases(dev: torch.device, full: bool) -> list[Case]:
 def _time_cuda(fn: Callable[[int], Any], reps: int) -> float:
     times = []
     for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         fn(i)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(float(start.elapsed_time(end)) / 1e3)
     return statistics.median(times)
 
 

@@ -90,11 +90,11 @@ def engram_prefetch(model: MiniV4, rounds: int = 4) -> None:
             f"{cpu / n * 1e3:6.1f} ms CPU"
         )
     for kind in ("prefill 2048", "decode batch 4"):
-        on, off = acc[(kind, True)], acc[(kind, False)]
+        on_, off = acc[(kind, True)], acc[(kind, False)]
         print(
-            f"engram {kind}: overlap hides {1 - on[3] / max(off[3], 1e-12):.0%} of the inline "
-            f"wait; forward CPU time overlapped/inline {on[5] / off[5]:.2f}x, wall "
-            f"{on[4] / off[4]:.2f}x"
+            f"engram {kind}: overlap hides {1 - on_[3] / max(off[3], 1e-12):.0%} of the inline "
+            f"wait; forward CPU time overlapped/inline {on_[5] / off[5]:.2f}x, wall "
+            f"{on_[4] / off[4]:.2f}x"
         )
 
 

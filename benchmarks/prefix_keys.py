@@ -122,13 +122,13 @@ def main() -> None:
     )
     # Fresh processes, since malloc tuning only helps when applied at start.
     cmd = [sys.executable, __file__, "--faults-only", "--repeats", str(r)]
-    out = {}
+    out: dict[str, float] = {}
     for tag, extra in (("glibc defaults", []), ("tune_malloc()", ["--malloc-tuned"])):
-        f, t = subprocess.run(
+        faults, ms = subprocess.run(
             cmd + extra, capture_output=True, text=True, check=True
         ).stdout.split()
-        out[tag] = float(t)
-        print(f"fresh process, {tag:>15}: {f:>5} faults and {t} ms per 4 MB parse_request")
+        out[tag] = float(ms)
+        print(f"fresh process, {tag:>15}: {faults:>5} faults and {ms} ms per 4 MB parse_request")
     print(f"tune_malloc speed-up on 4 MB: {out['glibc defaults'] / out['tune_malloc()']:.2f}x")
 
 

@@ -53,7 +53,7 @@ import proxy_overhead as po  # the upstream, client, checks and process helpers
 from ramjet.reports.bodies import DeltaBody, TierKeys, encode_body
 from ramjet.reports.envelope import Envelope, sign
 from ramjet.reports.keys import public_key_b64
-from ramjet.types import PrefixKey
+from ramjet.types import EngineId, PrefixKey
 
 TARGET_RISE = 0.10
 BAD = b'{"rejected":"bad_signature"}'
@@ -120,9 +120,8 @@ def run_flooder(host: str, port: int, rate: float, frame_file: str) -> None:
     async def flood() -> dict[str, object]:
         loop = asyncio.get_running_loop()
         transport, conn = await loop.create_connection(_FloodConn, host, port)
-        conn = cast(_FloodConn, conn)
         stop = loop.create_future()
-        loop.add_reader(sys.stdin.fileno(), lambda: stop.done() or stop.set_result(None))
+        loop.add_reader(sys.stdin.fileno(), lambda: None if stop.done() else stop.set_result(None))
         print("ready", flush=True)
         sent, t0, tick = 0, time.monotonic(), 0.005
         while not stop.done() and not conn.lost.done():
@@ -235,7 +234,7 @@ def forged_frame(path: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     body = DeltaBody(stored=[TierKeys(tier="hbm", keys=tuple(PrefixKey(k) for k in range(8)))])
-    env = Envelope("e0", "e0-k1", 1, 1, int(time.time() * 1000), "delta", encode_body(body))
+    env = Envelope(EngineId("e0"), "e0-k1", 1, 1, int(time.time() * 1000), "delta", encode_body(body))
     path.write_bytes(sign(env, Ed25519PrivateKey.generate()))
 
 
@@ -363,16 +362,16 @@ def main() -> int:
             )
             rises = {}
             for r in routers:
-                q, f = statistics.median(r.quiet), statistics.median(r.flood)
-                rises[r.name] = f / q - 1
+                q, fl = statistics.median(r.quiet), statistics.median(r.flood)
+                rises[r.name] = fl / q - 1
                 print(
                     f"  {r.name:9s}: CPU per client request quiet {q * 1e6:.0f} us, "
-                    f"under flood {f * 1e6:.0f} us ({rises[r.name] * 100:+.1f}%)"
+                    f"under flood {fl * 1e6:.0f} us ({rises[r.name] * 100:+.1f}%)"
                 )
                 group = "report flood: router CPU per client request"
                 print(f"figure: {group} / {r.name}, quiet = {q * 1e6:.1f} us")
                 print(
-                    f"figure: {group} / {r.name}, {args.flood_rate:g} forged/s = {f * 1e6:.1f} us"
+                    f"figure: {group} / {r.name}, {args.flood_rate:g} forged/s = {fl * 1e6:.1f} us"
                 )
             ok = rises["limited"] <= TARGET_RISE
             print(

@@ -42,7 +42,7 @@ from ramjet.config import parse_policy
 from ramjet.fleet.signals import REPORTS_KEY
 from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body
 from ramjet.reports.config import ReportsConfig
-from ramjet.reports.envelope import Envelope, decode, sign
+from ramjet.reports.envelope import Envelope, ReportKind, decode, sign
 from ramjet.reports.ingest import ReportIngest
 from ramjet.reports.keys import KeyRing, public_key_b64
 from ramjet.reports.processor import ReportProcessor
@@ -70,7 +70,7 @@ def frames(n: int, body_of: object, epoch: int = 1) -> list[bytes]:
     out = []
     for i in range(n):
         body = body_of(i)  # type: ignore[operator]
-        kind = "snapshot" if isinstance(body, SnapshotBody) else "delta"
+        kind: ReportKind = "snapshot" if isinstance(body, SnapshotBody) else "delta"
         env = Envelope(E0, "k", epoch, i + 1, now_ms + i, kind, encode_body(body))
         out.append(sign(env, KEY))
     return out

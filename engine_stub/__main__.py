@@ -9,13 +9,13 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 log = logging.getLogger("engine_stub")
 
 
-def _positive(kind: type) -> object:
+def _positive(kind: type) -> Callable[[str], object]:
     def parse(text: str) -> object:
         try:
             v = kind(text)

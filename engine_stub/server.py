@@ -158,8 +158,9 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         params = parse_params(body, s.max_gen_tokens)
         priority = parse_priority(body)
         try:
+            messages: Any = body.get("messages")  # render_chat refuses a missing one
             rendered: Rendered = (
-                render_chat(body.get("messages"), body.get("tools"))
+                render_chat(messages, body.get("tools"))
                 if chat
                 else render_completion(body.get("prompt"))
             )

@@ -100,7 +100,11 @@ class EngramPrefetcher:
             layer: (ew.mult.cpu(), ew.primes.cpu(), ew.offsets.cpu())
             for layer, ew in weights.engram.items()
         }
-        self._stream = torch.cuda.Stream(device=device) if self._cuda else None
+        self._stream = (
+            torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch's stub
+            if self._cuda
+            else None
+        )
         self._lock = threading.Lock()
         self._stats = EngramStats()
         self._pool: ThreadPoolExecutor | None = None
@@ -193,7 +197,7 @@ class EngramPrefetcher:
             de = eb.to(self.device, non_blocking=True)
             local = torch.arange(n, device=self.device).view(rows.shape)
             emb = ops.engram_gather(dt, de, local)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's stub
             event.record(self._stream)
         return emb, event
 

@@ -125,7 +125,7 @@ class FakeUpstream:
         if self.port == 0:
             server = self._site._server
             assert server is not None
-            self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
 
     async def refuse(self) -> None:
         """Stop listening: new connections are refused (the port stays reserved by us)."""
