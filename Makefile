@@ -61,8 +61,15 @@ check: $(STAMP)
 unit: system-deps $(TEST_ENVS)
 	$(BIN)/pytest -q
 
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[engine,sim,dev,bench]'
+	touch $(BENCH_STAMP)
+
 ## bench: the headline benchmarks in quick mode -> out/bench/summary.md and its plots
-bench: system-deps-bench $(STAMP)
+## (redis-server and nginx-light from Debian, the `bench` extra: smg, httptools)
+bench: system-deps-bench $(BENCH_STAMP)
 	$(BIN)/python benchmarks/bench_all.py --quick --out out/bench
 
 fmt: $(STAMP)
