@@ -3,6 +3,8 @@
 
     .venv/bin/python benchmarks/proxy_overhead.py            # 4 interleaved rounds
     .venv/bin/python benchmarks/proxy_overhead.py --quick    # 1 short round, < 60 s
+    ... --layers            # also the HTTP layer alone: aiohttp vs httptools servers
+    ... --only smg_ca,ramjet_observe                          # a subset (direct always)
 
 Set-up: two upstream engines (one process, two ports; `httptools` HTTP/1.1) that parse
 every request's JSON body (`"stream"` is read from the parsed body, so a proxy that
@@ -13,7 +15,10 @@ to CPU 0 (`taskset`); the upstreams and the load generator (this process) run on
 other CPUs. Targets: `direct` (no hop: the latency baseline), nginx (if installed),
 `bare` (aiohttp server + aiohttp client, nothing else), `smg_rr` and `smg_ca` (SMG
 round_robin and cache_aware, if installed), `ramjet_observe` (prefix_affinity live,
-tier_aware recorded, decision log on) and `ramjet_enforce` (tier_aware live).
+tier_aware recorded, decision log on) and `ramjet_enforce` (tier_aware live). With
+`--layers`, `layer_aiohttp` and `layer_httptools`: a server and Ramjet's engine client
+(`ramjet.proxy.http1.EnginePool`) and nothing else, aiohttp's server or an
+asyncio.Protocol on httptools; what choosing Ramjet's HTTP layer could save.
 
 Before any timing, each target is checked with an independent client (aiohttp): a small
 request must come back 200 with the completion and the prompt size the upstream saw, a
@@ -255,6 +260,138 @@ def run_bare(port: int, upstreams: list[str]) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+# -- the HTTP layer alone (own process: --layer KIND PORT UPSTREAM,UPSTREAM) -------------
+
+
+def run_layer(kind: str, port: int, upstreams: list[str]) -> None:
+    """A hop that is only a server in front of Ramjet's engine client
+    (`ramjet.proxy.http1.EnginePool`): `aiohttp` (the server Ramjet runs) or `httptools`
+    (an asyncio.Protocol on llhttp). The two differ in the client-facing server alone,
+    which is what choosing Ramjet's HTTP layer needs measured."""
+    from ramjet.proxy.http1 import EnginePool
+
+    pools: list[EnginePool] = []
+    turn = [0]
+
+    def pool() -> EnginePool:
+        turn[0] += 1
+        return pools[turn[0] % len(pools)]
+
+    hdrs = [("Content-Type", "application/json")]
+
+    if kind == "aiohttp":
+        from aiohttp import web
+
+        async def hop(request: web.Request) -> web.StreamResponse:
+            body = await request.read()
+            up = await pool().request("POST", request.path_qs, hdrs, body)
+            try:
+                resp = web.StreamResponse(status=up.status)
+                resp.content_type = up.headers.get("Content-Type", "application/json")
+                if up.content_length is not None:
+                    resp.content_length = up.content_length
+                await resp.prepare(request)
+                while True:
+                    piece = up.read_nowait() or await up.readany(30.0)
+                    if not piece:
+                        break
+                    await resp.write(piece)
+                await resp.write_eof()
+                return resp
+            finally:
+                up.close()
+
+        async def start(app: web.Application) -> None:
+            pools.extend(EnginePool(u, limit=1024, connect_s=1.0) for u in upstreams)
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", hop)
+
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": "m"}]})
+
+        app.router.add_get("/v1/models", models)
+        app.on_startup.append(start)
+        uvloop.install()
+        web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+        return
+
+    import httptools
+
+    running: set[asyncio.Task[None]] = set()
+
+    class Hop(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.parser = httptools.HttpRequestParser(self)
+            self.url = b""
+            self.body: list[bytes] = []
+            self.t: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t = cast(asyncio.Transport, transport)
+
+        def data_received(self, data: bytes) -> None:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                assert self.t is not None
+                self.t.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                self.t.close()
+
+        def on_url(self, url: bytes) -> None:
+            self.url += url
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            url, body = self.url.decode(), b"".join(self.body)
+            self.url, self.body = b"", []
+            if self.parser.get_method() == b"GET":
+                assert self.t is not None
+                self.t.write(b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"data":[]}')
+                return
+            task = asyncio.ensure_future(self.forward(url, body))
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+        async def forward(self, url: str, body: bytes) -> None:
+            t = self.t
+            assert t is not None
+            up = await pool().request("POST", url, hdrs, body)
+            try:
+                ctype = up.headers.get("Content-Type", "application/json")
+                length = up.content_length
+                framing = (
+                    b"Content-Length: %d" % length
+                    if length is not None
+                    else b"Transfer-Encoding: chunked"
+                )
+                head = b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\n%s\r\n\r\n" % (
+                    up.status,
+                    up.reason.encode(),
+                    ctype.encode(),
+                    framing,
+                )
+                while True:
+                    piece = up.read_nowait() or await up.readany(30.0)
+                    if not piece:
+                        break
+                    out = piece if length is not None else b"%x\r\n%s\r\n" % (len(piece), piece)
+                    t.write(head + out if head else out)
+                    head = b""
+                t.write(head + (b"" if length is not None else b"0\r\n\r\n"))
+            finally:
+                up.close()
+
+    async def serve() -> None:
+        pools.extend(EnginePool(u, limit=1024, connect_s=1.0) for u in upstreams)
+        await asyncio.get_running_loop().create_server(Hop, "127.0.0.1", port, backlog=1024)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
 # -- processes ----------------------------------------------------------------------------
 
 
@@ -341,6 +478,14 @@ def start_bare(ups: list[str]) -> Target:
     proc = subprocess.Popen(pinned([PY, __file__, "--bare", str(port), ",".join(ups)]))
     wait_http(f"http://127.0.0.1:{port}/v1/models", proc=proc)
     return Target("bare", f"http://127.0.0.1:{port}", proc)
+
+
+def start_layer(kind: str, ups: list[str]) -> Target:
+    port = free_port()
+    cmd = [PY, __file__, "--layer", kind, str(port), ",".join(ups)]
+    proc = subprocess.Popen(pinned(cmd), cwd=ROOT)
+    wait_http(f"http://127.0.0.1:{port}/v1/models", proc=proc)
+    return Target(f"layer_{kind}", f"http://127.0.0.1:{port}", proc)
 
 
 def start_nginx(up_ports: list[int], tmp: Path) -> Target:
@@ -690,12 +835,21 @@ def main() -> int:
     )
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--layer", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--layers",
+        action="store_true",
+        help="also time the HTTP layer alone: aiohttp vs httptools in front of Ramjet's engine client",
+    )
     args = ap.parse_args()
     if args.upstream:
         run_upstream([int(p) for p in args.upstream.split(",")])
         return 0
     if args.bare:
         run_bare(int(args.bare[0]), args.bare[1].split(","))
+        return 0
+    if args.layer:
+        run_layer(args.layer[0], int(args.layer[1]), args.layer[2].split(","))
         return 0
     if args.quick:
         args.rounds, args.seconds, args.large = 1, 1.5, 3
@@ -731,6 +885,8 @@ def main() -> int:
                 notes.append("nginx not installed (apt-get install nginx-light): column skipped")
             if want("bare"):
                 targets.append(start_bare(ups))
+            if args.layers:
+                targets += [start_layer(k, ups) for k in ("aiohttp", "httptools")]
             if SMG:
                 for name, pol in (("smg_rr", "round_robin"), ("smg_ca", "cache_aware")):
                     if want(name):

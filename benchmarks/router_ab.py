@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/router_ab.py TREE_A TREE_B [--rounds 5] [--seconds 2]
 
 Each tree is a checkout of this repository (e.g. `git archive HEAD~1 | tar -x -C /tmp/a`);
-its router runs as `python -m ramjet serve` with PYTHONPATH set to the tree. Rounds
-alternate A and B, JSON then 64-chunk SSE, with `benchmarks/proxy_overhead.py`'s
-upstream and load, so both share the machine's noise alike. Printed per mode: the
+its router runs as `python -m ramjet serve` with PYTHONPATH set to the tree, pinned to
+CPU 0 (upstream and load on the others). Rounds alternate A and B, JSON then SSE (64
+chunks 1 ms apart), with `benchmarks/proxy_overhead.py`'s upstream, load and checks
+(every reply verified), so both share the machine's noise alike. Printed per mode: the
 median CPU us/request of each tree, B/A, and every round's figures (a lever that wins
 should win most rounds, not just the median). Every process started is stopped by pid.
 """
@@ -13,13 +14,15 @@ should win most rounds, not just the median). Every process started is stopped b
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
+
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po
@@ -38,7 +41,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         try:
             up_port = po.free_port()
-            procs.append(subprocess.Popen([po.PY, po.__file__, "--upstream", str(up_port)]))
+            os.sched_setaffinity(0, po.other_cpus())
+            procs.append(
+                subprocess.Popen(
+                    [po.PY, po.__file__, "--upstream", str(up_port)],
+                    preexec_fn=lambda: os.sched_setaffinity(0, po.other_cpus()),
+                )
+            )
             po.wait_http(f"http://127.0.0.1:{up_port}/health")
             policy = Path(d) / "ab.yaml"
             policy.write_text(
@@ -50,7 +59,18 @@ def main() -> int:
             for tree in trees:
                 port = po.free_port()
                 proc = subprocess.Popen(
-                    [po.PY, "-m", "ramjet", "serve", "--policy", str(policy), "--port", str(port)],
+                    po.pinned(
+                        [
+                            po.PY,
+                            "-m",
+                            "ramjet",
+                            "serve",
+                            "--policy",
+                            str(policy),
+                            "--port",
+                            str(port),
+                        ]
+                    ),
                     cwd=tree,
                     env=dict(os.environ, PYTHONPATH=tree),
                 )
@@ -63,8 +83,16 @@ def main() -> int:
             for _ in range(args.rounds):
                 for stream in (False, True):
                     for i, (url, pid) in enumerate(routers):
+                        target = po.Target("AB"[i], url)
+                        raw, check = (
+                            (po.STREAM_RAW, partial(po.check_stream, target.name))
+                            if stream
+                            else (po.SMALL_RAW, partial(po.check_json, target.name, small=True))
+                        )
                         c0 = po.cpu_seconds([pid])
-                        n, _ = asyncio.run(po.load(url, stream, args.seconds, args.concurrency))
+                        n = uvloop.run(
+                            po.closed_loop(target, raw, check, args.seconds, args.concurrency)
+                        )
                         runs[(i, stream)].append((po.cpu_seconds([pid]) - c0) / n * 1e6)
             print(f"router CPU us/request, median of {args.rounds} interleaved rounds")
             print(f"  A = {trees[0]}\n  B = {trees[1]}")
