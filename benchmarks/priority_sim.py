@@ -1,0 +1,390 @@
+"""Priority hints in the simulator: FCFS against priority scheduling (the chunk-preemptive
+engine and vLLM's variant) on the Mooncake, tau-bench and mini-SWE traces at three loads,
+an aging sweep, and the worst wait of long cold prompts.
+
+    .venv/bin/python benchmarks/priority_sim.py --out docs/results/priority [--quick]
+
+For each trace and load: every FCFS peer (`simulations.lineup`), and tier_aware (and
+prefix_affinity) under each scheduler of `simulations.engine`: `fcfs`, `priority`
+(chunk-preemptive), `vllm-priority` (vLLM V1's) and `vllm-fcfs` (vLLM's step packing in
+arrival order, to tell the packing from the order). Figures: mean / p99 / max TTFT over
+the measured requests (the closed-loop window for the agent traces, as
+`simulations.summary`), utilisation, and for long cold prompts (no cache hit, the
+longest 5% of prompts) their worst wait before the first prefill chunk. The aging sweep
+runs tier_aware with both priority variants at the middle load. Writes `tables.md`,
+`results.csv`, `aging_sweep.png` and prints progress and the tables. Everything runs
+the repository's simulator objects; nothing here models an engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from simulations.bounds import floor
+from simulations.lineup import resolve
+from simulations.preset import engine_spec
+from simulations.sessions import closed_loop_plan, scale_for_load, scaled
+from simulations.simulator import Simulation
+from simulations.summary import summarize
+from simulations.workload import Request, load_trace, scale_rate
+
+TRACES = Path("/work/shared/data/traces")
+if not TRACES.is_dir():
+    TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+
+
+@dataclass(frozen=True)
+class TraceCase:
+    name: str
+    path: Path
+    sessions_x: int
+    """Closed-loop copies of the trace's sessions (0: open-loop)."""
+    loads: tuple[float, float, float]
+    """Offered loads relative to the floor's work, chosen so that tier_aware under FCFS
+    runs its engines ~45-55% / 65-70% / 85-90% busy."""
+
+
+CASES = (
+    TraceCase("mooncake", TRACES / "mooncake/synthetic_trace.jsonl", 0, (0.42, 0.6, 0.78)),
+    TraceCase("taubench", TRACES / "agent/taubench_raw_b64.jsonl", 30, (0.1, 0.15, 0.2)),
+    TraceCase("miniswe", TRACES / "agent/miniswe_interleaved_b64.jsonl", 20, (0.3, 0.4, 0.5)),
+)
+
+PEERS = (
+    "prefix_affinity",
+    "smg_cache_aware:exact",
+    "llmd_scorers:exact",
+    "dynamo_kv:exact",
+    "prodstack_prefix:real",
+    "session_hash",
+    "least_loaded",
+)
+SCHEDULERS = ("fcfs", "priority", "vllm-priority", "vllm-fcfs")
+AGINGS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
+DEFAULT_AGING = 0.5
+
+
+@dataclass
+class Result:
+    trace: str
+    load: float
+    policy: str
+    scheduler: str
+    aging: float
+    util: float
+    mean_s: float
+    p99_s: float
+    max_s: float
+    long_n: int
+    """Requests with the most uncached prompt tokens (top 5% of the measured ones)."""
+    long_max_wait_s: float
+    """Their worst wait before the first prefill chunk."""
+    long_max_ttft_s: float
+    long_worst_tokens: int
+    """Uncached prompt tokens of the one that waited longest."""
+    long_worst_hint_s: float
+    """Its predicted prompt work (the hint), from which aging bounds its delay."""
+
+
+def _pct(sorted_vals: list[float], q: float) -> float:
+    if not sorted_vals:
+        return math.nan
+    i = min(len(sorted_vals) - 1, max(0, math.ceil(q * len(sorted_vals)) - 1))
+    return sorted_vals[i]
+
+
+class Workload:
+    """One trace prepared once: requests (or the closed-loop plan) and per-load scales."""
+
+    def __init__(self, case: TraceCase, quick: bool) -> None:
+        reqs, self.block = load_trace(case.path)
+        self.case = case
+        spec = engine_spec()
+        self.plan = None
+        if case.sessions_x:
+            copies = max(1, case.sessions_x // (4 if quick else 1))
+            sessions = len({r.session for r in reqs}) * copies
+            self.plan = closed_loop_plan(reqs, self.block, sessions=sessions, seed=0)
+            reqs = self.plan.requests
+        elif quick:
+            reqs = reqs[: len(reqs) // 2]
+        self.reqs: list[Request] = reqs
+        self.fl = floor(reqs, spec.profile)
+        span = reqs[-1].arrival_s - reqs[0].arrival_s
+        self.scales: dict[float, float] = {}
+        for x in case.loads:
+            if self.plan is not None:
+                self.scales[x] = round(scale_for_load(self.plan, self.fl.work_s, x, 2), 4)
+            else:
+                self.scales[x] = round(x * 2 * span / sum(self.fl.work_s), 4)
+
+    def at(self, load: float) -> list[Request]:
+        s = self.scales[load]
+        return scaled(self.plan, s) if self.plan is not None else scale_rate(self.reqs, s)
+
+
+def run_one(w: Workload, load: float, policy: str, scheduler: str, aging: float) -> Result:
+    [ent] = resolve(policy)
+    spec = engine_spec(scheduler=scheduler, aging=aging)
+    reqs = w.at(load)
+    sim = Simulation(
+        reqs,
+        spec,
+        ent.make(0),
+        block_tokens=w.block,
+        engines=2,
+        knowledge=ent.knowledge,
+        shared_cache=ent.shared_cache,
+        loop=w.plan.loop if w.plan is not None else None,
+    )
+    out = sim.run()
+    row = summarize(policy, w.scales[load], reqs, out, w.fl.tokens, 2.0, load, w.fl.work_s)
+    win = out.window
+    counted = [i for i, t in enumerate(out.arrival) if win is None or win[0] <= t <= win[1]]
+    counted = counted or list(range(len(out.ttft)))
+    tt = sorted(out.ttft[i] for i in counted)
+    by_new = sorted(counted, key=lambda i: out.new_tokens[i])
+    long = by_new[int(0.95 * len(by_new)) :]
+    worst = max(long, key=lambda i: out.wait[i])
+    hint = spec.profile.prefill_seconds(
+        out.new_tokens[worst], reqs[worst].prompt_tokens - out.new_tokens[worst]
+    )
+    return Result(
+        trace=w.case.name,
+        load=load,
+        policy=policy,
+        scheduler=scheduler,
+        aging=aging,
+        util=row.utilization,
+        mean_s=sum(tt) / len(tt),
+        p99_s=_pct(tt, 0.99),
+        max_s=tt[-1],
+        long_n=len(long),
+        long_max_wait_s=out.wait[worst],
+        long_max_ttft_s=max(out.ttft[i] for i in long),
+        long_worst_tokens=out.new_tokens[worst],
+        long_worst_hint_s=hint,
+    )
+
+
+def _fmt(r: Result) -> str:
+    return f"{r.mean_s:.2f} / {r.p99_s:.1f} / {r.max_s:.1f}"
+
+
+PAIRS = (("priority", "fcfs", "chunk-preemptive engine"), ("vllm-priority", "vllm-fcfs", "vLLM"))
+"""(priority scheduler, its FCFS baseline on the same engine model, what it stands for)."""
+
+
+def _find(rows: list[Result], load: float, policy: str, scheduler: str) -> Result | None:
+    return next(
+        (r for r in rows if r.load == load and r.policy == policy and r.scheduler == scheduler),
+        None,
+    )
+
+
+def verdicts(rows: list[Result], load: float) -> list[str]:
+    """Per engine model: tier_aware with hints against the best FCFS peer (mean) and FCFS
+    tier_aware (p99), both on the same engine model."""
+    out = []
+    for prio, base, what in PAIRS:
+        ta, ta_fcfs = _find(rows, load, "tier_aware", prio), _find(rows, load, "tier_aware", base)
+        peers = [
+            r for r in rows if r.load == load and r.scheduler == base and r.policy != "tier_aware"
+        ]
+        if ta is None or ta_fcfs is None or not peers:
+            continue
+        best = min(peers, key=lambda r: r.mean_s)
+        m, p = ta.mean_s / best.mean_s, ta.p99_s / ta_fcfs.p99_s
+        ok = "meets" if m <= 0.6 and p <= 1.0 else "misses"
+        out.append(
+            f"{what}: tier_aware+{prio} mean {ta.mean_s:.3g} s = {m:.2f}x the best {base} peer "
+            f"({best.policy} {best.mean_s:.3g} s); p99 {ta.p99_s:.3g} s = {p:.2f}x {base} "
+            f"tier_aware's; {ok} the goal (<= 0.6x, <= 1.0x)"
+        )
+    return out
+
+
+def tables(results: list[Result]) -> str:
+    out: list[str] = []
+    main = [r for r in results if r.aging == DEFAULT_AGING or r.scheduler in ("fcfs", "vllm-fcfs")]
+    for case in CASES:
+        rows = [r for r in main if r.trace == case.name]
+        if not rows:
+            continue
+        loads = sorted({r.load for r in rows})
+        utils = {x: getattr(_find(rows, x, "tier_aware", "fcfs"), "util", math.nan) for x in loads}
+        out.append(f"\n### {case.name}: mean / p99 / max TTFT (s), aging {DEFAULT_AGING:g}\n")
+        head = " | ".join(f"load {x:g} ({utils[x]:.0%})" for x in loads)
+        out.append(f"| policy | scheduler | {head} |")
+        out.append("|---|---|" + "---|" * len(loads))
+        keys = sorted(
+            {(r.policy, r.scheduler) for r in rows},
+            key=lambda k: (k[0] != "tier_aware", k[0], SCHEDULERS.index(k[1])),
+        )
+        for pol, sch in keys:
+            cells = []
+            for x in loads:
+                hit = _find(rows, x, pol, sch)
+                cells.append(_fmt(hit) if hit else "-")
+            out.append(f"| {pol} | {sch} | " + " | ".join(cells) + " |")
+        out.append("")
+        for x in loads:
+            for v in verdicts(rows, x):
+                out.append(f"- load {x:g} ({utils[x]:.0%} FCFS util): {v}")
+        out.append(
+            f"\n{case.name}, tier_aware: the 5% of requests with the most uncached prompt "
+            "tokens: worst wait before the first prefill chunk, its uncached tokens and "
+            "predicted work (the hint h), the aging horizon h/aging after which no later "
+            "arrival overtakes it, and the worst TTFT among them\n"
+        )
+        out.append(
+            "| load | scheduler | n | worst wait s | its tokens | h s | h/aging s | worst TTFT s |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|")
+        for x in loads:
+            for sch in SCHEDULERS:
+                r = _find(rows, x, "tier_aware", sch)
+                if r is None:
+                    continue
+                horizon = (
+                    f"{r.long_worst_hint_s / r.aging:.1f}"
+                    if sch in ("priority", "vllm-priority") and r.aging > 0
+                    else "-"
+                )
+                out.append(
+                    f"| {x:g} | {sch} | {r.long_n} | {r.long_max_wait_s:.2f} | "
+                    f"{r.long_worst_tokens} | {r.long_worst_hint_s:.2f} | {horizon} | "
+                    f"{r.long_max_ttft_s:.2f} |"
+                )
+    sweep = [
+        r
+        for r in results
+        if r.policy == "tier_aware" and r.scheduler in ("priority", "vllm-priority")
+    ]
+    for case in CASES:
+        rows = [r for r in sweep if r.trace == case.name and r.load == case.loads[1]]
+        if len({r.aging for r in rows}) < 2:
+            continue
+        out.append(
+            f"\n### {case.name}: aging sweep, tier_aware at load {case.loads[1]:g}: "
+            "mean / p99 / max TTFT (s); worst wait of the most-work 5% (s)\n"
+        )
+        out.append("| aging | priority | vllm-priority |")
+        out.append("|---|---|---|")
+        for a in sorted({r.aging for r in rows}):
+            cells = []
+            for sch in ("priority", "vllm-priority"):
+                hits = [r for r in rows if r.aging == a and r.scheduler == sch]
+                cells.append(f"{_fmt(hits[0])}; {hits[0].long_max_wait_s:.2f}" if hits else "-")
+            out.append(f"| {a:g} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CASES), figsize=(5 * len(CASES), 4), squeeze=False)
+    for ax, case in zip(axes[0], CASES, strict=True):
+        mid = case.loads[1]
+        for sch, style in (("priority", "-"), ("vllm-priority", "--")):  # fmt: skip
+            rows = sorted(
+                (
+                    r
+                    for r in results
+                    if r.trace == case.name
+                    and r.load == mid
+                    and r.policy == "tier_aware"
+                    and r.scheduler == sch
+                ),
+                key=lambda r: r.aging,
+            )
+            if not rows:
+                continue
+            xs = [max(r.aging, 0.02) for r in rows]
+            ax.plot(xs, [r.mean_s for r in rows], style, marker="o", label=f"{sch} mean")
+            ax.plot(xs, [r.p99_s for r in rows], style, marker="^", label=f"{sch} p99")
+            ax.plot(xs, [r.long_max_wait_s for r in rows], style, marker="x",
+                    label=f"{sch} worst wait, most-work 5%")  # fmt: skip
+        for base, color in (("fcfs", "grey"), ("vllm-fcfs", "tan")):
+            fc = _find([r for r in results if r.trace == case.name], mid, "tier_aware", base)
+            if fc is not None:
+                ax.axhline(fc.mean_s, color=color, lw=1, label=f"{base} mean")
+                ax.axhline(fc.p99_s, color=color, lw=1, ls=":", label=f"{base} p99")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("aging (s of work forgiven per s waited; 0 drawn at 0.02)")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{case.name}, load {mid:g}, tier_aware")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="docs/results/priority")
+    p.add_argument("--quick", action="store_true", help="fewer sessions / half Mooncake")
+    p.add_argument("--traces", default=",".join(c.name for c in CASES))
+    p.add_argument("--no-sweep", action="store_true")
+    a = p.parse_args(argv)
+    wanted = set(a.traces.split(","))
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan: list[tuple[TraceCase, float, str, str, float]] = []
+    for case in CASES:
+        if case.name not in wanted:
+            continue
+        for x in case.loads:
+            for peer in PEERS:
+                for base in ("fcfs", "vllm-fcfs"):
+                    plan.append((case, x, peer, base, DEFAULT_AGING))
+            for sch in SCHEDULERS:
+                plan.append((case, x, "tier_aware", sch, DEFAULT_AGING))
+            for sch in ("priority", "vllm-priority"):
+                plan.append((case, x, "prefix_affinity", sch, DEFAULT_AGING))
+        if not a.no_sweep:
+            for ag in AGINGS:
+                if ag == DEFAULT_AGING:
+                    continue
+                for sch in ("priority", "vllm-priority"):
+                    plan.append((case, case.loads[1], "tier_aware", sch, ag))
+    results: list[Result] = []
+    workloads: dict[str, Workload] = {}
+    t0 = time.perf_counter()
+    for n, (case, x, pol, sch, ag) in enumerate(plan, 1):
+        if case.name not in workloads:
+            workloads[case.name] = Workload(case, a.quick)
+        r = run_one(workloads[case.name], x, pol, sch, ag)
+        results.append(r)
+        el = time.perf_counter() - t0
+        print(
+            f"[{n}/{len(plan)} {el:5.0f}s, ~{el / n * (len(plan) - n):.0f}s left] {case.name} "
+            f"load {x:g} {pol} {sch} aging {ag:g}: util {r.util:.0%} {_fmt(r)}",
+            flush=True,
+        )
+    with open(out_dir / "results.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
+        wr.writeheader()
+        for r in results:
+            wr.writerow(asdict(r))
+    text = tables(results)
+    (out_dir / "tables.md").write_text(text)
+    plot(results, out_dir / "aging_sweep.png")
+    print(text)
+    print(f"{len(plan)} runs in {time.perf_counter() - t0:.0f} s; wrote {out_dir}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
