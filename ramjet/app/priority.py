@@ -40,10 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Histogram
-
 from ramjet.app.modes import ModeOutcome, canary_share_of
 from ramjet.config import PriorityConfig
+from ramjet.metric_catalogue import counter, histogram
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from ramjet.policy.cost import estimate
 from ramjet.request.parse import ParsedRequest
@@ -53,8 +52,6 @@ CLASS_STRIDE = 10**15
 at aging <= 100 (aging * arrival in ms < 2e14 * 5)."""
 MAX_CLIENT_CLASS = 1000
 """Largest |client priority| combined: keeps the value inside a signed 64-bit integer."""
-
-_WORK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,20 +171,8 @@ class PriorityHints:
             for e in p.engines:
                 self._by_engine[e] = p
         self._wall = wall
-        self.hints = Counter(
-            "ramjet_priority_hints_total",
-            "Priority hints computed, by pool and outcome (sent, observe, canary_out, "
-            "client_kept, client_invalid)",
-            ["pool", "outcome"],
-            registry=registry,
-        )
-        self.work = Histogram(
-            "ramjet_priority_hint_work_seconds",
-            "Predicted prompt work of each hint (sent or observed)",
-            ["pool"],
-            buckets=_WORK_BUCKETS,
-            registry=registry,
-        )
+        self.hints = counter(registry, "ramjet_priority_hints_total")
+        self.work = histogram(registry, "ramjet_priority_hint_work_seconds")
 
     def __bool__(self) -> bool:
         return bool(self._by_engine)

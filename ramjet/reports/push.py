@@ -41,8 +41,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import cast
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
+from ramjet.metric_catalogue import counter, gauge
 from ramjet.reports import transport as tp
 from ramjet.reports.config import PushConfig
 from ramjet.reports.verify import Accepted, Reason, Rejected
@@ -118,26 +119,11 @@ class PushLimiter:
 
 class PushMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.limited = Counter(
-            "ramjet_reports_push_limited_total",
-            "Pushed report frames refused by the per-source limit before being read or "
-            "verified (reports.push.rate_per_s)",
-            registry=registry,
-        )
-        self.refused = Counter(
-            "ramjet_reports_push_refused_total",
-            "Push requests refused before verification for their form (bad head, no "
-            "length, wrong path or method, too many connections, idle)",
-            ["reason"],
-            registry=registry,
-        )
+        self.limited = counter(registry, "ramjet_reports_push_limited_total")
+        self.refused = counter(registry, "ramjet_reports_push_refused_total")
         for reason in ("bad_request", "length_required", "not_found", "connections", "idle"):
             self.refused.labels(reason)
-        self.connections = Gauge(
-            "ramjet_reports_push_connections",
-            "Open connections on the report push listener",
-            registry=registry,
-        )
+        self.connections = gauge(registry, "ramjet_reports_push_connections")
 
 
 _LIMITED: dict[str, object] = {"rejected": "push_rate_limited"}
