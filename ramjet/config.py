@@ -200,23 +200,6 @@ class PriorityConfig(_Frozen):
     requests carry the hint; the others are observed only."""
 
 
-def check_priority_pools(pools: Sequence[PriorityConfig], engine_ids: Sequence[str]) -> None:
-    """Every pool engine exists and belongs to one priority pool; names are unique."""
-    known = set(engine_ids)
-    seen: dict[str, str] = {}
-    names: set[str] = set()
-    for p in pools:
-        if p.name in names:
-            raise ValueError(f"priority pool name {p.name!r} is repeated")
-        names.add(p.name)
-        for e in p.engines:
-            if e not in known:
-                raise ValueError(f"priority pool {p.name!r}: engine {e!r} is not in engines")
-            if e in seen:
-                raise ValueError(f"engine {e!r} is in priority pools {seen[e]!r} and {p.name!r}")
-            seen[e] = p.name
-
-
 class PolicyConfig(_Frozen):
     engines: tuple[EngineConfig, ...] = Field(min_length=1)
     mode: ModeConfig = ModeConfig()
@@ -261,7 +244,7 @@ class PolicyConfig(_Frozen):
         if self.mode.kind in ("canary", "enforce") and self.candidate is None:
             raise ValueError(f"mode {self.mode.kind} needs a candidate policy")
         check_pools(self.key_pools, (e.id for e in self.engines))
-        check_priority_pools(self.priority, [e.id for e in self.engines])
+        check_pools(self.priority, [e.id for e in self.engines], "priority pool")
         return self
 
 

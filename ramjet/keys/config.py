@@ -4,7 +4,7 @@ requests for them (`ramjet.keys.pools` applies it)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -30,18 +30,31 @@ class KeyPoolConfig(BaseModel):
         return self
 
 
-def check_pools(pools: Sequence[KeyPoolConfig], engine_ids: Iterable[str]) -> None:
-    """Every pool engine exists and belongs to one pool; pool names are unique."""
+class EnginePool(Protocol):
+    """A named pool of engines in the policy file (key pools, priority pools)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def engines(self) -> tuple[str, ...]: ...
+
+
+def check_pools(
+    pools: Sequence[EnginePool], engine_ids: Iterable[str], what: str = "key pool"
+) -> None:
+    """Every pool engine exists and belongs to one pool; pool names are unique. `what`
+    names the kind of pool in the errors."""
     known = set(engine_ids)
     seen: dict[str, str] = {}
     names: set[str] = set()
     for p in pools:
         if p.name in names:
-            raise ValueError(f"key pool name {p.name!r} is repeated")
+            raise ValueError(f"{what} name {p.name!r} is repeated")
         names.add(p.name)
         for e in p.engines:
             if e not in known:
-                raise ValueError(f"key pool {p.name!r}: engine {e!r} is not in engines")
+                raise ValueError(f"{what} {p.name!r}: engine {e!r} is not in engines")
             if e in seen:
-                raise ValueError(f"engine {e!r} is in key pools {seen[e]!r} and {p.name!r}")
+                raise ValueError(f"engine {e!r} is in {what}s {seen[e]!r} and {p.name!r}")
             seen[e] = p.name
