@@ -170,6 +170,11 @@ CATALOGUE: tuple[Metric, ...] = (
            "Trust in the engine's residency: 0 exact, 1 degraded, 2 approximate", at_scrape=True),
     Metric("ramjet_reports_staleness_seconds", GAUGE, "seconds", ("engine",), "ramjet.reports.metrics",
            "Seconds since the engine's last accepted report", at_scrape=True),
+    # -- ramjet.reports.ingest ----------------------------------------------------------
+    Metric("ramjet_reports_pull_failures_total", COUNTER, "", ("engine",), "ramjet.reports.ingest",
+           "Polls of the engine's pull target that failed (no answer, HTTP error, a response over the cap)"),
+    Metric("ramjet_reports_pull_silent_seconds", GAUGE, "seconds", ("engine",), "ramjet.reports.ingest",
+           "Seconds since the engine's pull target last answered a poll (since the router started, if it never has)", at_scrape=True),
     # -- ramjet.reports.push ------------------------------------------------------------
     Metric("ramjet_reports_push_limited_total", COUNTER, "", (), "ramjet.reports.push",
            "Pushed report frames refused by the per-source limit before being read or verified (reports.push.rate_per_s)"),

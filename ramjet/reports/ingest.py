@@ -32,12 +32,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 import aiohttp
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from ramjet.errors import ReportError
+from ramjet.metric_catalogue import counter, family
 from ramjet.reports import transport as tp
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.push import PushListener
@@ -62,6 +66,22 @@ async def _read_limited(stream: aiohttp.StreamReader, limit: int) -> bytes:
         if len(buf) > limit:
             raise ResponseTooLarge(f"more than {limit} bytes")
     return bytes(buf)
+
+
+PULL_WARN_EVERY_S = 60.0
+"""A silent pull target is warned about on its first failure, then once per this long."""
+
+
+class _PullSilence(Collector):
+    def __init__(self, ingest: ReportIngest) -> None:
+        self._ingest = ingest
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = family("ramjet_reports_pull_silent_seconds")
+        if self._ingest.started:
+            for engine in self._ingest.engines:
+                fam.add_metric([engine], self._ingest.pull_silent_s(engine))
+        yield fam
 
 
 class ReportIngest:
@@ -92,15 +112,35 @@ class ReportIngest:
         self.polls: dict[EngineId, int] = {}
         self.drop: Callable[[EngineId, bytes], bool] | None = None
         """Test seam: pulled frames it returns True for are discarded (lost in transit)."""
+        reg = registry if registry is not None else CollectorRegistry()
         self.push: PushListener | None = None
         if cfg.push.port is not None:
             self.push = PushListener(
                 cfg.push,
                 self.submit,
-                registry if registry is not None else CollectorRegistry(),
+                reg,
                 max_report_bytes=cfg.max_report_bytes,
                 count_oversize=lambda: processor.count_rejected(Reason.OVERSIZE),
             )
+        self.clock: Callable[[], float] = time.monotonic
+        self._started: float | None = None
+        self._answered: dict[EngineId, float] = {}
+        """Engine -> when its pull target last answered a poll."""
+        self._warned: dict[EngineId, float] = {}
+        """Engine -> the silence (seconds) its last warning reported."""
+        self._pull_failures = counter(reg, "ramjet_reports_pull_failures_total")
+        for engine in self.engines:
+            self._pull_failures.labels(engine)
+        reg.register(_PullSilence(self))
+
+    @property
+    def started(self) -> bool:
+        return self._started is not None
+
+    def pull_silent_s(self, engine: EngineId) -> float:
+        """Seconds since `engine`'s pull target last answered (since start: never has)."""
+        since = self._answered.get(engine, self._started)
+        return 0.0 if since is None else max(0.0, self.clock() - since)
 
     @property
     def push_url(self) -> str:
@@ -111,6 +151,8 @@ class ReportIngest:
     # -- pull -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self._started is None:
+            self._started = self.clock()
         if self.push is not None:
             await self.push.start()
         if self._session is None:
@@ -141,12 +183,43 @@ class ReportIngest:
             try:
                 await self.poll_once(engine, base)
                 backoff = self._poll.backoff_min_s
+                self._pulled(engine, base)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure of one poll: back off, never die
-                log.info("reports pull from %s failed: %r", engine, exc)
+                self._pull_failed(engine, base, exc)
                 await asyncio.sleep(backoff * (0.5 + self._rng.random() / 2))
                 backoff = min(backoff * 2, self._poll.backoff_max_s)
+
+    def _pulled(self, engine: EngineId, base: str) -> None:
+        silent = self.pull_silent_s(engine)
+        self._answered[engine] = self.clock()
+        if self._warned.pop(engine, None) is not None:
+            log.warning(
+                "reports pull from %s (%s) answers again after %.0f s", engine, base, silent
+            )
+
+    def _pull_failed(self, engine: EngineId, base: str, exc: Exception) -> None:
+        """Count it; warn on the first failure and then once per minute of silence: until
+        the target answers, the router routes on its own guesses for this engine."""
+        self._pull_failures.labels(engine).inc()
+        silent = self.pull_silent_s(engine)
+        warned = self._warned.get(engine)
+        if warned is not None and silent - warned < PULL_WARN_EVERY_S:
+            log.info("reports pull from %s failed: %r", engine, exc)
+            return
+        self._warned[engine] = silent
+        since = (
+            f"has not answered for {silent:.0f} s"
+            if engine in self._answered
+            else f"has never answered since the router started ({silent:.0f} s ago)"
+        )
+        log.warning(
+            "reports pull target of %s (%s) %s: %r. Without its reports the router prices "
+            "%s with its own routing and the policy's default profile "
+            "(ramjet_reports_pull_silent_seconds, alert RamjetReportPullSilent)",
+            engine, base, since, exc, engine,
+        )  # fmt: skip
 
     async def fetch_snapshot(self, engine: EngineId, base: str) -> bool:
         """Fetch and submit one snapshot; True when it was accepted, False when it was

@@ -64,6 +64,31 @@ def test_promtool_rejects_a_broken_rule(tmp_path: Path) -> None:
     assert _run(PROMTOOL, "check", "rules", str(bad)).returncode != 0
 
 
+def test_promtool_alert_unit_tests_pass() -> None:
+    """deploy/prometheus/tests: input series in, the alerts that must (not) fire out."""
+    files = sorted(str(p) for p in (DEPLOY / "prometheus" / "tests").glob("*.test.yml"))
+    assert files
+    r = _run(PROMTOOL, "test", "rules", *files)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_alert_unit_test_catches_a_silent_healthy_target(tmp_path: Path) -> None:
+    """The unit test above can fail: make e1's pull target silent too and RamjetReportPullSilent
+    fires for e1, which the test does not expect."""
+    src = DEPLOY / "prometheus" / "tests" / "ramjet-alerts.test.yml"
+    text = src.read_text()
+    healthy = "values: '0 15 5 20 10 0 15 5 20 10 0 15 5 20 10 0 15 5 20 10 0 15 5 20 10'"
+    assert healthy in text
+    broken = tmp_path / "broken.test.yml"
+    broken.write_text(
+        text.replace(healthy, "values: '0+15x24'").replace(
+            "../rules/", str(DEPLOY / "prometheus" / "rules") + "/"
+        )
+    )
+    r = _run(PROMTOOL, "test", "rules", str(broken))
+    assert r.returncode != 0 and 'engine="e1"' in r.stdout + r.stderr, r.stdout + r.stderr
+
+
 # -- Grafana -----------------------------------------------------------------------------------
 
 

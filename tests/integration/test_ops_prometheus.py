@@ -65,6 +65,7 @@ MUST_NOT_FIRE = {
     "RamjetRedisBatchesDropped",
     "RamjetHighErrorRate",
     "RamjetDecisionLogDropping",
+    "RamjetReportPullSilent",
 }
 _COMPARISON = re.compile(
     r"^(?P<lhs>.+?)\s*(?P<op>>=|<=|==|!=|>|<)\s*(?P<thr>-?[0-9.]+(?:e-?\d+)?)$"
