@@ -34,13 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
@@ -58,6 +58,8 @@ from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.registry import create_policy
 from ramjet.proxy.exchange import Exchange, ForwardResult
 from ramjet.proxy.forward import Proxy
+from ramjet.proxy.http1 import EnginePool
+from ramjet.proxy.transport import EngineTransport, fetch
 from ramjet.request.admission import Admission, reject
 from ramjet.request.openai_errors import json_error
 from ramjet.request.parse import (
@@ -131,7 +133,9 @@ class Router:
         self._exchanges: set[Exchange] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._probe_session: aiohttp.ClientSession | None = None
+        # Probes and /v1/models go through the engine transport seam, on pools of their
+        # own: a probe must not queue behind forwards for a connection.
+        self._probe_transports: dict[EngineId, EngineTransport] = {}
         self._prober: HealthProber | None = None
 
     def _on_eject(self, engine: EngineId, duration_s: float) -> None:
@@ -141,10 +145,10 @@ class Router:
 
     async def start(self) -> None:
         await self.proxy.start()
-        self._probe_session = aiohttp.ClientSession()
-        self._prober = HealthProber(
-            self.fleet, self._probe_session, self.config.health, self.config.timeouts.probe_s
-        )
+        t = self.config.timeouts
+        for e in self.fleet.engines:
+            self._probe_transports[e.id] = EnginePool(e.url, limit=4, connect_s=t.connect_s)
+        self._prober = HealthProber(self.fleet, self._probe, self.config.health)
         await self._prober.probe_all()
         self._prober.start()
 
@@ -165,10 +169,20 @@ class Router:
     async def stop(self) -> None:
         if self._prober is not None:
             await self._prober.stop()
-        if self._probe_session is not None:
-            await self._probe_session.close()
+        for pt in self._probe_transports.values():
+            await pt.close()
+        self._probe_transports.clear()
         await self.proxy.close()
         await asyncio.to_thread(self.accounting.close)
+
+    async def _probe(self, e: EngineState) -> bool:
+        status, _ = await fetch(
+            self._probe_transports[e.id],
+            "GET",
+            self.config.health.probe_path,
+            timeout_s=self.config.timeouts.probe_s,
+        )
+        return 200 <= status < 300
 
     @property
     def inflight(self) -> int:
@@ -351,21 +365,22 @@ class Router:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         """The union of the engines' models (live from each admitted engine, else config)."""
-        timeout = aiohttp.ClientTimeout(total=self.config.timeouts.probe_s)
+        timeout_s = self.config.timeouts.probe_s
 
         async def one(e: EngineState) -> list[dict[str, Any]]:
             declared = [{"id": m, "object": "model", "owned_by": e.id} for m in e.models]
-            if e.ejected:
+            if e.ejected or e.id not in self._probe_transports:
                 return declared
             try:
-                assert self._probe_session is not None
-                async with self._probe_session.get(e.url + "/v1/models", timeout=timeout) as r:
-                    if r.status != 200:
-                        return declared
-                    data = await r.json(content_type=None)
-                    got = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
-                    return got + declared
-            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+                status, body = await fetch(
+                    self._probe_transports[e.id], "GET", "/v1/models", timeout_s=timeout_s
+                )
+                if status != 200:
+                    return declared
+                data = json.loads(body)
+                got = [m for m in data.get("data", []) if isinstance(m, dict) and "id" in m]
+                return got + declared
+            except (OSError, TimeoutError, ValueError, AttributeError):
                 return declared
 
         merged: dict[str, dict[str, Any]] = {}

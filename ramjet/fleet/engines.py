@@ -31,10 +31,8 @@ import asyncio
 import enum
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-
-import aiohttp
 
 from ramjet.config import EngineConfig, HealthConfig, RetryConfig
 from ramjet.runtime.tasks import cancel_and_wait
@@ -217,34 +215,28 @@ class Fleet:
             engine.last_change_s = now
 
 
+ProbeFn = Callable[["EngineState"], Awaitable[bool]]
+"""Asks one engine whether it is healthy; True for yes. Any `OSError` or `TimeoutError`
+counts as no. The router's goes through the engine transport seam
+(`ramjet.proxy.transport.fetch`)."""
+
+
 class HealthProber:
     """Probes every engine each `probe_interval_s` and feeds `Fleet.record_probe`."""
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        session: aiohttp.ClientSession,
-        health: HealthConfig,
-        timeout_s: float,
-    ) -> None:
+    def __init__(self, fleet: Fleet, probe: ProbeFn, health: HealthConfig) -> None:
         self._fleet = fleet
-        self._session = session
+        self._check = probe
         self._health = health
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._task: asyncio.Task[None] | None = None
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(e) for e in self._fleet.engines))
 
     async def _probe(self, engine: EngineState) -> None:
-        ok = False
         try:
-            async with self._session.get(
-                engine.url + self._health.probe_path, timeout=self._timeout
-            ) as resp:
-                await resp.read()
-                ok = 200 <= resp.status < 300
-        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = await self._check(engine)
+        except (OSError, TimeoutError):
             ok = False
         self._fleet.record_probe(engine, ok)
 

@@ -202,3 +202,29 @@ class MemoryTransport:
 
     async def close(self) -> None:
         self.closed = True
+
+
+async def fetch(
+    transport: EngineTransport,
+    method: str,
+    path_qs: str,
+    *,
+    timeout_s: float,
+    max_bytes: int = 1 << 20,
+) -> tuple[int, bytes]:
+    """One whole small exchange (a probe, `/v1/models`): the status and the body, within
+    `timeout_s` (else `TimeoutError`); a body over `max_bytes` is `UpstreamClosed`. The
+    response is always closed (aborted if unfinished)."""
+    async with asyncio.timeout(timeout_s):
+        resp = await transport.request(method, path_qs, (), b"")
+        try:
+            parts: list[bytes] = []
+            size = 0
+            while piece := resp.read_nowait() or await resp.readany():
+                size += len(piece)
+                if size > max_bytes:
+                    raise UpstreamClosed(f"{path_qs}: answer over {max_bytes} bytes")
+                parts.append(piece)
+            return resp.status, b"".join(parts)
+        finally:
+            resp.close()

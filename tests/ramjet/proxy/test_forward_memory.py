@@ -1,6 +1,6 @@
 """The forward path up to the first byte (`Proxy.open`: attempts, retries, error kinds,
-in-flight counts, aborts) over in-memory engines (`ramjet.proxy.transport.MemoryTransport`):
-no sockets. The same path over real sockets is tests/integration/test_proxy_faults.py."""
+in-flight counts, aborts), `fetch` and the health prober over in-memory engines
+(`ramjet.proxy.transport.MemoryTransport`): no sockets. The same path over real sockets is tests/integration/test_proxy_faults.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from ramjet.config import PolicyConfig, parse_policy
-from ramjet.fleet.engines import EngineState, Fleet
+from ramjet.fleet.engines import EngineState, Fleet, HealthProber
 from ramjet.fleet.views import retry_engine
 from ramjet.metrics import RouterMetrics
 from ramjet.proxy.exchange import Exchange, ForwardResult
@@ -25,6 +25,7 @@ from ramjet.proxy.transport import (
     MemoryTransport,
     UpstreamClosed,
     UpstreamConnectError,
+    fetch,
 )
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
@@ -300,3 +301,69 @@ async def test_the_http1_pool_is_an_engine_transport() -> None:
     with pytest.raises(UpstreamConnectError):
         await pool.request("GET", "/health", [], b"")
     await pool.close()
+
+
+async def test_fetch_reads_a_whole_answer_within_its_limits() -> None:
+    async def models(req: MemoryRequest) -> MemoryReply:
+        return MemoryReply(200, {}, _pieces(b'{"data":', b"[]}"))
+
+    t = MemoryTransport(models)
+    assert await fetch(t, "GET", "/v1/models", timeout_s=1.0) == (200, b'{"data":[]}')
+    assert t.requests[0].method == "GET" and t.requests[0].body == b""
+    with pytest.raises(UpstreamClosed, match="over 4 bytes"):
+        await fetch(t, "GET", "/v1/models", timeout_s=1.0, max_bytes=4)
+
+    async def endless(req: MemoryRequest) -> MemoryReply:
+        return MemoryReply(200, {}, _pieces(b"x" * 8, stall_s=10))
+
+    big = MemoryTransport(endless)
+    with pytest.raises(UpstreamClosed, match="over 4 bytes"):
+        await fetch(big, "GET", "/v1/models", timeout_s=1.0, max_bytes=4)
+    assert big.aborted == 1  # an unfinished answer cut by the cap is aborted, not left open
+
+    async def stalls(req: MemoryRequest) -> MemoryReply:
+        return MemoryReply(200, {}, _pieces(b"{", stall_s=10))
+
+    slow = MemoryTransport(stalls)
+    with pytest.raises(TimeoutError):
+        await fetch(slow, "GET", "/health", timeout_s=0.05)
+    assert slow.aborted == 1
+
+
+async def test_prober_over_the_seam_marks_unhealthy_and_readmits() -> None:
+    cfg = _config(2)
+    fleet = Fleet(cfg.engines, cfg.health, cfg.retry, time.monotonic)
+    status = {"e0": 200, "e1": 503}
+
+    def engine(name: str) -> MemoryTransport:
+        async def health(req: MemoryRequest) -> MemoryReply:
+            return MemoryReply(status[name], {}, b"ok")
+
+        return MemoryTransport(health)
+
+    transports = {e.id: engine(e.id) for e in fleet.engines}
+
+    async def probe(e: EngineState) -> bool:
+        code, _ = await fetch(transports[e.id], "GET", cfg.health.probe_path, timeout_s=0.5)
+        return 200 <= code < 300
+
+    prober = HealthProber(fleet, probe, cfg.health)
+    await prober.probe_all()
+    assert (fleet.get("e0").probe_ok, fleet.get("e1").probe_ok) == (True, False)
+    assert transports["e1"].requests[0].path_qs == cfg.health.probe_path
+    status["e1"] = 200
+    await prober.probe_all()
+    assert fleet.get("e1").probe_ok
+
+    async def refused_probe(e: EngineState) -> bool:
+        raise UpstreamConnectError("refused")
+
+    await HealthProber(fleet, refused_probe, cfg.health).probe_all()
+    assert not fleet.get("e0").probe_ok, "a probe that cannot connect is a failed probe"
+
+
+async def _pieces(*parts: bytes, stall_s: float = 0.0) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+    if stall_s:
+        await asyncio.sleep(stall_s)
