@@ -23,6 +23,7 @@ from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter
 
+from ramjet.metric_catalogue import counter
 from ramjet.sidecar.wire import EventBatch
 
 log = logging.getLogger(__name__)
@@ -51,29 +52,10 @@ class _Bounded:
 class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.unknown_fields = Counter(
-            "ramjet_sidecar_unknown_fields_total",
-            "Fields of known KV events the decoder ignored",
-            ["event", "field"],
-            registry=registry,
-        )
-        self.unknown_events = Counter(
-            "ramjet_sidecar_unknown_events_total",
-            "KV events of unknown type, skipped",
-            ["event"],
-            registry=registry,
-        )
-        self.malformed_events = Counter(
-            "ramjet_sidecar_malformed_events_total",
-            "Known KV events dropped for a malformed field",
-            ["event"],
-            registry=registry,
-        )
-        self.resyncs = Counter(
-            "ramjet_sidecar_resyncs_total",
-            "Batches whose dropped event forced a new epoch",
-            registry=registry,
-        )
+        self.unknown_fields = counter(registry, "ramjet_sidecar_unknown_fields_total")
+        self.unknown_events = counter(registry, "ramjet_sidecar_unknown_events_total")
+        self.malformed_events = counter(registry, "ramjet_sidecar_malformed_events_total")
+        self.resyncs = counter(registry, "ramjet_sidecar_resyncs_total")
         self._fields = _Bounded(self.unknown_fields)
         self._events = _Bounded(self.unknown_events)
         self._malformed = _Bounded(self.malformed_events)
