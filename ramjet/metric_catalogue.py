@@ -170,6 +170,9 @@ CATALOGUE: tuple[Metric, ...] = (
            "Trust in the engine's residency: 0 exact, 1 degraded, 2 approximate", at_scrape=True),
     Metric("ramjet_reports_staleness_seconds", GAUGE, "seconds", ("engine",), "ramjet.reports.metrics",
            "Seconds since the engine's last accepted report", at_scrape=True),
+    # -- ramjet.app.profile_source ------------------------------------------------------
+    Metric("ramjet_engine_profile_source", GAUGE, "", ("engine", "source"), "ramjet.app.profile_source",
+           "1 for the profile the cost model prices the engine with: reported (signed by the engine), policy_default (candidate.params.default_profile), builtin_estimate (the hard-coded DeepSeek-V4.1-Flash TP4 estimate, not a measurement)", at_scrape=True),
     # -- ramjet.reports.ingest ----------------------------------------------------------
     Metric("ramjet_reports_pull_failures_total", COUNTER, "", ("engine",), "ramjet.reports.ingest",
            "Polls of the engine's pull target that failed (no answer, HTTP error, a response over the cap)"),

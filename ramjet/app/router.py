@@ -45,6 +45,7 @@ from aiohttp import web
 
 from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
 from ramjet.app.priority import PriorityHint, PriorityHints
+from ramjet.app.profile_source import ProfileSources
 from ramjet.config import PolicyConfig
 from ramjet.decisions.accounting import Accounting
 from ramjet.decisions.record import DecisionRecord, DecisionSink
@@ -120,6 +121,12 @@ class Router:
                 config.candidate.name, config.candidate.params, path="candidate.params"
             )
         self.modes = ModeRunner(config.mode, incumbent, candidate, self.metrics, clock=clock)
+        self.profile_sources = ProfileSources(
+            [EngineId(e.id) for e in config.engines],
+            lambda: self.signals,
+            lambda: (p for p in (self.modes.candidate, self.modes.incumbent) if p is not None),
+        )
+        self.metrics.registry.register(self.profile_sources)
         self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
         self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)

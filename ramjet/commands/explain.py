@@ -2,10 +2,10 @@
 it went. For each decision line: the picks (incumbent, candidate, live and its role),
 the candidate's components per engine as a table (wait, restore, replay, prefill, work,
 externality, cost, predicted TTFT and cached tokens by tier; `*` marks its pick, the
-least cost), its notes spelled out (default profile, degraded view, externality off), and the
-realized outcome (engine, status, TTFT, the engine's prompt_work) with the prediction
-errors, and the priority hint (value and key, sent or only observed). Exit 1 if no line
-matches, 2 if the log cannot be read.
+least cost), its notes spelled out (default profile, the built-in estimate profile,
+degraded view, externality off), and the realized outcome (engine, status, TTFT, the
+engine's prompt_work) with the prediction errors, and the priority hint (value and key,
+sent or only observed). Exit 1 if no line matches, 2 if the log cannot be read.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ _NOTES = {
     "degraded": "view degraded (reports lost or stale): default profile, no SWA credit, "
     "matches charged as SSD restores",
     "externality_off": "no measured arrival rate or wait yet: externality term is zero",
+    "estimate_profile": "priced with the built-in DeepSeek-V4.1-Flash TP4 ESTIMATE "
+    "(ramjet/policy/cost.py), not a measured profile: its predicted times are guesses; "
+    "let the engine report a profile (the sidecar probes it) or set "
+    "candidate.params.default_profile",
 }
 
 

@@ -7,7 +7,10 @@ Decision.components[engine] holds every figure of `EngineEstimate.components()`
 (`wait_s`, `work_s`, `restore_s`, `replay_s`, `prefill_s`, `delta_s`, `externality_s`,
 `session_s`, `cost_s`, tokens by tier, ...). Notes: `default_profile:<engine>` when an
 engine has not reported a profile, `degraded:<engine>` when its view is degraded,
-`externality_off` while the fleet has no measured arrival rate or wait yet.
+`estimate_profile:<engine>` for each of those priced with the built-in
+`V41_FLASH_TP4_ESTIMATE` (the default unless `params.default_profile` is set: an
+estimate, not a measurement of the engine), `externality_off` while the fleet has no
+measured arrival rate or wait yet.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class TierAware:
     def __init__(self, params: TierAwareParams | None = None, name: str = "tier_aware") -> None:
         self.name = name
         self.params = params or TierAwareParams()
+        self._builtin_default = self.params.default_profile == V41_FLASH_TP4_ESTIMATE
         self._ties = 0
         self.sessions = SessionLoad(self.params.session_idle_s)
 
@@ -87,6 +91,8 @@ class TierAware:
         notes = [
             f"default_profile:{s.engine}" for s in ests if s.default_profile and not s.degraded
         ]
+        if self._builtin_default:  # the default is the hard-coded estimate, not a measurement
+            notes += [f"estimate_profile:{s.engine}" for s in ests if s.default_profile]
         notes += [f"degraded:{s.engine}" for s in ests if s.degraded]
         if fleet.arrival_rate_per_s <= 0 or fleet.mean_wait_s <= 0:
             notes.append("externality_off")

@@ -124,6 +124,12 @@ async def send(server: RouterServer, body: dict[str, Any], n: int = 1) -> None:
                 await r.read()
 
 
+async def metrics_text(server: RouterServer) -> str:
+    async with aiohttp.ClientSession() as s, s.get(server.url + "/metrics") as r:
+        assert r.status == 200
+        return await r.text()
+
+
 def caught_up(server: RouterServer, p: Publisher) -> Callable[[], bool]:
     proc = server.app[REPORTS_KEY].processor
 
@@ -140,6 +146,11 @@ async def test_views_carry_signed_trust_profile_load_and_exact_residency(
     server, p, records = await rig("prefix_affinity", push={"port": 0})
     keys = block_keys(PROMPT)
     assert len(keys) >= 4
+    # before e0 reports a profile, /metrics says both engines are priced with the estimate
+    src = 'ramjet_engine_profile_source{{engine="{}",source="{}"}} 1.0'
+    text = await metrics_text(server)
+    assert src.format("e0", "builtin_estimate") in text
+    assert src.format("e1", "builtin_estimate") in text
     p.pub.publish_profile(V41_FLASH_TP4_ESTIMATE)
     p.pub.publish_load(
         LoadBody(
@@ -149,6 +160,9 @@ async def test_views_carry_signed_trust_profile_load_and_exact_residency(
     p.pub.publish_delta(DeltaBody(stored=[TierKeys(tier="ssd", keys=keys)]))
     await until(caught_up(server, p))
 
+    text = await metrics_text(server)  # e0's signed profile is its own, whatever its figures
+    assert src.format("e0", "reported") in text and src.format("e1", "builtin_estimate") in text
+    assert 'ramjet_engine_profile_source{engine="e0",source="builtin_estimate"} 0.0' in text
     await send(server, PROMPT, n=2)
     first, second = records.records
     assert first.engine == second.engine == "e0"  # the reported prefix pulls it there

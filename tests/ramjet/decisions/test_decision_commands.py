@@ -20,7 +20,13 @@ def write_log(path: Path, n: int = 10) -> None:
         object.__setattr__(r, "request_id", f"r{i}")
         object.__setattr__(r, "time_unix", 1_700_000_000.0 + 1800.0 * i)  # 5 hours
         if i == 3:
-            notes = ("default_profile:e0", "degraded:e1", "externality_off")
+            notes = (
+                "default_profile:e0",
+                "degraded:e1",
+                "estimate_profile:e0",
+                "estimate_profile:e1",
+                "externality_off",
+            )
             cand = r.candidate
             assert cand is not None
             object.__setattr__(
@@ -62,6 +68,8 @@ def test_explain_by_id_and_last(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "e1 *" in out  # least cost marked (e1 predicted cheaper)
     assert "e0: has reported no profile" in out and "e1: view degraded" in out
     assert "externality term is zero" in out
+    for e in ("e0", "e1"):  # both priced with the hard-coded estimate, each said so
+        assert f"{e}: priced with the built-in DeepSeek-V4.1-Flash TP4 ESTIMATE" in out
     assert "TTFT predicted - realized = +0.17 s" in out  # 0.4 - 0.23 on e0
     assert "hbm_tokens 700" in out
     assert main(["explain", str(log), "--last", "2"]) == 0

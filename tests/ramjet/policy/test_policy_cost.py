@@ -214,6 +214,14 @@ def test_missing_profile_uses_defaults_and_says_so() -> None:
     decision = policy.pick(request(N), [engine("a", hbm=N), engine("b", profile=P)], FleetStats())
     assert "default_profile:a" in decision.notes
     assert "default_profile:b" not in decision.notes
+    # the default is the hard-coded V4.1 estimate: the decision names the engine priced so
+    assert "estimate_profile:a" in decision.notes
+    assert "estimate_profile:b" not in decision.notes
+    # an operator's own default profile is no estimate of ours: no such note
+    own = create_policy("tier_aware", {"default_profile": P.model_dump()})
+    mine = own.pick(request(N), [engine("a", hbm=N), engine("b", profile=P)], FleetStats())
+    assert "default_profile:a" in mine.notes
+    assert not [n for n in mine.notes if n.startswith("estimate_profile:")]
     ca = decision.components["a"]
     assert ca["default_profile"] == 1.0
     assert ca["replay_s"] == V41_FLASH_TP4_ESTIMATE.replay_floor_s
