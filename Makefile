@@ -6,6 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SYSTEM_DEPS := PY=$(PY) scripts/system_deps.sh
+.DEFAULT_GOAL := test
 
 # Every Python environment the tests run in. A target that builds another one (the
 # real-vLLM env) adds its stamp here; `make test` and `make unit` then build it first.
