@@ -120,9 +120,11 @@ async def _serve(sidecar: object, host: str, port: int) -> None:
     sidecar.add_routes(app)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
+    # catch up on the engine's history (replay) before answering anyone: a /health or
+    # snapshot served earlier would show an empty cache the engine does not have
+    await sidecar.start()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    await sidecar.start()
     logging.getLogger("ramjet.sidecar").info(
         "sidecar for %s on http://%s:%d (events %s)",
         sidecar.settings.engine_id,

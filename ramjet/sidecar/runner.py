@@ -26,6 +26,7 @@ publisher -> sidecar.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -52,6 +53,8 @@ from ramjet.types import EngineId
 log = logging.getLogger(__name__)
 
 EngineKind = Literal["vllm", "sglang"]
+RESET_PATHS: dict[str, str] = {"vllm": "/reset_prefix_cache", "sglang": "/flush_cache"}
+"""Each engine's cache-reset endpoint (vLLM needs VLLM_SERVER_DEV_MODE=1 for it)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class SidecarSettings:
     global_kv_bytes_per_token: float = 1.0
     tiers: dict[str, TierCost] = field(default_factory=dict)
     replay_timeout_s: float = 2.0
+    reset_timeout_s: float = 10.0
 
 
 class Sidecar:
@@ -162,6 +166,56 @@ class Sidecar:
         self.publisher.add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """Reset the engine's prefix cache and answer once the sidecar has applied (and
+        signed) the clear. vLLM answers `POST /reset_prefix_cache` at once but emits
+        `AllBlocksCleared` only at its next engine step, which an idle engine does not
+        take: reading the sidecar right after resetting the engine directly shows stale
+        blocks. So the sidecar sends the reset, then nudges the engine with a one-token
+        request (no full block: it stores nothing) until the clear arrives."""
+        s = self.settings
+        path = RESET_PATHS[s.engine_kind]
+        with self._lock:
+            before = self.tracker.stats["cleared"]
+        timeout = aiohttp.ClientTimeout(total=s.reset_timeout_s)
+        deadline = time.monotonic() + s.reset_timeout_s
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            async with http.post(s.engine_url.rstrip("/") + path) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    return web.json_response(
+                        {"error": f"engine {path}: HTTP {resp.status}: {text[:300]}"}, status=502
+                    )
+            next_nudge = time.monotonic() + 0.2
+            while True:
+                with self._lock:
+                    cleared = self.tracker.stats["cleared"] > before
+                if cleared:
+                    break
+                now = time.monotonic()
+                if now > deadline:
+                    return web.json_response(
+                        {"error": f"no AllBlocksCleared within {s.reset_timeout_s:g} s"},
+                        status=504,
+                    )
+                if now >= next_nudge:
+                    next_nudge = now + 1.0
+                    body = {"model": s.model, "prompt": ".", "max_tokens": 1}
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                        async with http.post(
+                            s.engine_url.rstrip("/") + "/v1/completions", json=body
+                        ) as r:
+                            await r.read()
+                await asyncio.sleep(0.02)
+        seq = self.flush()
+        with self._lock:
+            resident = len(self.tracker.resident())
+        return web.json_response(
+            {"cleared": True, "epoch": self.publisher.epoch, "seq": seq or self.publisher.seq,
+             "resident_blocks": resident}
+        )  # fmt: skip
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -226,10 +280,20 @@ class Sidecar:
         self.publisher.publish_profile(self.profile)
         log.info("profile published: %s", self.profile.model_dump_json())
 
+    def _engine_gone(self, why: str) -> None:
+        """The engine's port refuses connections: the process is gone and its cache with
+        it. Start a new epoch with nothing in it at once, rather than at the restarted
+        engine's first event (until then routers would count hits on a dead cache)."""
+        with self._lock:
+            held = bool(self.tracker.resident())
+        if held:
+            self._on_reset(f"engine unreachable ({why}): its cache is gone")
+
     async def _scrape_loop(self) -> None:
         scraper = LoadScraper()
         url = self.settings.engine_url.rstrip("/") + "/metrics"
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.settings.load_interval_s))
+        down = False
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 try:
@@ -237,6 +301,12 @@ class Sidecar:
                         text = await resp.text()
                         if resp.status == 200:
                             self._load = scraper.load(text, time.monotonic())
+                    down = False
+                except aiohttp.ClientConnectorError as exc:
+                    log.debug("metrics scrape failed: %s", exc)
+                    if isinstance(exc.os_error, ConnectionRefusedError) and not down:
+                        down = True
+                        self._engine_gone(str(exc))
                 except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
                     log.debug("metrics scrape failed: %s", exc)
                 await asyncio.sleep(self.settings.load_interval_s)

@@ -3,8 +3,12 @@
 `EventStream.run` (a thread) subscribes to the engine's PUB socket and hands every batch
 to `on_batch`, in sequence order, exactly once:
 
-- **first contact** with seq s > 0: batches 0..s-1 are asked of the replay socket first
-  (the engine may have cached blocks before the sidecar started);
+- **start**: right after subscribing, the replay socket is asked for everything it still
+  holds (from seq 0), so a sidecar started or restarted beside a running engine knows
+  its cache before the engine's next step (an idle engine publishes nothing); live
+  batches the replay already covered are then skipped once, not taken for a restart;
+- **first contact** with seq s > 0 (no replay at start): batches 0..s-1 are asked of
+  the replay socket first (the engine may have cached blocks before the sidecar started);
 - **gap** (seq s > last + 1: ZMQ dropped messages, e.g. past the high-water mark): the
   missing batches are fetched from the replay socket (DEALER sends `[b"", last+1]`) and
   applied before s;
@@ -65,6 +69,8 @@ class EventStream:
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         self.connected = threading.Event()
+        self._replayed_to: int | None = None
+        """The last seq the start-up replay applied, until the first live batch."""
 
     def stop(self) -> None:
         self._stop.set()
@@ -75,8 +81,9 @@ class EventStream:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.events_url)
-        self.connected.set()
         try:
+            self.catch_up()
+            self.connected.set()
             while not self._stop.is_set():
                 if not sub.poll(100):
                     continue
@@ -89,6 +96,25 @@ class EventStream:
         finally:
             sub.close(linger=0)
             self.close()
+
+    def catch_up(self) -> None:
+        """Apply what the replay socket holds from seq 0 (at start; see the module doc)."""
+        got = self.replay(0) if self.replay_url is not None else None
+        if not got:
+            return  # no replay socket, no answer (a gap heals later) or nothing yet
+        if got[0].seq != 0:
+            self.stats["truncated"] += 1
+            log.warning("replay starts at seq %d: history before it is lost", got[0].seq)
+            self.on_reset("truncated")
+        expect = got[0].seq
+        for m in got:
+            if m.seq != expect:
+                break
+            self._apply(m)
+            expect = m.seq + 1
+        self.stats["healed"] += expect - got[0].seq
+        self._replayed_to = self.last
+        self.on_flush()
 
     def close(self) -> None:
         """Release the ZMQ context (after `run` returned, or when it never ran)."""
@@ -105,6 +131,11 @@ class EventStream:
             log.warning("malformed live message: %s", exc)
             return
         self.stats["live"] += 1
+        replayed, self._replayed_to = self._replayed_to, None
+        if replayed is not None and msg.seq <= replayed:
+            self.stats["replayed_live"] += 1  # already applied by the start-up replay
+            self._replayed_to = replayed
+            return
         if self.last is not None and msg.seq <= self.last:
             self.stats["restarts"] += 1
             log.info("event seq went back from %d to %d: engine restarted", self.last, msg.seq)

@@ -6,10 +6,15 @@ State, per KV-cache group (`group_idx`; the engines send one event per group):
   token-block key (`ramjet.keys.tokens.chain_keys`) computed from the event's `token_ids`,
   chained from the parent block's key (or the seed of the model and adapter for a first
   block), so a later `BlockRemoved` that names only engine hashes resolves;
-- copies per key and tier: a block can be stored more than once (GPU and CPU, or a
-  re-store), each `BlockRemoved` removes one copy of the medium it names; the block is
-  in a tier while a copy is there. SGLang's demotion (a GPU removal while the host copy
-  stays) therefore moves the block to the host tier.
+- copies per key and medium: a block can be held in several media (GPU and CPU), and a
+  `BlockRemoved` removes the copy of the medium it names; the block is in a tier while a
+  copy is there. SGLang's demotion (a GPU removal while the host copy stays) therefore
+  moves the block to the host tier. A store on a medium that already holds the block is
+  no new copy: vLLM re-sends `BlockStored` for every reused block when a client asks for
+  `vllm_xargs.kv_cache_report_mode: "full"`, so counting them would let any client
+  inflate the signed residency (one removal would no longer clear the block). The cost:
+  a block vLLM computed twice at once (two requests, one hash, two GPU blocks) is
+  dropped at its first removal, an under-report until it is stored again.
 
 A key is resident when every prefix-caching group holds it; its tier is the slowest of
 those groups' fastest copies (a restore waits for the slowest group). Sliding-window
@@ -61,17 +66,12 @@ def is_swa_kind(kind: str | None) -> bool:
 class _Group:
     kind: str | None = None
     keys: dict[EngineHash, PrefixKey] = field(default_factory=dict)
-    copies: dict[PrefixKey, list[int]] = field(default_factory=dict)
-    """Copies per tier (hbm, host, ssd) of each key this group holds."""
+    copies: dict[PrefixKey, dict[str, Tier]] = field(default_factory=dict)
+    """The media (and their tiers) holding a copy of each key this group holds."""
 
     def best(self, key: PrefixKey) -> Tier | None:
         c = self.copies.get(key)
-        if c is None:
-            return None
-        for t in Tier:
-            if c[t] > 0:
-                return t
-        return None
+        return min(c.values()) if c else None
 
 
 class ResidencyTracker:
@@ -157,11 +157,13 @@ class ResidencyTracker:
             worst = best if worst is None or best > worst else worst
         return worst if gated else None
 
-    def _medium(self, medium: str | None) -> Tier | None:
-        tier = self.media.get(medium or "GPU")
+    def _medium(self, medium: str | None) -> tuple[str, Tier] | None:
+        name = medium or "GPU"
+        tier = self.media.get(name)
         if tier is None:
             self.stats["unknown_medium"] += 1
-        return tier
+            return None
+        return name, tier
 
     def _seed(self, lora_name: str | None) -> int:
         s = self._seeds.get(lora_name)
@@ -170,8 +172,8 @@ class ResidencyTracker:
         return s
 
     def _stored(self, ev: BlockStored, dirty: set[PrefixKey]) -> None:
-        tier = self._medium(ev.medium)
-        if tier is None:
+        medium = self._medium(ev.medium)
+        if medium is None:
             return
         g = self._groups.get(ev.group_idx)
         if g is None:
@@ -181,7 +183,7 @@ class ResidencyTracker:
             g.kind = ev.kv_cache_spec_kind
             dirty.update(self._reported)
         if ev.hash_only:
-            self._stored_copies(ev, g, tier, dirty)
+            self._stored_copies(ev, g, medium, dirty)
             return
         if ev.block_size != self.block_tokens:
             self.stats["block_size_mismatch"] += len(ev.block_hashes)
@@ -203,14 +205,17 @@ class ResidencyTracker:
             if prev is not None and prev != key:
                 self.stats["hash_conflict"] += 1  # same engine hash, other tokens: re-map
             g.keys[h] = key
-            c = g.copies.get(key)
-            if c is None:
-                c = g.copies[key] = [0, 0, 0]
-            c[tier] += 1
+            c = g.copies.setdefault(key, {})
+            if medium[0] in c:
+                self.stats["restored_same_medium"] += 1  # a re-report: no new copy
+                continue
+            c[medium[0]] = medium[1]
             dirty.add(key)
-        self.stats["stored"] += len(keys)
+            self.stats["stored"] += 1
 
-    def _stored_copies(self, ev: BlockStored, g: _Group, tier: Tier, dirty: set[PrefixKey]) -> None:
+    def _stored_copies(
+        self, ev: BlockStored, g: _Group, medium: tuple[str, Tier], dirty: set[PrefixKey]
+    ) -> None:
         """A store without tokens adds a copy of blocks the group already maps (vLLM's
         OffloadingConnector copies GPU-resident blocks to CPU); hashes it never saw with
         tokens cannot be keyed and are counted, not guessed."""
@@ -219,14 +224,18 @@ class ResidencyTracker:
             if key is None:
                 self.stats["hash_only_unknown"] += 1
                 continue
-            g.copies.setdefault(key, [0, 0, 0])[tier] += 1
+            c = g.copies.setdefault(key, {})
+            if medium[0] in c:
+                self.stats["restored_same_medium"] += 1
+                continue
+            c[medium[0]] = medium[1]
             dirty.add(key)
             self.stats["stored"] += 1
 
     def _removed(self, ev: BlockRemoved, dirty: set[PrefixKey]) -> None:
-        tier = self._medium(ev.medium)
+        medium = self._medium(ev.medium)
         g = self._groups.get(ev.group_idx)
-        if tier is None:
+        if medium is None:
             return
         for h in ev.block_hashes:
             key = None if g is None else g.keys.get(h)
@@ -234,11 +243,10 @@ class ResidencyTracker:
                 self.stats["unknown_removed"] += 1
                 continue
             c = g.copies[key]
-            if c[tier] <= 0:
+            if c.pop(medium[0], None) is None:
                 self.stats["removed_absent_copy"] += 1
                 continue
-            c[tier] -= 1
-            if not any(c):
+            if not c:
                 del g.copies[key]
                 del g.keys[h]
             dirty.add(key)

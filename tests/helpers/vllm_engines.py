@@ -293,6 +293,8 @@ class RawEvents:
         self._sub.connect(events_url)
         self.resident: set[int] = set()
         self.tokens: dict[int, tuple[int, ...]] = {}
+        self.parents: dict[int, int | None] = {}
+        self.restarts = 0
         self.frames: list[list[bytes]] = []
         self.last_seq: int | None = None
         self.cleared = 0
@@ -313,15 +315,22 @@ class RawEvents:
                 _ts, events, *_ = msgspec.msgpack.decode(frames[2])
                 with self.lock:
                     self.frames.append(frames)
-                    self.last_seq = int.from_bytes(frames[1], "big")
+                    seq = int.from_bytes(frames[1], "big")
+                    if self.last_seq is not None and seq <= self.last_seq:
+                        self.restarts += 1  # a new engine: numbering began again
+                        self.resident.clear()
+                    self.last_seq = seq
                     for ev in events:
                         kind = ev["type"]
                         if kind == "BlockStored":
                             size = ev["block_size"]
                             toks = ev["token_ids"]
+                            parent = ev["parent_block_hash"]
                             for i, h in enumerate(ev["block_hashes"]):
                                 self.resident.add(h)
                                 self.tokens[h] = tuple(toks[i * size : (i + 1) * size])
+                                self.parents[h] = parent
+                                parent = h
                         elif kind == "BlockRemoved":
                             self.removed += len(ev["block_hashes"])
                             self.resident.difference_update(ev["block_hashes"])
@@ -330,6 +339,25 @@ class RawEvents:
                             self.resident.clear()
         finally:
             self._sub.close(linger=0)
+
+    def keys(self, seed: int) -> set[int]:
+        """The token-block keys (`ramjet.keys.tokens.chain_keys`) of the resident blocks,
+        chained through each block's parent as the engine stored it."""
+        from ramjet.keys.tokens import chain_keys
+
+        with self.lock:
+            resident = set(self.resident)
+            tokens, parents = dict(self.tokens), dict(self.parents)
+        memo: dict[int, int] = {}
+
+        def key(h: int) -> int:
+            if h not in memo:
+                p = parents[h]
+                toks = tokens[h]
+                memo[h] = chain_keys(toks, seed if p is None else key(p), len(toks))[0]
+            return memo[h]
+
+        return {key(h) for h in resident}
 
     def snapshot(self) -> tuple[int | None, set[int]]:
         with self.lock:
