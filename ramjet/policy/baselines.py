@@ -52,6 +52,8 @@ class _Rotor:
     def pick_min(self, engines: Sequence[EngineView], scores: Sequence[float]) -> EngineView:
         best = min(scores)
         tied = [e for e, s in zip(engines, scores, strict=True) if s == best]
+        if len(tied) == 1:
+            return tied[0]  # no tie: the cursor stays (else a pattern can pin it in place)
         self._n += 1
         return tied[self._n % len(tied)]
 

@@ -184,3 +184,17 @@ def test_prefix_affinity_min_match() -> None:
     params = PrefixAffinityParams(min_match_tokens=1000)
     engines = [engine("a", hbm=512, inflight_tokens=100), engine("b")]
     assert PrefixAffinity(params).pick(request(), engines, FLEET).engine == "b"
+
+
+def test_prefix_affinity_tie_cursor_moves_only_on_ties() -> None:
+    """Issue 15, problem 7: a four-request pattern (new conversation, its follow-up, ...)
+    advanced the cursor on every pick, so the cursor was back in place at each new
+    conversation and every one landed on the same engine. Only a real tie moves it."""
+    policy = PrefixAffinity(AFF)
+    firsts = []
+    for _ in range(4):
+        idle = [engine("a"), engine("b")]  # a new conversation: no match, a tie
+        firsts.append(policy.pick(request(), idle, FLEET).engine)
+        held = [engine(e, hbm=4096 if e == firsts[-1] else 0) for e in ("a", "b")]
+        assert policy.pick(request(), held, FLEET).engine == firsts[-1]  # no tie
+    assert firsts == ["b", "a", "b", "a"]
