@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from sim_helpers import BLOCK, run_entrant, spec
 
 from simulations import __main__ as cli
 from simulations.bounds import floor
-from simulations.checks import violations, with_oracle
+from simulations.checks import saturated, violations, with_oracle
 from simulations.compare import read_rows
 from simulations.sessions import closed_loop_plan, scale_for_load, scaled, session_groups
 from simulations.summary import Row, summarize
@@ -170,12 +171,19 @@ def test_the_check_fails_a_run_where_a_policy_beats_the_oracle_or_a_bound() -> N
     assert len(beat) == 1 and "p mean TTFT" in beat[0] and "oracle" in beat[0]
     below = violations([*rows, _row("p", 1.1, alone=1.5)])
     assert len(below) == 1 and "bound:alone" in below[0]
+    full = [replace(r, utilization=0.995) for r in rows]
+    assert saturated(full) == [1.0] and violations([*full, _row("p", 0.9, 0.2)]) == []
+    assert saturated(rows) == []
     srpt = violations([*rows, _row("bound:srpt_merged_2x", 1.05), _row("p", 1.02)])
     assert len(srpt) == 2 and "p mean TTFT" in srpt[0] and "srpt" in srpt[0]
     assert "oracle mean TTFT" in srpt[1]  # the oracle itself is held to the strict bounds
 
 
-@pytest.mark.parametrize("path", sorted(RESULTS.glob("*/results.csv")), ids=lambda p: p.parent.name)
+RUNS = sorted(p.with_name("results.csv") for p in RESULTS.glob("*/table.md"))
+"""Every `python -m simulations run` output under docs/results (it writes table.md)."""
+
+
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: p.parent.name)
 def test_no_policy_beats_the_oracle_or_a_bound_in_the_results_tables(path: Path) -> None:
     rows = read_rows(path)
     assert any(r.policy == "oracle" for r in rows)
