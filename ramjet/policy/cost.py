@@ -44,7 +44,9 @@ For request r (n prompt tokens) on engine e, with profile P:
   load gate: a busy engine's wait is in its cost.
 
 Trust and profiles. An engine that has not reported a profile is priced with the
-policy's default profile (the decision notes `default_profile:<engine>`). An engine
+policy's default profile, or with a profile measured on another engine of the fleet when
+that one is dearer for the request: an engine is never cheaper for lack of a measured
+profile (the decision notes `default_profile:<engine>`). An engine
 whose residency view is DEGRADED (reports were lost or went stale) is priced with
 caution: the default profile, no SWA credit (minute-scale state is the first to go
 stale), and every matched token charged as an SSD restore (notes `degraded:<engine>`).
@@ -201,6 +203,9 @@ class EngineEstimate:
     session_s: float = 0.0
     """The session term (`ramjet.policy.session_load`): what the session's later turns
     are expected to wait more (or less) on this engine than on a fair share."""
+    stand_in: EngineId | None = None
+    """With `default_profile`: the engine whose measured profile priced this one (it was
+    dearer than the default); None when the default did."""
 
     @property
     def ttft_s(self) -> float:
@@ -239,6 +244,23 @@ def externality_rate(fleet: FleetStats, scale: float = 1.0) -> float:
     return scale * max(fleet.arrival_rate_per_s, 0.0) * max(fleet.mean_wait_s, 0.0)
 
 
+def _stand_in(
+    engines: Sequence[EngineView], default: EngineProfile, n: int
+) -> tuple[EngineProfile, EngineId | None]:
+    """The profile for an engine that has none (or is degraded): the dearest, for this
+    request's cold prefill, of the default and every profile measured in the fleet, so
+    an engine is never cheaper for lack of a measurement; and whose it is (None: the
+    default's)."""
+    best, cost, owner = default, default.prefill_seconds(n, 0), None
+    for e in engines:
+        p = e.profile
+        if p is not None and e.trust != TrustGrade.DEGRADED:
+            c = p.prefill_seconds(n, 0)
+            if c > cost:
+                best, cost, owner = p, c, e.id
+    return best, owner
+
+
 def estimate(
     request: RequestView,
     engines: Sequence[EngineView],
@@ -252,11 +274,12 @@ def estimate(
     """Per-engine estimates for `request`, in the order of `engines` (see module docstring).
     `session_s`: the session term per engine, added to the cost (absent: 0)."""
     n = request.prompt_tokens
+    stand_in, stand_in_id = _stand_in(engines, default_profile, n)
     staged: list[tuple[EngineView, Work, GlobalMatch, int, float, bool, bool]] = []
     for e in engines:
         degraded = e.trust == TrustGrade.DEGRADED
         use_default = e.profile is None or degraded
-        profile = default_profile if use_default else e.profile
+        profile = stand_in if use_default else e.profile
         assert profile is not None
         match = e.residency.global_match(request.block_keys, request.block_tokens)
         if degraded:
@@ -276,7 +299,17 @@ def estimate(
         extra = session_s.get(e.id, 0.0) if session_s else 0.0
         out.append(
             EngineEstimate(
-                e.id, work, match, swa, wait, delta, rate * delta, use_default, degraded, extra
+                e.id,
+                work,
+                match,
+                swa,
+                wait,
+                delta,
+                rate * delta,
+                use_default,
+                degraded,
+                extra,
+                stand_in=stand_in_id if use_default else None,
             )
         )
     return out

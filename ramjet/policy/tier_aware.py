@@ -92,7 +92,11 @@ class TierAware:
             f"default_profile:{s.engine}" for s in ests if s.default_profile and not s.degraded
         ]
         if self._builtin_default:  # the default is the hard-coded estimate, not a measurement
-            notes += [f"estimate_profile:{s.engine}" for s in ests if s.default_profile]
+            notes += [
+                f"estimate_profile:{s.engine}"
+                for s in ests
+                if s.default_profile and s.stand_in is None
+            ]
         notes += [f"degraded:{s.engine}" for s in ests if s.degraded]
         if fleet.arrival_rate_per_s <= 0 or fleet.mean_wait_s <= 0:
             notes.append("externality_off")

@@ -125,6 +125,9 @@ class SnapshotBody(_Body):
     """The last sequence number this state includes; equals the envelope's seq."""
     residency: Annotated[list[TierKeys], Field(max_length=4096)] = []
     swa: Annotated[list[SwaStates], Field(max_length=4096)] = []
+    profile: EngineProfile | None = None
+    """The engine's last published profile: a router that starts after the profile report
+    left the ring (or after a new epoch) gets it from the snapshot."""
 
     def key_count(self) -> int:
         return sum(len(t.keys) for t in self.residency) + sum(len(s.keys) for s in self.swa)
@@ -184,6 +187,9 @@ def parse_body(kind: str, raw: bytes, max_keys: int = MAX_KEYS_PER_BODY) -> Body
 
 
 def encode_body(body: Body) -> bytes:
+    if isinstance(body, SnapshotBody) and body.profile is None:
+        # a snapshot without a profile keeps the bytes it always had (vectors, old routers)
+        return body.model_dump_json(exclude={"profile"}).encode("utf-8")
     return body.model_dump_json(exclude_defaults=False).encode("utf-8")
 
 

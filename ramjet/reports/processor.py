@@ -237,6 +237,8 @@ class ReportProcessor:
                 self._apply_snapshot(engine, body, now, transit_s)
             st.snapshot_needed = False
             st.gap = False
+            if body.profile is not None:
+                st.profile = body.profile
         elif isinstance(body, DeltaBody):
             self._apply_delta(engine, body, now, transit_s)
             if st.applying is not None:

@@ -104,6 +104,8 @@ class ReportPublisher:
         self._tasks: list[asyncio.Task[None]] = []
         self.pushed = 0
         self.push_failures = 0
+        self._profile: EngineProfile | None = None
+        """The last published profile: carried by every snapshot, re-sent in a new epoch."""
 
     # -- signing ---------------------------------------------------------------------------
 
@@ -143,6 +145,7 @@ class ReportPublisher:
         return self._publish("load", body)
 
     def publish_profile(self, profile: EngineProfile) -> int:
+        self._profile = profile
         return self._publish("profile", profile_body(profile))
 
     def new_epoch(self, epoch: int | None = None) -> int:
@@ -159,10 +162,14 @@ class ReportPublisher:
             self._push_q.clear()
             if self._push_url is not None and self._snapshot is not None:
                 residency, swa = self._snapshot()
-                body = SnapshotBody(seq=0, residency=list(residency), swa=list(swa))
+                body = SnapshotBody(
+                    seq=0, residency=list(residency), swa=list(swa), profile=self._profile
+                )
                 self._push_q.append(self._sign("snapshot", body, 0))
             epoch_now = self.epoch
         self._wake()
+        if self._profile is not None:  # the new epoch's report 1: a measured profile again
+            self.publish_profile(self._profile)
         return epoch_now
 
     def snapshot_frame(self) -> bytes:
@@ -171,7 +178,9 @@ class ReportPublisher:
             raise RuntimeError("this publisher has no snapshot source")
         with self._lock:
             residency, swa = self._snapshot()
-            body = SnapshotBody(seq=self._seq, residency=list(residency), swa=list(swa))
+            body = SnapshotBody(
+                seq=self._seq, residency=list(residency), swa=list(swa), profile=self._profile
+            )
             return self._sign("snapshot", body, self._seq)
 
     def frames_after(self, after: int, limit: int = 512, max_bytes: int = 16 << 20) -> list[bytes]:

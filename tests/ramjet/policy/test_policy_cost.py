@@ -210,8 +210,15 @@ def test_externality_charges_wasted_work() -> None:
 
 
 def test_missing_profile_uses_defaults_and_says_so() -> None:
+    # b measured cheaper than the built-in estimate: a keeps the estimate (a dearer
+    # measured profile would price a instead, see the test below)
+    fast = P.model_copy(
+        update={"prefill_curve": [CurvePoint(context_tokens=0, seconds_per_token=1e-5)]}
+    )
     policy = create_policy("tier_aware", {})
-    decision = policy.pick(request(N), [engine("a", hbm=N), engine("b", profile=P)], FleetStats())
+    decision = policy.pick(
+        request(N), [engine("a", hbm=N), engine("b", profile=fast)], FleetStats()
+    )
     assert "default_profile:a" in decision.notes
     assert "default_profile:b" not in decision.notes
     # the default is the hard-coded V4.1 estimate: the decision names the engine priced so
@@ -219,13 +226,13 @@ def test_missing_profile_uses_defaults_and_says_so() -> None:
     assert "estimate_profile:b" not in decision.notes
     # an operator's own default profile is no estimate of ours: no such note
     own = create_policy("tier_aware", {"default_profile": P.model_dump()})
-    mine = own.pick(request(N), [engine("a", hbm=N), engine("b", profile=P)], FleetStats())
+    mine = own.pick(request(N), [engine("a", hbm=N), engine("b", profile=fast)], FleetStats())
     assert "default_profile:a" in mine.notes
     assert not [n for n in mine.notes if n.startswith("estimate_profile:")]
     ca = decision.components["a"]
     assert ca["default_profile"] == 1.0
     assert ca["replay_s"] == V41_FLASH_TP4_ESTIMATE.replay_floor_s
-    assert decision.components["b"]["prefill_s"] == pytest.approx(N * 1e-4)
+    assert decision.components["b"]["prefill_s"] == pytest.approx(N * 1e-5)
 
 
 def test_default_profile_comes_from_policy_params() -> None:
@@ -313,3 +320,65 @@ def test_estimate_credits_a_boundary_past_g_through_the_view() -> None:
     e = engine("e0", hbm=4 * T, swa=4 * T + 100)
     (est,) = estimate(request(N, block=T, boundaries=(4 * T + 100,)), [e], FleetStats())
     assert est.work.resume == "swa" and est.work.resume_tokens == 4 * T + 100
+
+
+def test_an_engine_without_a_measured_profile_never_looks_cheaper() -> None:
+    """Issue 15, problem 8: one engine's probed profile arrived (2e-4 s/token), the
+    other's did not; priced with the built-in estimate (5.4e-5 s/token) the engine
+    without one looked cheap and took 47 of 48 requests. It is priced with the dearest
+    of the default and the fleet's measured profiles, so with equal caches and loads it
+    is never the cheaper one; with no measured profile in the fleet the default stands."""
+    slow = EngineProfile(
+        prefill_curve=[CurvePoint(context_tokens=0, seconds_per_token=2e-4)],
+        prefill_overhead_s=0.01,
+        replay_floor_s=0.0,
+        global_kv_bytes_per_token=1.0,
+    )
+    measured, unknown = engine("m", profile=slow), engine("u")
+    est = {e.engine: e for e in estimate(request(), [measured, unknown], FleetStats())}
+    assert est["u"].default_profile and not est["m"].default_profile
+    assert est["u"].stand_in == "m"
+    notes = TierAware().pick(request(), [measured, unknown], FleetStats()).notes
+    assert "default_profile:u" in notes and "estimate_profile:u" not in notes
+    assert est["u"].ttft_s >= est["m"].ttft_s
+    picks = {
+        TierAware().pick(request(), [measured, unknown], FleetStats()).engine for _ in range(4)
+    }
+    assert picks == {"m"}
+    # the unknown engine with a real cache advantage still wins
+    warm = engine("u", hbm=4096)
+    assert TierAware().pick(request(), [measured, warm], FleetStats()).engine == "u"
+    # nobody measured: the default profile prices both
+    alone = estimate(request(), [engine("a"), engine("b")], FleetStats())
+    assert (
+        alone[0].ttft_s
+        == alone[1].ttft_s
+        == V41_FLASH_TP4_ESTIMATE.prefill_seconds(request().prompt_tokens, 0)
+    )
+
+
+def test_the_curve_extrapolates_no_faster_than_the_measured_trend() -> None:
+    """Issue 15, problem 9: probed to ~1.3k tokens with a noisy, steep last segment, the
+    curve predicted 1.07 s for 3.1k tokens where vLLM took 0.6 s. Past its last point
+    the rate grows at most at the trend of the whole curve (first to last point), never
+    at a steeper last segment's slope; within the points nothing changes."""
+    prof = EngineProfile(
+        prefill_curve=[
+            CurvePoint(context_tokens=0, seconds_per_token=1.6e-4),
+            CurvePoint(context_tokens=256, seconds_per_token=1.5e-4),
+            CurvePoint(context_tokens=1024, seconds_per_token=2.2e-4),
+        ],
+        replay_floor_s=0.0,
+        global_kv_bytes_per_token=1.0,
+    )
+    trend = (2.2e-4 - 1.6e-4) / 1024
+    assert prof._rate(2048) == pytest.approx(2.2e-4 + trend * 1024)
+    assert prof._rate(600) == pytest.approx(1.5e-4 + (0.7e-4 / 768) * 344)  # unchanged
+    assert prof.prefill_seconds(3100, 0) < 0.8
+    # a falling trend past the last point holds the last rate (never below it)
+    falling = prof.model_copy(
+        update={"prefill_curve": [CurvePoint(context_tokens=0, seconds_per_token=3e-4),
+                                  CurvePoint(context_tokens=512, seconds_per_token=1e-4),
+                                  CurvePoint(context_tokens=1024, seconds_per_token=2e-4)]}
+    )  # fmt: skip
+    assert falling._rate(4096) == pytest.approx(2e-4)
