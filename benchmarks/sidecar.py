@@ -118,6 +118,7 @@ async def bench_latency(samples: int) -> list[float]:
     publisher = ZmqEventPublisher(ev, rp)
     settings = SidecarSettings(
         engine_kind="vllm", engine_id="e0", engine_url="http://127.0.0.1:1", events_url=ev,
+        profile="skip",
         replay_url=rp, key_id="e0-sc", model="m", block_tokens=B, scrape_metrics=False,
         load_interval_s=5.0,
     )  # fmt: skip

@@ -42,9 +42,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--push-url", default=None, help="also POST reports to a router")
     p.add_argument("--load-interval", type=float, default=1.0, help="seconds between loads")
     p.add_argument("--no-scrape", action="store_true", help="do not read the engine's /metrics")
-    p.add_argument("--profile", choices=["skip", "probe"], default="skip")
+    p.add_argument(
+        "--profile",
+        choices=["skip", "probe"],
+        default="probe",
+        help="probe: time requests at start and publish the measured profile (default); "
+        "skip: publish none, and routers price the engine with their default profile",
+    )
     p.add_argument("--profile-file", default=None, help="publish this EngineProfile JSON")
-    p.add_argument("--probe-sizes", default="256,1024,4096", help="prompt tokens per probe")
+    p.add_argument(
+        "--probe-sizes",
+        default=None,
+        help="prompt sizes in the engine's tokens, comma-separated (default: 256, 1024, "
+        "4096, ... up to the engine's max model length, which is probed last)",
+    )
     p.add_argument("--kv-bytes-per-token", type=float, default=None)
     p.add_argument("--host-gbps", type=float, default=None, help="host->GPU restore GB/s")
     p.add_argument("--ssd-gbps", type=float, default=None, help="storage restore GB/s")
@@ -65,12 +76,17 @@ def _run(args: argparse.Namespace) -> int:
             return _fail(f"{name} {value!r}: must match {ID_PATTERN.pattern}")
     if args.block_tokens <= 0:
         return _fail("--block-tokens must be positive")
-    try:
-        sizes = tuple(int(x) for x in args.probe_sizes.split(","))
-    except ValueError:
-        return _fail("--probe-sizes: comma-separated integers")
-    if args.profile == "probe" and args.kv_bytes_per_token is None:
-        return _fail("--profile probe needs --kv-bytes-per-token (the model's KV size)")
+    sizes: tuple[int, ...] | None = None
+    if args.probe_sizes is not None:
+        try:
+            sizes = tuple(int(x) for x in args.probe_sizes.split(","))
+        except ValueError:
+            return _fail("--probe-sizes: comma-separated integers")
+        if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] <= 0:
+            return _fail("--probe-sizes: positive and strictly increasing")
+    tiered = bool(args.host_gbps or args.ssd_gbps)
+    if args.profile == "probe" and tiered and args.kv_bytes_per_token is None:
+        return _fail("--host-gbps/--ssd-gbps need --kv-bytes-per-token (the model's KV size)")
     try:
         key = load_private_key(args.key)
     except KeyError_ as exc:

@@ -9,8 +9,10 @@ Prefill curve. Prefilling `n` new tokens on top of `c` tokens already in context
     prefill_seconds(n, c) = overhead_s + integral from c to c+n of rate(x) dx
 
 where `rate(x)` (seconds per token at context length x) is piecewise linear through the
-profiled points and extrapolated along the last segment's slope (attention makes the
-marginal token dearer as context grows). A flat curve is a constant tokens/s engine.
+profiled points and extrapolated past the last one along the last segment's slope
+(attention makes the marginal token dearer as context grows), but no steeper than the
+trend of the whole curve (first to last point) and never falling: one noisy last
+segment must not run the prediction away. A flat curve is a constant tokens/s engine.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ class EngineProfile(BaseModel):
         if x < xs[i]:  # before the first point: hold flat
             return ys[i]
         slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+        if x > xs[-1]:
+            # past the last point: no faster than the whole curve's trend (a noisy last
+            # segment must not run away), and never falling below the last rate
+            trend = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+            return ys[-1] + max(0.0, min(slope, trend)) * (x - xs[-1])
         return max(0.0, ys[i] + slope * (x - xs[i]))
 
     def prefill_seconds(self, new_tokens: int, context_tokens: int = 0) -> float:

@@ -6,7 +6,13 @@ whenever an operator asks (`--profile probe`):
 
 1. **Overhead**: a tiny prompt, cold: `prefill_overhead_s` = its latency.
 2. **Prefill curve**: for each size n_k (ascending, `sizes`), a prompt of about n_k
-   tokens that no cache holds (a random nonce leads it), cold. With T_k its latency minus
+   *tokens* (the engine's own: a calibration request reads `usage.prompt_tokens` for a
+   known filler, and the filler is scaled to each size) that no cache holds (a random
+   nonce leads it), cold. Sizes are clamped to the engine's maximum model length
+   (`max_model_len` of `/v1/models`, as vLLM serves it) and the default sizes end at
+   that limit, so the curve covers every length the engine can be sent and the cost
+   model never extrapolates within it (`EngineProfile` extrapolates no faster than the
+   measured trend past the last point). With T_k its latency minus
    the overhead and n_k the engine's own `usage.prompt_tokens`, the marginal cost on
    [n_{k-1}, n_k) is (T_k - T_{k-1}) / (n_k - n_{k-1}) seconds per token (n_0 = T_0 = 0):
    one curve point at context n_{k-1} per size.
@@ -36,6 +42,12 @@ import aiohttp
 
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 
+DEFAULT_SIZES = (256, 1024, 4096, 16384, 65536, 131072)
+"""Probe sizes in tokens when none are given: clamped to the engine's limit, which is
+probed last."""
+LIMIT_MARGIN = 16
+"""Tokens kept free below the engine's limit (the generated token, rounding)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
@@ -46,8 +58,40 @@ class ProbeResult:
 
 
 def filler(words: int, nonce: str) -> str:
-    """A prompt of about `words` tokens that no cache holds (it starts with the nonce)."""
+    """A prompt of `words` filler words that no cache holds (it starts with the nonce)."""
     return nonce + " " + " ".join(f"w{(i * 7919) % 1000}" for i in range(max(1, words)))
+
+
+async def max_model_len(session: aiohttp.ClientSession, url: str, model: str) -> int | None:
+    """The engine's maximum model length from `/v1/models` (vLLM: `max_model_len`), or
+    None when it does not say."""
+    try:
+        async with session.get(url.rstrip("/") + "/v1/models") as resp:
+            if resp.status != 200:
+                return None
+            data: Any = await resp.json(content_type=None)
+    except (aiohttp.ClientError, ValueError):
+        return None
+    cards = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(cards, list):
+        return None
+    for card in sorted(cards, key=lambda c: isinstance(c, dict) and c.get("id") != model):
+        if isinstance(card, dict) and isinstance(card.get("max_model_len"), int):
+            return int(card["max_model_len"])
+    return None
+
+
+def plan_sizes(sizes: Sequence[int] | None, limit: int | None) -> list[int]:
+    """The probe sizes in tokens: `sizes` (or `DEFAULT_SIZES`, then ending at the limit)
+    clamped below the engine's limit."""
+    cap = None if limit is None else max(1, limit - LIMIT_MARGIN)
+    want = list(DEFAULT_SIZES if sizes is None else sizes)
+    if cap is None:
+        return want if sizes is not None else want[:3]
+    out = [n for n in want if n < cap]
+    if (sizes is None or any(n >= cap for n in want)) and (not out or out[-1] < cap):
+        out.append(cap)
+    return out
 
 
 async def probe_once(
@@ -74,17 +118,26 @@ async def probe_profile(
     url: str,
     model: str,
     *,
-    sizes: Sequence[int] = (256, 1024, 4096),
+    sizes: Sequence[int] | None = None,
     repeats: int = 2,
     global_kv_bytes_per_token: float,
     tiers: dict[str, TierCost] | None = None,
     replay_window_tokens: int = 128,
     timeout_s: float = 120.0,
 ) -> EngineProfile:
-    if not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] <= 0:
+    if sizes is not None and (not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] <= 0):
         raise ValueError("probe sizes must be positive and strictly increasing")
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as s:
+        plan = plan_sizes(sizes, await max_model_len(s, url, model))
+        # tokens per filler word, in the engine's own tokenizer
+        calib_words = 64
+        calib = await probe_once(s, url, model, filler(calib_words, secrets.token_hex(8)))
+        fixed = (await probe_once(s, url, model, filler(1, secrets.token_hex(8)))).prompt_tokens
+        per_word = max(1e-3, (calib.prompt_tokens - fixed) / (calib_words - 1))
+
+        def words_for(tokens: int) -> int:
+            return max(1, int((tokens - fixed) / per_word) + 1)
 
         async def best(words: int, max_tokens: int = 1) -> tuple[ProbeResult, ProbeResult]:
             cold: ProbeResult | None = None
@@ -102,7 +155,7 @@ async def probe_profile(
         await probe_once(s, url, model, filler(4, secrets.token_hex(8)))
         tiny, _ = await best(4)
         overhead = tiny.seconds
-        measured: list[tuple[ProbeResult, ProbeResult]] = [await best(n) for n in sizes]
+        measured: list[tuple[ProbeResult, ProbeResult]] = [await best(words_for(n)) for n in plan]
         gen, _ = await best(4, max_tokens=16)
 
     points: list[CurvePoint] = []

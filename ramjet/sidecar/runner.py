@@ -71,9 +71,10 @@ class SidecarSettings:
     push_url: str | None = None
     load_interval_s: float = 1.0
     scrape_metrics: bool = True
-    profile: Literal["skip", "probe"] = "skip"
+    profile: Literal["skip", "probe"] = "probe"
     profile_file: str | None = None
-    probe_sizes: tuple[int, ...] = (256, 1024, 4096)
+    probe_sizes: tuple[int, ...] | None = None
+    """Prompt sizes in tokens; None: up to the engine's max model length."""
     global_kv_bytes_per_token: float = 1.0
     tiers: dict[str, TierCost] = field(default_factory=dict)
     replay_timeout_s: float = 2.0
@@ -238,6 +239,7 @@ class Sidecar:
                 "stream": dict(self.stream.stats),
                 "decoder": dict(self.metrics.stats),
                 "groups": {str(k): v for k, v in self.tracker.group_kinds().items()},
+                "profile": None if self.profile is None else self.profile.model_dump(),
             }
         )
 

@@ -90,6 +90,7 @@ async def test_sidecar_signs_vllm_events_and_router_matches_engine(tmp_path: Pat
                 "--engine-id", "e0", "--engine-url", engine.url, "--events", ev, "--replay", rp,
                 "--key", str(priv), "--key-id", "e0-sc", "--model", MODEL,
                 "--block-tokens", "256", "--port", str(sc_port), "--load-interval", "0.5",
+                "--profile", "skip",
                 "--log-level", "WARNING"]  # fmt: skip
         sidecar = await asyncio.to_thread(Sidecar, argv, sc_port, tmp_path / "sidecar.log")
         policy = tmp_path / "policy.yaml"

@@ -38,6 +38,7 @@ async def test_sidecar_signs_deltas_and_restarts_epoch() -> None:
     pub = ZmqEventPublisher(ev, rp)
     s = SidecarSettings(
         engine_kind="vllm", engine_id="v0", engine_url="http://127.0.0.1:9", events_url=ev,
+        profile="skip",
         replay_url=rp, key_id="v0-sc", model="m", block_tokens=4, scrape_metrics=False,
     )  # fmt: skip
     sc = Sidecar(s, key)

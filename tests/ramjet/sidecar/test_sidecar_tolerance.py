@@ -57,6 +57,7 @@ async def test_sidecar_applies_around_unknowns_and_resyncs_on_a_lost_removal() -
     registry = CollectorRegistry()
     s = SidecarSettings(
         engine_kind="vllm", engine_id="v0", engine_url="http://127.0.0.1:9", events_url=ev,
+        profile="skip",
         replay_url=None, key_id="v0-sc", model="m", block_tokens=4, scrape_metrics=False,
     )  # fmt: skip
     sc = Sidecar(s, Ed25519PrivateKey.generate(), registry)
