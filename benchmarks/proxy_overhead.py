@@ -34,7 +34,7 @@ threads, from /proc/PID/task/*/schedstat):
 - SSE: 32 concurrent streams of 64 chunks 1 ms apart; CPU us per chunk (the proxy's CPU
   over all chunks relayed, request overhead included);
 - latency at 500 req/s, open loop (a request every 2 ms, whether or not earlier ones
-  returned): p50 and p99 minus direct's p50 and p99 in the same round;
+  returned): p50 and p99 minus those of a direct run made just before it;
 - large prompts: 1 MB and 4 MB prompts one at a time; CPU ms per request.
 
 The last table gives each figure as a ratio to SMG cache_aware (lower is better for Ramjet).
@@ -101,12 +101,49 @@ def chat_body(content: str, stream: bool) -> bytes:
 SMALL_PROMPT = "Say something short. " * 8
 
 
+class _HttpServer(asyncio.Protocol):
+    """One client connection of the benchmark's own servers, parsed by httptools (llhttp);
+    a subclass answers each whole request in `request` (a parse error gets 400, close)."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self._bad = httptools.HttpParserError
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.body: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except self._bad:
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        method, url, body = self.parser.get_method(), self.url, b"".join(self.body)
+        self.url, self.body = b"", []
+        self.request(method, url, body)
+
+    def request(self, method: bytes, url: bytes, body: bytes) -> None:
+        raise NotImplementedError
+
+
 # -- the upstream engines (own process: --upstream PORT,PORT) -----------------------------
 
 
 def run_upstream(ports: list[int]) -> None:
-    import httptools
-
     models = b'{"object":"list","data":[{"id":"m","object":"model"}]}'
 
     def reply(prompt_chars: int) -> bytes:
@@ -147,39 +184,17 @@ def run_upstream(ports: list[int]) -> None:
             body,
         )
 
-    class Engine(asyncio.Protocol):
+    class Engine(_HttpServer):
         def __init__(self) -> None:
-            self.parser = httptools.HttpRequestParser(self)
-            self.body: list[bytes] = []
-            self.url = b""
-            self.transport: asyncio.Transport | None = None
+            super().__init__()
             self.streaming: asyncio.Task[None] | None = None
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self.streaming is not None:
                 self.streaming.cancel()
 
-        def data_received(self, data: bytes) -> None:
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                assert self.transport is not None
-                self.transport.write(answer(400, b'{"error":"bad request"}'))
-                self.transport.close()
-
-        def on_url(self, url: bytes) -> None:
-            self.url += url
-
-        def on_body(self, body: bytes) -> None:
-            self.body.append(body)
-
-        def on_message_complete(self) -> None:
+        def request(self, method: bytes, url: bytes, body: bytes) -> None:
             assert self.transport is not None
-            method, url, body = self.parser.get_method(), self.url, b"".join(self.body)
-            self.url, self.body = b"", []
             if method == b"GET":
                 self.transport.write(answer(200, models))
                 return
@@ -316,47 +331,21 @@ def run_layer(kind: str, port: int, upstreams: list[str]) -> None:
         web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
         return
 
-    import httptools
-
     running: set[asyncio.Task[None]] = set()
 
-    class Hop(asyncio.Protocol):
-        def __init__(self) -> None:
-            self.parser = httptools.HttpRequestParser(self)
-            self.url = b""
-            self.body: list[bytes] = []
-            self.t: asyncio.Transport | None = None
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.t = cast(asyncio.Transport, transport)
-
-        def data_received(self, data: bytes) -> None:
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                assert self.t is not None
-                self.t.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
-                self.t.close()
-
-        def on_url(self, url: bytes) -> None:
-            self.url += url
-
-        def on_body(self, body: bytes) -> None:
-            self.body.append(body)
-
-        def on_message_complete(self) -> None:
-            url, body = self.url.decode(), b"".join(self.body)
-            self.url, self.body = b"", []
-            if self.parser.get_method() == b"GET":
-                assert self.t is not None
-                self.t.write(b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"data":[]}')
+    class Hop(_HttpServer):
+        def request(self, method: bytes, raw_url: bytes, body: bytes) -> None:
+            url = raw_url.decode()
+            if method == b"GET":
+                assert self.transport is not None
+                self.transport.write(b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"data":[]}')
                 return
             task = asyncio.ensure_future(self.forward(url, body))
             running.add(task)
             task.add_done_callback(running.discard)
 
         async def forward(self, url: str, body: bytes) -> None:
-            t = self.t
+            t = self.transport
             assert t is not None
             up = await pool().request("POST", url, hdrs, body)
             try:
@@ -754,12 +743,14 @@ async def measure_round(
         n = await closed_loop(t, STREAM_RAW, partial(check_stream, t.name), sec, 32)
         if pids:
             cells[t.name].add("cpu_chunk_us", (cpu_seconds(pids) - c0) / (n * (CHUNKS + 2)) * 1e6)
-    # latency at 500 req/s, open loop
-    lats = {t.name: await open_loop(t, args.rate, sec) for t in targets}
-    base = lats["direct"]
-    for t in targets:
-        cells[t.name].add("p50_us", (pct(lats[t.name], 0.5) - pct(base, 0.5)) * 1e6)
-        cells[t.name].add("p99_us", (pct(lats[t.name], 0.99) - pct(base, 0.99)) * 1e6)
+    # latency at 500 req/s, open loop; each hop against a direct run just before it, so
+    # a neighbour's burst on the shared machine shifts both alike
+    direct = targets[0]
+    for t in targets[1:]:
+        base = await open_loop(direct, args.rate, args.lat_seconds)
+        lat = await open_loop(t, args.rate, args.lat_seconds)
+        cells[t.name].add("p50_us", (pct(lat, 0.5) - pct(base, 0.5)) * 1e6)
+        cells[t.name].add("p99_us", (pct(lat, 0.99) - pct(base, 0.99)) * 1e6)
     # large prompts
     for mb, count in ((1, args.large), (4, max(1, args.large // 2))):
         content = "p" * (mb << 20)
@@ -788,6 +779,15 @@ ROWS = [
     ("CPU per 1 MB prompt (ms)", "cpu_1mb_ms", "{:.2f}"),
     ("CPU per 4 MB prompt (ms)", "cpu_4mb_ms", "{:.2f}"),
 ]
+FIGURES = {  # `figure:` lines for benchmarks/bench_all.py (group, unit); no "/" in a group
+    "cpu_req_us": ("proxy CPU per small JSON request", "us"),
+    "rps": ("proxy small JSON requests per second on one core", "req/s"),
+    "cpu_chunk_us": ("proxy CPU per SSE chunk", "us"),
+    "p50_us": ("proxy added latency p50 at 500 rps", "us"),
+    "p99_us": ("proxy added latency p99 at 500 rps", "us"),
+    "cpu_1mb_ms": ("proxy CPU per 1 MB prompt", "ms"),
+    "cpu_4mb_ms": ("proxy CPU per 4 MB prompt", "ms"),
+}
 
 
 def report(targets: list[Target], cells: dict[str, Cell]) -> None:
@@ -801,6 +801,12 @@ def report(targets: list[Target], cells: dict[str, Cell]) -> None:
             f"{label:<{width}} "
             + " ".join(f"{'-' if v is None else fmt.format(v):>14}" for v in vals)
         )
+    print()
+    for key, (group, unit) in FIGURES.items():
+        for n in names:
+            v = cells[n].med(key)
+            if v is not None and n != "direct":
+                print(f"figure: {group} / {n} = {v:.4g} {unit}")
     ref = "smg_ca" if "smg_ca" in cells else None
     if ref is None:
         print("\nno SMG cache_aware column (pip install -e '.[bench]'): no ratios")
@@ -853,6 +859,7 @@ def main() -> int:
         return 0
     if args.quick:
         args.rounds, args.seconds, args.large = 1, 1.5, 3
+    args.lat_seconds = 1.0 if args.quick else args.seconds
     wanted = set(filter(None, args.only.split(",")))
 
     def want(name: str) -> bool:

@@ -1,6 +1,6 @@
 """A/B of the router's CPU per request: two source trees against one upstream, in one run.
 
-    .venv/bin/python benchmarks/router_ab.py TREE_A TREE_B [--rounds 5] [--seconds 2]
+    .venv/bin/python benchmarks/router_ab.py TREE_A TREE_B [--rounds 5] [--seconds 2] [--large-mb 4]
 
 Each tree is a checkout of this repository (e.g. `git archive HEAD~1 | tar -x -C /tmp/a`);
 its router runs as `python -m ramjet serve` with PYTHONPATH set to the tree, pinned to
@@ -28,6 +28,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po
 
 
+async def measure(target: po.Target, mode: str, args: argparse.Namespace) -> int:
+    """Requests answered (each checked) in one cell of `mode`."""
+    if mode == "json":
+        check = partial(po.check_json, target.name, small=True)
+        return await po.closed_loop(target, po.SMALL_RAW, check, args.seconds, args.concurrency)
+    if mode == "stream64":
+        check_s = partial(po.check_stream, target.name)
+        return await po.closed_loop(target, po.STREAM_RAW, check_s, args.seconds, args.concurrency)
+    content = "p" * (args.large_mb << 20)
+    raw = po.raw_post(po.chat_body(content, False))
+    client = po.Client(target.url)
+    try:
+        for _ in range(args.large):
+            status, body = await client.send(raw)
+            po.check_json(target.name, status, body, len(content))
+    finally:
+        client.close()
+    return args.large
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("tree_a")
@@ -35,6 +55,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--large-mb", type=int, default=0, help="also prompts of this many MB")
+    ap.add_argument("--large", type=int, default=4, help="large prompts per round")
     args = ap.parse_args()
     trees = [str(Path(args.tree_a).resolve()), str(Path(args.tree_b).resolve())]
     procs: list[subprocess.Popen[bytes]] = []
@@ -53,6 +75,7 @@ def main() -> int:
             policy.write_text(
                 f"engines:\n  - id: e0\n    url: http://127.0.0.1:{up_port}\n"
                 "incumbent:\n  name: prefix_affinity\nlogging:\n  level: warning\n"
+                f"limits:\n  max_body_bytes: {64 << 20}\n"
                 "timeouts:\n  drain_s: 1\n"
             )
             routers: list[tuple[str, int]] = []
@@ -77,35 +100,27 @@ def main() -> int:
                 procs.append(proc)
                 po.wait_http(f"http://127.0.0.1:{port}/readyz")
                 routers.append((f"http://127.0.0.1:{port}", proc.pid))
-            runs: dict[tuple[int, bool], list[float]] = {
-                (i, s): [] for i in range(2) for s in (False, True)
-            }
+            modes = ["json", "stream64"] + ([f"{args.large_mb}mb"] if args.large_mb else [])
+            runs: dict[tuple[int, str], list[float]] = {(i, m): [] for i in range(2) for m in modes}
             for _ in range(args.rounds):
-                for stream in (False, True):
+                for mode in modes:
                     for i, (url, pid) in enumerate(routers):
                         target = po.Target("AB"[i], url)
-                        raw, check = (
-                            (po.STREAM_RAW, partial(po.check_stream, target.name))
-                            if stream
-                            else (po.SMALL_RAW, partial(po.check_json, target.name, small=True))
-                        )
                         c0 = po.cpu_seconds([pid])
-                        n = uvloop.run(
-                            po.closed_loop(target, raw, check, args.seconds, args.concurrency)
-                        )
-                        runs[(i, stream)].append((po.cpu_seconds([pid]) - c0) / n * 1e6)
+                        n = uvloop.run(measure(target, mode, args))
+                        runs[(i, mode)].append((po.cpu_seconds([pid]) - c0) / n * 1e6)
             print(f"router CPU us/request, median of {args.rounds} interleaved rounds")
             print(f"  A = {trees[0]}\n  B = {trees[1]}")
-            for stream in (False, True):
-                a, b = (statistics.median(runs[(i, stream)]) for i in range(2))
+            for mode in modes:
+                a, b = (statistics.median(runs[(i, mode)]) for i in range(2))
                 rounds = "  ".join(
                     f"{x:.0f}/{y:.0f}"
-                    for x, y in zip(runs[(0, stream)], runs[(1, stream)], strict=True)
+                    for x, y in zip(runs[(0, mode)], runs[(1, mode)], strict=True)
                 )
-                mode = "stream64" if stream else "json"
                 print(
                     f"  {mode:<9} A {a:6.0f}  B {b:6.0f}  B/A {b / a:5.3f}   rounds A/B: {rounds}"
                 )
+            print(f"self-check: every reply verified (status, body, chunks) in {len(modes)} modes")
         finally:
             for p in reversed(procs):
                 po.stop(p)
