@@ -234,7 +234,9 @@ def forged_frame(path: Path) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     body = DeltaBody(stored=[TierKeys(tier="hbm", keys=tuple(PrefixKey(k) for k in range(8)))])
-    env = Envelope(EngineId("e0"), "e0-k1", 1, 1, int(time.time() * 1000), "delta", encode_body(body))
+    env = Envelope(
+        EngineId("e0"), "e0-k1", 1, 1, int(time.time() * 1000), "delta", encode_body(body)
+    )
     path.write_bytes(sign(env, Ed25519PrivateKey.generate()))
 
 
