@@ -21,7 +21,7 @@ from ramjet.config import FleetStatsConfig, PolicyFileError, load_policy
 from simulations import compare
 from simulations import plan as planner
 from simulations.bounds import floor, srpt_merged
-from simulations.checks import saturated, violations, with_oracle
+from simulations.checks import REPLAY, Replay, beaten, saturated, violations, with_oracle
 from simulations.lineup import ENTRANTS, resolve
 from simulations.preset import PRESETS, engine_spec
 from simulations.report import markdown, plot, table, write_csv
@@ -155,6 +155,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     )
     progress = Progress(len(entrants) * len(scales) * len(reqs), not a.quiet)
     rows: list[Row] = []
+    decisions: dict[tuple[str, float], list[int]] = {}
     t0 = time.perf_counter()
     for scale, load in zip(scales, loads, strict=True):
         run_reqs = scaled(plan, scale) if plan is not None else scale_rate(reqs, scale)
@@ -173,9 +174,29 @@ def cmd_run(a: argparse.Namespace) -> int:
                 loop=plan.loop if plan is not None else None,
             )
             out = sim.run()
+            decisions[(ent.name, scale)] = out.engine
             rows.append(
                 summarize(
                     ent.name, scale, run_reqs, out, fl.tokens, a.ttft_target_s, load, fl.work_s
+                )
+            )
+        for name in beaten(rows, scale):  # a policy below every oracle: replay it shared
+            progress.label = f"{REPLAY}{name} x{scale:g}"
+            sim = Simulation(
+                run_reqs,
+                spec,
+                Replay(name, decisions[(name, scale)]),
+                block_tokens=block,
+                engines=a.engines,
+                shared_cache=True,
+                progress=progress,
+                fleet_stats=fleet_cfg,
+                loop=plan.loop if plan is not None else None,
+            )
+            out = sim.run()
+            rows.append(
+                summarize(
+                    REPLAY + name, scale, run_reqs, out, fl.tokens, a.ttft_target_s, load, fl.work_s
                 )
             )
         rows.append(bound_row("bound:alone", scale, fl.work_s, fl.tokens, a.ttft_target_s, load))

@@ -6,7 +6,13 @@ prefills more than the floor plus what causality forces (a block still being com
 for a sibling sent at the same instant). Two routings run on it, `oracle:tier_aware`
 (the cost model's pick) and `oracle:least_work` (the engine with the fewest predicted
 uncached tokens queued: on a shared cache that is the earliest free engine, central
-FCFS); the `oracle` row at each load is the one of them with the lower mean TTFT.
+FCFS), and `oracle:spread` (round robin); the `oracle` row at each load is the one of
+them with the lowest mean TTFT. Where a policy still beats all three, the runner adds
+that policy's own decisions replayed on the shared cache (`Replay`, rows
+`oracle:as:<policy>`) and takes the best again: without the partition no request of
+that routing finds less cache, so the oracle bounds it by construction in open-loop
+FCFS runs; where even that replay is slower (priority scheduling, closed loop) the run
+fails.
 
 `violations` lists every row that beats the oracle's mean TTFT or a strict bound's
 (`bound:alone` always, over the same requests the row counts; `bound:srpt_merged_2x` in
@@ -24,16 +30,55 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from simulations.summary import Row
 
 ORACLES = ("oracle:tier_aware", "oracle:least_work", "oracle:spread")
+REPLAY = "oracle:as:"
+"""Prefix of a replay row: a policy's own decisions, request by request, on the shared
+cache (`Replay`)."""
+
+
+class Replay:
+    """Routes request i to the engine another run sent it to (`Outcome.engine[i]`):
+    that policy's decisions without the partitioned cache. Run on a shared cache every
+    request finds at least what it found there, so (FCFS, open loop) no request is
+    slower: the oracle then bounds that policy by construction."""
+
+    def __init__(self, of: str, engines: Sequence[int]) -> None:
+        self.name = REPLAY + of
+        self.engines = list(engines)
+
+    def pick(
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> Decision:
+        return Decision(engines[self.engines[int(request.request_id)]].id, self.name)
+
+
+def beaten(rows: Sequence[Row], scale: float) -> list[str]:
+    """Policies at `scale` whose mean TTFT is below every oracle routing's there."""
+    these = [r for r in rows if r.rate_scale == scale]
+    oracles = [r.ttft_mean_s for r in these if r.policy.startswith("oracle:")]
+    if not oracles:
+        return []
+    best = min(oracles)
+    return [
+        r.policy
+        for r in these
+        if not r.policy.startswith(("oracle", "bound:")) and r.ttft_mean_s < best
+    ]
 
 
 def with_oracle(rows: Sequence[Row]) -> list[Row]:
-    """`rows` plus, per load, an `oracle` row: the better of the oracle routings."""
+    """`rows` plus, per load, an `oracle` row: the best of the oracle routings (the
+    named ones and any replays)."""
     out = list(rows)
     for scale in dict.fromkeys(r.rate_scale for r in rows):
-        cands = [r for r in rows if r.rate_scale == scale and r.policy in ORACLES]
+        cands = [
+            r
+            for r in rows
+            if r.rate_scale == scale and (r.policy in ORACLES or r.policy.startswith(REPLAY))
+        ]
         if cands:
             best = min(cands, key=lambda r: r.ttft_mean_s)
             out.append(replace(best, policy="oracle"))

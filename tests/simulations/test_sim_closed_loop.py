@@ -14,9 +14,10 @@ from sim_helpers import BLOCK, run_entrant, spec
 
 from simulations import __main__ as cli
 from simulations.bounds import floor
-from simulations.checks import saturated, violations, with_oracle
+from simulations.checks import Replay, saturated, violations, with_oracle
 from simulations.compare import read_rows
 from simulations.sessions import closed_loop_plan, scale_for_load, scaled, session_groups
+from simulations.simulator import Simulation
 from simulations.summary import Row, summarize
 from simulations.workload import Request, chain_keys, finish
 
@@ -223,3 +224,16 @@ def test_cli_replays_a_session_trace_closed_loop(
          "--out", str(tmp_path / "x"), "--quiet"]
     )  # fmt: skip
     assert code == 2
+
+
+@pytest.mark.parametrize("name", ["smg_cache_aware:exact", "round_robin", "tier_aware"])
+def test_a_policys_decisions_replayed_on_the_shared_cache_are_never_slower(name: str) -> None:
+    reqs = scaled(closed_loop_plan(agent_trace(sessions=8), BLOCK, sessions=24), 1e4)
+    reqs = finish(sorted(reqs, key=lambda r: r.arrival_s), BLOCK)  # open loop: fixed arrivals
+    out = run_entrant(reqs, name)
+    again = Simulation(
+        reqs, spec(), Replay(name, out.engine), block_tokens=BLOCK, shared_cache=True
+    ).run()
+    assert again.engine == out.engine
+    assert all(b <= a + 1e-9 for a, b in zip(out.ttft, again.ttft, strict=True))
+    assert sum(again.new_tokens) <= sum(out.new_tokens)
