@@ -61,6 +61,10 @@ ENTRANTS: dict[str, Entrant] = {
             _ramjet("tier_aware", {"externality_scale": 0.0}, "tier_aware_selfish"),
         ),
         Entrant(
+            "tier_aware:tokens",
+            _ramjet("tier_aware", {"per_job_prefill": False}, "tier_aware:tokens"),
+        ),
+        Entrant(
             "tier_aware:session",
             _ramjet("tier_aware", {"session_scale": 1.0}, "tier_aware:session"),
         ),

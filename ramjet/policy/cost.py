@@ -27,7 +27,10 @@ For request r (n prompt tokens) on engine e, with profile P:
   curve's start is the conservative, common case), plus decode interference: a chunked
   prefill engine runs one decode step for its running batch per prefill chunk, so while
   any request decodes, each `chunk_tokens` of queued and own new tokens adds one
-  `decode_step_s`.
+  `decode_step_s`. An engine that prefills one request per step (`per_job`, the
+  default: the reference engine) runs at least one chunk per request, so each waiting
+  request (`EngineLoad.waiting_requests`), the one in prefill and this one add a step
+  and each waiting request its own fixed overhead: short prompts cost a step each.
 - TTFT_e = wait_e + work_e.
 - Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
   requests queued behind it. By Little's law about λ·W of them wait at any time, where λ
@@ -175,15 +178,31 @@ def prompt_work(
 
 
 def wait_seconds(
-    profile: EngineProfile, engine: EngineView, new_tokens: int, chunk_tokens: int
+    profile: EngineProfile,
+    engine: EngineView,
+    new_tokens: int,
+    chunk_tokens: int,
+    per_job: bool = True,
 ) -> float:
-    """Time until the engine starts the request, plus decode interference on its prefill."""
+    """Time until the engine starts the request, plus decode interference on its prefill.
+
+    `per_job`: the engine prefills one request per forward pass (the reference engine,
+    the simulator's engines), so each queued request pays its own fixed overhead and at
+    least one chunk: one decode step each while requests decode, however short its
+    prompt. False: the engine packs several prompts into a step's token budget (vLLM's
+    chunked prefill), so only tokens count."""
     queued = outstanding_prompt_tokens(engine.load)
     wait = profile.prefill_seconds(queued, 0)
+    waiting = (engine.load.waiting_requests or 0) if per_job else 0
+    if waiting > 0:
+        wait += waiting * profile.prefill_overhead_s
     running = engine.load.running_requests
     decoding = running if running is not None else engine.load.inflight_requests
     if decoding > 0 and profile.decode_step_s > 0:
-        wait += math.ceil((queued + new_tokens) / chunk_tokens) * profile.decode_step_s
+        chunks = math.ceil((queued + new_tokens) / chunk_tokens)
+        if per_job:  # the waiting jobs, the one in prefill, and this one: a chunk each
+            chunks = max(chunks, waiting + (1 if queued > 0 else 0) + 1)
+        wait += chunks * profile.decode_step_s
     return wait
 
 
@@ -270,6 +289,7 @@ def estimate(
     chunk_tokens: int = 8192,
     externality_scale: float = 1.0,
     session_s: Mapping[EngineId, float] | None = None,
+    per_job: bool = True,
 ) -> list[EngineEstimate]:
     """Per-engine estimates for `request`, in the order of `engines` (see module docstring).
     `session_s`: the session term per engine, added to the cost (absent: 0)."""
@@ -289,7 +309,7 @@ def estimate(
             swa = e.residency.swa_match(request.boundary_keys) if request.boundary_keys else 0
         work = prompt_work(profile, n, match, swa, swa_reach(request, match))
         new_tokens = max(n - work.resume_tokens, 0)
-        wait = wait_seconds(profile, e, new_tokens, chunk_tokens)
+        wait = wait_seconds(profile, e, new_tokens, chunk_tokens, per_job)
         staged.append((e, work, match, swa, wait, use_default, degraded))
     least = min(s[1].work_s for s in staged)
     rate = externality_rate(fleet, externality_scale)

@@ -42,6 +42,10 @@ class TierAwareParams(BaseModel):
     (docs/results.md, ablation rows `tier_aware:session`)."""
     session_idle_s: Annotated[float, Field(gt=0)] = 60.0
     """A session not seen for this long has ended (its length is learned)."""
+    per_job_prefill: bool = True
+    """Engines prefill one request per step (the reference engine): each queued request
+    costs at least a chunk and a decode step (`cost.wait_seconds`). False for engines
+    that pack prompts into a step's token budget (vLLM)."""
 
 
 class TierAware:
@@ -75,6 +79,7 @@ class TierAware:
             chunk_tokens=p.chunk_tokens,
             externality_scale=p.externality_scale,
             session_s=session,
+            per_job=p.per_job_prefill,
         )
 
     def pick(

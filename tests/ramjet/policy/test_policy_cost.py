@@ -382,3 +382,32 @@ def test_the_curve_extrapolates_no_faster_than_the_measured_trend() -> None:
                                   CurvePoint(context_tokens=1024, seconds_per_token=2e-4)]}
     )  # fmt: skip
     assert falling._rate(4096) == pytest.approx(2e-4)
+
+
+def test_each_waiting_request_costs_its_own_chunk_on_a_one_prefill_per_step_engine() -> None:
+    from dataclasses import replace
+
+    from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, wait_seconds
+
+    p = V41_FLASH_TP4_ESTIMATE
+    a, b = engine("a", queued=600, inflight=8), engine("b", queued=600, inflight=8)
+    many = replace(a, load=replace(a.load, waiting_requests=5, running_requests=3))
+    one = replace(b, load=replace(b.load, waiting_requests=0, running_requests=3))
+    step, over = p.decode_step_s, p.prefill_overhead_s
+    # six 100-token prompts queued: five waiting, one in prefill; ours is the seventh job
+    assert wait_seconds(p, many, 100, 8192) == pytest.approx(
+        p.prefill_seconds(600, 0) + 5 * over + 7 * step
+    )
+    # one 600-token prompt in prefill: it and ours, a chunk each
+    assert wait_seconds(p, one, 100, 8192) == pytest.approx(p.prefill_seconds(600, 0) + 2 * step)
+    # an engine that packs prompts into a step's budget: tokens only
+    packed = wait_seconds(p, many, 100, 8192, per_job=False)
+    assert packed == pytest.approx(p.prefill_seconds(600, 0) + step)
+    # the same queued tokens: the policy prefers one long prompt to six short ones
+    decision = create_policy("tier_aware", {}).pick(request(100), [many, one], FleetStats())
+    assert decision.engine == "b"
+    tokens = create_policy("tier_aware", {"per_job_prefill": False})
+    assert {
+        c["wait_s"]
+        for c in tokens.pick(request(100), [many, one], FleetStats()).components.values()
+    } == {packed}
