@@ -126,11 +126,14 @@ def test_docs_table_is_the_catalogue() -> None:
 
 
 def test_docs_mention_only_catalogued_series() -> None:
+    # a name counts as a metric when its first word after ramjet_ is a catalogued
+    # subsystem (ramjet_reports_..., ramjet_redis_...); ramjet_observe, a benchmark row, is not
+    subsystems = {m.name.split("_")[1] for m in mc.CATALOGUE}
     bad = []
     for path in [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]:
         for i, line in enumerate(path.read_text().splitlines(), 1):
             for series in re.findall(r"(?<![\w:])ramjet_[a-z0-9_]*[a-z0-9](?![\w:])", line):
-                if mc.series_metric(series) is None:
+                if series.split("_")[1] in subsystems and mc.series_metric(series) is None:
                     bad.append(f"{path.relative_to(ROOT)}:{i}: {series}")
     assert not bad, "series named in the docs but not in the catalogue:\n" + "\n".join(bad)
 
