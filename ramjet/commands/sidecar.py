@@ -59,6 +59,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--kv-bytes-per-token", type=float, default=None)
     p.add_argument("--host-gbps", type=float, default=None, help="host->GPU restore GB/s")
     p.add_argument("--ssd-gbps", type=float, default=None, help="storage restore GB/s")
+    p.add_argument(
+        "--events-warn-after",
+        type=float,
+        default=30.0,
+        help="seconds after start with no KV event before a loud warning (what to check)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=_run)
 
@@ -114,6 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         probe_sizes=sizes,
         global_kv_bytes_per_token=args.kv_bytes_per_token or 1.0,
         tiers=tiers,
+        events_warn_after_s=args.events_warn_after,
     )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"

@@ -104,6 +104,7 @@ class ReportPublisher:
         self._tasks: list[asyncio.Task[None]] = []
         self.pushed = 0
         self.push_failures = 0
+        self._closing = False
         self._profile: EngineProfile | None = None
         """The last published profile: carried by every snapshot, re-sent in a new epoch."""
 
@@ -253,7 +254,9 @@ class ReportPublisher:
                 return self._batch([], head, snapshot_needed=True)
             frames = self.frames_after(after, limit)
             remaining = deadline - time.monotonic()
-            if frames or remaining <= 0:
+            # stopping: answer long-polls now (a process exits promptly on SIGTERM, not
+            # after the longest wait a router asked for)
+            if frames or remaining <= 0 or self._closing:
                 return self._batch(frames, head, snapshot_needed=False)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), remaining)
@@ -276,6 +279,7 @@ class ReportPublisher:
     # -- background: load reports, push --------------------------------------------------------
 
     async def start(self) -> None:
+        self._closing = False
         self._bind_loop()
         if self._load is not None:
             self._tasks.append(asyncio.create_task(self._load_loop()))
@@ -285,6 +289,10 @@ class ReportPublisher:
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(tasks)
+        # then answer parked long-polls (woken before the cancel, a task's wait_for could
+        # finish with the wake and swallow the cancellation)
+        self._closing = True
+        self._wake()
 
     async def _load_loop(self) -> None:
         assert self._load is not None

@@ -8,7 +8,13 @@ several sidecars can live in one process:
 - ramjet_sidecar_malformed_events_total{event}: known events dropped because a field
   had the wrong type or was missing (the reason is logged);
 - ramjet_sidecar_resyncs_total: batches whose dropped event may have removed blocks, so
-  the sidecar forgot its state and started a new epoch.
+  the sidecar forgot its state and started a new epoch;
+- ramjet_sidecar_events_decoded_total{event}: events decoded and applied, by type
+  (BlockStored, BlockRemoved, AllBlocksCleared);
+- ramjet_sidecar_event_to_report_seconds: from the engine's timestamp of the oldest
+  batch in a delta to that delta being signed (what routers wait beyond transport);
+- ramjet_sidecar_events_silent: 1 while no event has arrived within
+  `--events-warn-after` seconds of start (a misconfigured endpoint: see the log).
 
 `event` and `field` come from the engine's bytes, so label values are cut to
 `MAX_LABEL_CHARS` and at most `MAX_SERIES` distinct label sets are made per metric;
@@ -21,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter as Tally
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ramjet.metric_catalogue import counter
 from ramjet.sidecar.wire import EventBatch
@@ -56,6 +62,25 @@ class SidecarMetrics:
         self.unknown_events = counter(registry, "ramjet_sidecar_unknown_events_total")
         self.malformed_events = counter(registry, "ramjet_sidecar_malformed_events_total")
         self.resyncs = counter(registry, "ramjet_sidecar_resyncs_total")
+        self.events_decoded = Counter(
+            "ramjet_sidecar_events_decoded_total",
+            "KV events decoded and applied, by type",
+            ["event"],
+            registry=registry,
+        )
+        for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            self.events_decoded.labels(name)
+        self.event_to_report = Histogram(
+            "ramjet_sidecar_event_to_report_seconds",
+            "Engine timestamp of the oldest batch in a delta to the delta's signing",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+            registry=registry,
+        )
+        self.events_silent = Gauge(
+            "ramjet_sidecar_events_silent",
+            "1 while no KV event arrived within --events-warn-after seconds of start",
+            registry=registry,
+        )
         self._fields = _Bounded(self.unknown_fields)
         self._events = _Bounded(self.unknown_events)
         self._malformed = _Bounded(self.malformed_events)
@@ -63,7 +88,9 @@ class SidecarMetrics:
         """The same counts, unlabelled, for the sidecar's /health."""
 
     def observe(self, batch: EventBatch) -> None:
-        """Count what the decoder ignored or dropped in one batch (and log the drops)."""
+        """Count what the decoder took, ignored or dropped in one batch (and log drops)."""
+        for ev in batch.events:
+            self.events_decoded.labels(type(ev).__name__).inc()
         for event, field in batch.unknown_fields:
             self._fields.inc(event, field)
         self.stats["unknown_fields"] += len(batch.unknown_fields)

@@ -79,6 +79,8 @@ class SidecarSettings:
     tiers: dict[str, TierCost] = field(default_factory=dict)
     replay_timeout_s: float = 2.0
     reset_timeout_s: float = 10.0
+    events_warn_after_s: float = 30.0
+    """Warn (log, `ramjet_sidecar_events_silent`) when no event arrived by then."""
 
 
 class Sidecar:
@@ -117,6 +119,8 @@ class Sidecar:
             replay_timeout_s=settings.replay_timeout_s,
         )
         self.profile: EngineProfile | None = None
+        self._oldest_unsigned: float | None = None
+        """Engine timestamp of the oldest batch applied since the last signed delta."""
         self.last_batch_ts: float | None = None
         """The engine's timestamp of the last batch applied (benchmarks read it)."""
         self.flushed = threading.Condition()
@@ -138,6 +142,8 @@ class Sidecar:
         with self._lock:
             self.tracker.apply(events, self._builder)
             self.last_batch_ts = batch.ts
+            if self._oldest_unsigned is None:
+                self._oldest_unsigned = batch.ts
 
     def _on_reset(self, reason: str) -> None:
         with self._lock:
@@ -149,10 +155,13 @@ class Sidecar:
     def flush(self) -> int | None:
         """Sign the events applied since the last flush as one delta; its seq."""
         with self._lock:
+            oldest, self._oldest_unsigned = self._oldest_unsigned, None
             if not len(self._builder):
                 return None
             body = self._builder.build()
         seq = self.publisher.publish_delta(body)
+        if oldest is not None:
+            self.metrics.event_to_report.observe(max(0.0, time.time() - oldest))
         with self.flushed:
             self.flushed.notify_all()
         return seq
@@ -250,6 +259,7 @@ class Sidecar:
         await asyncio.get_running_loop().run_in_executor(None, self.stream.connected.wait, 5.0)
         if self.settings.scrape_metrics:
             self._tasks.append(asyncio.create_task(self._scrape_loop()))
+        self._tasks.append(asyncio.create_task(self._watch_silence()))
         if self.settings.profile_file is not None:
             with open(self.settings.profile_file, encoding="utf-8") as f:
                 self.profile = EngineProfile.model_validate_json(f.read())
@@ -281,6 +291,34 @@ class Sidecar:
             return
         self.publisher.publish_profile(self.profile)
         log.info("profile published: %s", self.profile.model_dump_json())
+
+    async def _watch_silence(self) -> None:
+        """A sidecar that hears nothing looks healthy (`last_event_seq: null`) while the
+        router prices the engine on guesses: say so, loudly, once, and keep the gauge up
+        until the first event."""
+        s = self.settings
+        await asyncio.sleep(s.events_warn_after_s)
+        warned = False
+        while self.stream.last is None:
+            if not warned:
+                warned = True
+                self.metrics.events_silent.set(1)
+                log.warning(
+                    "no KV event from %s within %.0f s of start (replay %s). Check: the "
+                    "engine must BIND this endpoint (vLLM and SGLang bind ipc://, inproc://, "
+                    "tcp://* and tcp://[::] endpoints but CONNECT to any other tcp:// one, "
+                    "and two connecting ends never meet: use ipc:// beside the engine or "
+                    "tcp://*:PORT); events on (vLLM enable_kv_cache_events, SGLang "
+                    "publisher zmq); the topic (--topic %r)",
+                    s.events_url,
+                    s.events_warn_after_s,
+                    "answered" if self.stream.stats["replay_answers"] else "did not answer",
+                    s.topic.decode(errors="replace"),
+                )
+            await asyncio.sleep(1.0)
+        self.metrics.events_silent.set(0)
+        if warned:
+            log.info("KV events arriving from %s", s.events_url)
 
     def _engine_gone(self, why: str) -> None:
         """The engine's port refuses connections: the process is gone and its cache with

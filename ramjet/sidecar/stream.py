@@ -196,6 +196,7 @@ class EventStream:
                     log.warning("malformed replay message: %s", exc)
                     continue
                 if msg is None:
+                    self.stats["replay_answers"] += 1
                     return out
                 out.append(msg)
         finally:
