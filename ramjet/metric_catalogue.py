@@ -228,6 +228,13 @@ CATALOGUE: tuple[Metric, ...] = (
            "Known KV events dropped for a malformed field"),
     Metric("ramjet_sidecar_resyncs_total", COUNTER, "", (), "ramjet.sidecar.metrics",
            "Batches whose dropped event forced a new epoch"),
+    Metric("ramjet_sidecar_events_decoded_total", COUNTER, "", ("event",), "ramjet.sidecar.metrics",
+           "KV events decoded and applied, by type"),
+    Metric("ramjet_sidecar_event_to_report_seconds", HISTOGRAM, "seconds", (), "ramjet.sidecar.metrics",
+           "Engine timestamp of the oldest batch in a delta to the delta's signing",
+           buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)),
+    Metric("ramjet_sidecar_events_silent", GAUGE, "", (), "ramjet.sidecar.metrics",
+           "1 while no KV event arrived within --events-warn-after seconds of start"),
 )
 # fmt: on
 

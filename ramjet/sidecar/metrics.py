@@ -27,9 +27,9 @@ from __future__ import annotations
 import logging
 from collections import Counter as Tally
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter
 
-from ramjet.metric_catalogue import counter
+from ramjet.metric_catalogue import counter, gauge, histogram
 from ramjet.sidecar.wire import EventBatch
 
 log = logging.getLogger(__name__)
@@ -62,25 +62,11 @@ class SidecarMetrics:
         self.unknown_events = counter(registry, "ramjet_sidecar_unknown_events_total")
         self.malformed_events = counter(registry, "ramjet_sidecar_malformed_events_total")
         self.resyncs = counter(registry, "ramjet_sidecar_resyncs_total")
-        self.events_decoded = Counter(
-            "ramjet_sidecar_events_decoded_total",
-            "KV events decoded and applied, by type",
-            ["event"],
-            registry=registry,
-        )
+        self.events_decoded = counter(registry, "ramjet_sidecar_events_decoded_total")
         for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
             self.events_decoded.labels(name)
-        self.event_to_report = Histogram(
-            "ramjet_sidecar_event_to_report_seconds",
-            "Engine timestamp of the oldest batch in a delta to the delta's signing",
-            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
-            registry=registry,
-        )
-        self.events_silent = Gauge(
-            "ramjet_sidecar_events_silent",
-            "1 while no KV event arrived within --events-warn-after seconds of start",
-            registry=registry,
-        )
+        self.event_to_report = histogram(registry, "ramjet_sidecar_event_to_report_seconds")
+        self.events_silent = gauge(registry, "ramjet_sidecar_events_silent")
         self._fields = _Bounded(self.unknown_fields)
         self._events = _Bounded(self.unknown_events)
         self._malformed = _Bounded(self.malformed_events)
