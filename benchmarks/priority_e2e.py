@@ -486,7 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     prof: dict[str, Any] | None = None
     t0 = time.perf_counter()
     runs = [(rnd, i, m) for rnd in range(a.rounds) for i, m in enumerate(modes)]
-    with vllm_engines(a) if vllm else contextlib.nullcontext([]) as vengines:
+    engines_cm: contextlib.AbstractContextManager[list[Any]] = (
+        vllm_engines(a) if vllm else contextlib.nullcontext([])
+    )
+    with engines_cm as vengines:
         if vllm:
             prof = calibrate_client(vengines[0].url, "tiny", a.chunk)
             calibrate_client(vengines[1].url, "tiny", a.chunk)  # warm-up
