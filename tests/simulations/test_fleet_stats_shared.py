@@ -13,6 +13,7 @@ from ramjet.policy.fleet_stats import ArrivalRate, MeanWait
 from ramjet.policy.registry import create_policy
 from simulations.engine import Job
 from simulations.simulator import Simulation
+from simulations.workload import Request
 
 POLICY = {
     "engines": [
@@ -23,13 +24,13 @@ POLICY = {
 }
 
 
-def _workload() -> list[object]:
+def _workload() -> list[Request]:
     # bursts of 3 arrivals every 0.05 s on two prefixes: queues build, waits vary
     reqs = []
     for i in range(60):
         t = (i // 3) * 0.05
         reqs.append(req(t, [i % 2, 100 + i, 200 + i, 300 + i], out=4))
-    return workload(reqs)  # type: ignore[return-value]
+    return workload(reqs)
 
 
 class Recording(Simulation):
@@ -61,7 +62,7 @@ def test_router_and_simulator_give_the_same_lambda_and_w(taus: tuple[float, floa
     )
     sim.run()
     # the same sequence through the router's objects: arrivals, then waits as they came
-    events = [(r.arrival_s, "arrive", 0.0) for r in reqs] + sim.fed  # type: ignore[attr-defined]
+    events = [(r.arrival_s, "arrive", 0.0) for r in reqs] + sim.fed
     events.sort(key=lambda e: (e[0], e[1] != "arrive"))
     assert sum(1 for e in events if e[1] == "wait") == len(reqs)
     for t, kind, value in events:
