@@ -237,3 +237,25 @@ def test_a_policys_decisions_replayed_on_the_shared_cache_are_never_slower(name:
     assert again.engine == out.engine
     assert all(b <= a + 1e-9 for a, b in zip(out.ttft, again.ttft, strict=True))
     assert sum(again.new_tokens) <= sum(out.new_tokens)
+
+
+def test_closed_loop_bad_inputs_are_refused_with_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = tmp_path / "plain.jsonl"  # no sessions: a Mooncake-style trace
+    plain.write_text(
+        json.dumps({"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [1]})
+    )
+    base = ["run", "--out", str(tmp_path / "o"), "--quiet", "--no-plot", "--policies", "tier_aware"]
+    assert cli.main([*base, "--trace", str(plain), "--closed-loop", "on"]) == 2
+    assert "needs a session_id" in capsys.readouterr().err
+    assert cli.main([*base, "--trace", str(plain), "--fanout", "2"]) == 2
+    assert "--fanout needs closed-loop replay" in capsys.readouterr().err
+    reqs = agent_trace(sessions=2, turns=2)
+    with pytest.raises(ValueError, match="fanout must be at least 1"):
+        closed_loop_plan(reqs, BLOCK, fanout=0)
+    with pytest.raises(ValueError, match="fanout_share"):
+        closed_loop_plan(reqs, BLOCK, fanout=2, fanout_share=1.5)
+    with pytest.raises(ValueError, match="sessions must be at least 1"):
+        closed_loop_plan(reqs, BLOCK, sessions=-1)
+    assert not (tmp_path / "o" / "results.csv").exists()
