@@ -177,19 +177,20 @@ class Workload:
                 for k in range(a.turns):
                     msgs.append({"role": "user", "content": self.users[s][k]})
                     body = {"model": model, "messages": msgs, "max_tokens": a.max_tokens,
-                            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                            "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
                     rq = Req("turn", f"s{s}t{k}", t_send=time.monotonic() - t0)
                     rq.ttft_s, rq.text, usage, rq.engine = await stream_chat(
                         http, url, body, f"sess-{s}", rq.label
                     )
                     rq.queue_ms = float(usage.get("prompt_work", {}).get("queue_ms", "nan"))
                     res.reqs.append(rq)
-                    msgs.append({"role": "assistant", "content": rq.text.split("|")[0]})
+                    msgs.append({"role": "assistant", "content": rq.text.rsplit("|", 2)[0]})
                     await asyncio.sleep(a.think)
 
             async def long(i: int) -> None:
                 await asyncio.sleep(self.long_at[i])
-                body = {"model": model, "max_tokens": a.max_tokens, "stream": True,
+                body = {"model": model, "max_tokens": a.max_tokens, "stream": True, "temperature": 0,
                         "stream_options": {"include_usage": True},
                         "messages": [{"role": "user", "content": self.longs[i]}]}  # fmt: skip
                 rq = Req("long", f"long{i}", t_send=time.monotonic() - t0)
@@ -526,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         if set(got) != set(base):
             problems.append(f"mode {r.name} answered other requests than fcfs")
             continue
-        moved = [k for k in fixed if got[k].split("|")[1] != base[k].split("|")[1]]
+        moved = [k for k in fixed if got[k].rsplit("|", 2)[1] != base[k].rsplit("|", 2)[1]]
         if moved:
             problems.append(f"mode {r.name}: prompt sizes differ from fcfs's for {moved[:5]}")
         if r is not results[0]:
