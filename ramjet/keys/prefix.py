@@ -124,15 +124,21 @@ def _render_content(content: Any, param: str) -> str:
     if isinstance(content, str):
         return _esc(content)
     if isinstance(content, list):
+        # Adjacent text parts join before escaping: escaped one by one, "<" + "|end|>"
+        # would join to an unescaped marker and forge a section.
         out: list[str] = []
+        run: list[str] = []
         for i, part in enumerate(content):
             if isinstance(part, str):
-                out.append(_esc(part))
+                run.append(part)
             elif isinstance(part, Mapping):
                 text = part.get("text")
                 if part.get("type") == "text" and isinstance(text, str):
-                    out.append(_esc(text))
+                    run.append(text)
                 else:  # images, audio, files: their canonical JSON stands for them
+                    if run:
+                        out.append(_esc("".join(run)))
+                        run = []
                     out.append(_PART + _canon_json(part, f"{param}[{i}]"))
             else:
                 raise PromptError(
@@ -140,6 +146,8 @@ def _render_content(content: Any, param: str) -> str:
                     f"{param}[{i}]",
                     "invalid_type",
                 )
+        if run:
+            out.append(_esc("".join(run)))
         return "".join(out)
     raise PromptError(
         f"{param}: content must be a string, an array of parts or null", param, "invalid_type"
