@@ -51,11 +51,12 @@ from ramjet.decisions.accounting import Accounting
 from ramjet.decisions.record import DecisionRecord, DecisionSink
 from ramjet.fleet.engines import EngineState, Fleet, HealthProber
 from ramjet.fleet.signals import EngineSignals, NoSignals
-from ramjet.fleet.views import engine_views, fleet_stats, retry_engine
+from ramjet.fleet.views import engine_views, retry_engine
 from ramjet.keys.pools import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.policy.base import EngineView
 from ramjet.policy.candidates import uncached_prompt_tokens
+from ramjet.policy.fleet_stats import fleet_stats
 from ramjet.policy.registry import create_policy
 from ramjet.proxy.exchange import Exchange, ForwardResult
 from ramjet.proxy.forward import Proxy
@@ -258,7 +259,7 @@ class Router:
                     status=exc.status, body=exc.to_openai_json(), content_type="application/json"
                 )
         rv = to_request_view(parsed, request_id)
-        fleet = fleet_stats(t0, self.arrivals, self.accounting.mean_wait_s())
+        fleet = fleet_stats(t0, self.arrivals, self.accounting.waits)
         session_key = parsed.session or (
             str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
         )

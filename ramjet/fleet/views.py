@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from ramjet.fleet.engines import EngineState, Fleet
 from ramjet.fleet.signals import EngineSignals
-from ramjet.policy.base import EngineView, FleetStats
-from ramjet.policy.fleet_stats import ArrivalRate
+from ramjet.policy.base import EngineView
 from ramjet.residency.source import ResidencySource
 from ramjet.types import EngineId
 
@@ -44,11 +43,6 @@ def engine_views(
         for e in serving
     ]
     return views, serving, routable.retry_after_s
-
-
-def fleet_stats(now: float, arrivals: ArrivalRate, mean_wait_s: float) -> FleetStats:
-    """The fleet-wide figures of the cost model's wait and externality terms."""
-    return FleetStats(now_s=now, arrival_rate_per_s=arrivals.rate(now), mean_wait_s=mean_wait_s)
 
 
 def retry_engine(fleet: Fleet, model: str, tried: set[EngineId]) -> EngineState | None:

@@ -7,9 +7,8 @@ from sim_helpers import req, spec, workload
 
 from ramjet.app.router import Router
 from ramjet.config import FleetStatsConfig, parse_policy
-from ramjet.fleet.views import fleet_stats
 from ramjet.policy.base import FleetStats
-from ramjet.policy.fleet_stats import ArrivalRate, MeanWait
+from ramjet.policy.fleet_stats import ArrivalRate, MeanWait, fleet_stats
 from ramjet.policy.registry import create_policy
 from simulations.engine import Job
 from simulations.simulator import Simulation
@@ -71,7 +70,7 @@ def test_router_and_simulator_give_the_same_lambda_and_w(taus: tuple[float, floa
         else:
             router.accounting.waits.add(t, value)
     end = events[-1][0] + 0.5
-    routed = fleet_stats(end, router.arrivals, router.accounting.mean_wait_s())
+    routed = fleet_stats(end, router.arrivals, router.accounting.waits)
     simulated = sim.estimators.stats(end)
     assert routed == simulated
     assert isinstance(routed, FleetStats)
