@@ -36,6 +36,9 @@ async def measure(target: po.Target, mode: str, args: argparse.Namespace) -> int
     if mode == "stream64":
         check_s = partial(po.check_stream, target.name)
         return await po.closed_loop(target, po.STREAM_RAW, check_s, args.seconds, args.concurrency)
+    if mode.startswith("open"):
+        lat = await po.open_loop(target, args.open_rate, args.seconds)
+        return len(lat)
     content = "p" * (args.large_mb << 20)
     raw = po.raw_post(po.chat_body(content, False))
     client = po.Client(target.url)
@@ -57,6 +60,14 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--large-mb", type=int, default=0, help="also prompts of this many MB")
     ap.add_argument("--large", type=int, default=4, help="large prompts per round")
+    ap.add_argument(
+        "--open-rate", type=float, default=0.0, help="also small requests at this rate, open loop"
+    )
+    ap.add_argument(
+        "--observe",
+        action="store_true",
+        help="observe mode: tier_aware recorded, decision log on (default: prefix_affinity only)",
+    )
     args = ap.parse_args()
     trees = [str(Path(args.tree_a).resolve()), str(Path(args.tree_b).resolve())]
     procs: list[subprocess.Popen[bytes]] = []
@@ -75,7 +86,13 @@ def main() -> int:
             policy.write_text(
                 f"engines:\n  - id: e0\n    url: http://127.0.0.1:{up_port}\n"
                 "incumbent:\n  name: prefix_affinity\nlogging:\n  level: warning\n"
-                f"limits:\n  max_body_bytes: {64 << 20}\n"
+                + (
+                    f"  decisions_path: {d}/decisions.jsonl\n"
+                    "mode:\n  kind: observe\ncandidate:\n  name: tier_aware\n"
+                    if args.observe
+                    else ""
+                )
+                + f"limits:\n  max_body_bytes: {64 << 20}\n"
                 "timeouts:\n  drain_s: 1\n"
             )
             routers: list[tuple[str, int]] = []
@@ -101,6 +118,7 @@ def main() -> int:
                 po.wait_http(f"http://127.0.0.1:{port}/readyz")
                 routers.append((f"http://127.0.0.1:{port}", proc.pid))
             modes = ["json", "stream64"] + ([f"{args.large_mb}mb"] if args.large_mb else [])
+            modes += [f"open{args.open_rate:.0f}"] if args.open_rate else []
             runs: dict[tuple[int, str], list[float]] = {(i, m): [] for i in range(2) for m in modes}
             for _ in range(args.rounds):
                 for mode in modes:
