@@ -34,7 +34,8 @@ threads, from /proc/PID/task/*/schedstat):
 - SSE: 32 concurrent streams of 64 chunks 1 ms apart; CPU us per chunk (the proxy's CPU
   over all chunks relayed, request overhead included);
 - latency at 500 req/s, open loop (a request every 2 ms, whether or not earlier ones
-  returned): p50 and p99 minus those of a direct run made just before it;
+  returned): p50 and p99 minus those of a direct run made just before it, and the CPU
+  per request at that rate;
 - large prompts: 1 MB and 4 MB prompts one at a time; CPU ms per request.
 
 The last table gives each figure as a ratio to SMG cache_aware (lower is better for Ramjet).
@@ -676,6 +677,10 @@ async def closed_loop(
     return done
 
 
+OPEN_WARM = 8
+"""Requests sent one by one before an open-loop cell (warm connections), not timed."""
+
+
 async def open_loop(t: Target, rate: float, seconds: float) -> list[float]:
     """A request every 1/rate s whatever the earlier ones do; latencies in seconds."""
     client = Client(t.url)
@@ -689,7 +694,7 @@ async def open_loop(t: Target, rate: float, seconds: float) -> list[float]:
         lat.append(time.perf_counter() - t0)
         check_json(t.name, status, body, len(SMALL_PROMPT))
 
-    for _ in range(8):  # warm connections
+    for _ in range(OPEN_WARM):  # warm connections
         await one()
     lat.clear()
     start = time.perf_counter()
@@ -748,7 +753,12 @@ async def measure_round(
     direct = targets[0]
     for t in targets[1:]:
         base = await open_loop(direct, args.rate, args.lat_seconds)
+        pids = t.pids()
+        c0 = cpu_seconds(pids)
         lat = await open_loop(t, args.rate, args.lat_seconds)
+        if pids:
+            used = cpu_seconds(pids) - c0
+            cells[t.name].add("cpu_open_us", used / (len(lat) + OPEN_WARM) * 1e6)
         cells[t.name].add("p50_us", (pct(lat, 0.5) - pct(base, 0.5)) * 1e6)
         cells[t.name].add("p99_us", (pct(lat, 0.99) - pct(base, 0.99)) * 1e6)
     # large prompts
@@ -776,6 +786,7 @@ ROWS = [
     ("CPU per SSE chunk, 1 ms apart (us)", "cpu_chunk_us", "{:.1f}"),
     ("added latency at 500 req/s p50 (us)", "p50_us", "{:+.0f}"),
     ("added latency at 500 req/s p99 (us)", "p99_us", "{:+.0f}"),
+    ("CPU per small JSON request at 500 req/s (us)", "cpu_open_us", "{:.0f}"),
     ("CPU per 1 MB prompt (ms)", "cpu_1mb_ms", "{:.2f}"),
     ("CPU per 4 MB prompt (ms)", "cpu_4mb_ms", "{:.2f}"),
 ]
@@ -785,6 +796,7 @@ FIGURES = {  # `figure:` lines for benchmarks/bench_all.py (group, unit); no "/"
     "cpu_chunk_us": ("proxy CPU per SSE chunk", "us"),
     "p50_us": ("proxy added latency p50 at 500 rps", "us"),
     "p99_us": ("proxy added latency p99 at 500 rps", "us"),
+    "cpu_open_us": ("proxy CPU per small JSON request at 500 rps", "us"),
     "cpu_1mb_ms": ("proxy CPU per 1 MB prompt", "ms"),
     "cpu_4mb_ms": ("proxy CPU per 4 MB prompt", "ms"),
 }
