@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
-from conftest import Records, router_config
 from fake_upstream import FakeUpstream
+from router_rig import Records, router_config
 
 from ramjet.app.server import RouterServer
 from ramjet.decisions.log import read_log

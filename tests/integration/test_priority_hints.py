@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from conftest import Records, RouterFactory
 from fake_upstream import FakeUpstream
+from router_rig import Records, RouterFactory
 
 from ramjet.app.modes import canary_share_of
 from ramjet.app.priority import CLASS_STRIDE, hint_key_ms

@@ -10,9 +10,9 @@ import socket
 import time
 
 import aiohttp
-from conftest import Records, RouterFactory
 from fake_upstream import Behavior, FakeUpstream
 from proxy_client import CHAT, post
+from router_rig import Records, RouterFactory
 
 from ramjet.app.server import RouterServer
 

@@ -9,9 +9,9 @@ import time
 
 import aiohttp
 import pytest
-from conftest import RouterFactory
 from fake_upstream import FakeUpstream
 from proxy_client import post
+from router_rig import RouterFactory
 
 from ramjet.app.server import RouterServer
 

@@ -8,8 +8,8 @@ import json
 
 import aiohttp
 import openai
-from conftest import Records, RouterFactory
 from fake_upstream import FakeUpstream, completion_body
+from router_rig import Records, RouterFactory
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -9,9 +9,9 @@ import asyncio
 from typing import Any
 
 import pytest
-from conftest import Records, router_config
 from fake_upstream import Behavior, FakeUpstream
 from proxy_client import post
+from router_rig import Records, router_config
 
 from ramjet.app.server import RouterServer
 from ramjet.residency.config import ResidencyConfig

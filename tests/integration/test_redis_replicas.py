@@ -28,9 +28,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from conftest import Records, router_config
 from fake_upstream import FakeUpstream
 from redis_server import RedisProcess, redis_server
+from router_rig import Records, router_config
 
 from ramjet.app.server import RouterServer
 from ramjet.policy.base import EngineLoad, EngineView, FleetStats

@@ -34,10 +34,10 @@ import pytest
 import redis
 import yaml
 from aiohttp import web
-from conftest import router_config
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fake_upstream import FakeUpstream
 from prometheus_client import CollectorRegistry
+from router_rig import router_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from redis_server import RedisProcess, free_port, redis_server

@@ -23,9 +23,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import Records, router_config
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fake_upstream import FakeUpstream
+from router_rig import Records, router_config
 
 from ramjet.app.server import RouterServer
 from ramjet.fleet.signals import REPORTS_KEY
