@@ -22,7 +22,7 @@ from simulations import compare
 from simulations import plan as planner
 from simulations.bounds import floor, srpt_merged
 from simulations.checks import REPLAY, Replay, beaten, saturated, violations, with_oracle
-from simulations.lineup import ENTRANTS, resolve
+from simulations.lineup import ENTRANTS, resolve, variant
 from simulations.preset import PRESETS, engine_spec
 from simulations.report import markdown, plot, table, write_csv
 from simulations.sessions import SessionPlan, closed_loop_plan, scale_for_load, scaled
@@ -76,7 +76,7 @@ def closed_loop_wanted(mode: str, reqs: list[Request]) -> bool:
 
 def cmd_run(a: argparse.Namespace) -> int:
     try:
-        entrants = resolve(a.policies)
+        entrants = resolve(a.policies) + [variant(v) for v in a.variant]
         reqs, block = load_trace(
             a.trace, block_tokens=a.block_tokens, jitter_s=a.jitter_s, seed=a.seed
         )
@@ -265,6 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--preset", default=PRESETS[0], choices=PRESETS)
     r.add_argument(
         "--profile", help="an EngineProfile JSON (the reference engine's profiler output)"
+    )
+    r.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an extra tier_aware row with these params (ablation), e.g. "
+        "'tier_aware:x0.5={\"externality_scale\": 0.5}'; repeatable",
     )
     r.add_argument("--engines", type=int, default=2)
     r.add_argument("--scheduler", choices=("fcfs", "priority"), default="fcfs")

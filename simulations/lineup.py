@@ -12,11 +12,12 @@ which no online router can have; the gap to the better of them (the `oracle` row
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ramjet.policy.base import RoutingPolicy
-from ramjet.policy.registry import create_policy
+from ramjet.policy.registry import create_policy, validate_params
 from simulations.peers.dynamo import DynamoKv
 from simulations.peers.llmd import LlmdScorers
 from simulations.peers.prodstack import ProdstackPrefix
@@ -125,3 +126,23 @@ def resolve(spec: str) -> list[Entrant]:
             raise ValueError(f"unknown policy {name!r}; known: all, {', '.join(ENTRANTS)}")
         out.extend(modes)
     return out
+
+
+def variant(spec: str) -> Entrant:
+    """An extra `tier_aware` row for ablations: `NAME=JSON`, JSON the policy's params
+    over its defaults (e.g. `tier_aware:x0.5={"externality_scale": 0.5}`), validated
+    now. NAME must not be a lineup name or an oracle/bound row's."""
+    name, sep, raw = spec.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ValueError(f"--variant {spec!r}: expected NAME=JSON")
+    if name in ENTRANTS or name.startswith(("oracle", "bound:")):
+        raise ValueError(f"--variant {name!r}: the name is taken")
+    try:
+        params = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--variant {name!r}: params are not JSON: {exc}") from None
+    if not isinstance(params, dict):
+        raise ValueError(f"--variant {name!r}: params must be a JSON object")
+    validate_params("tier_aware", params, path=f"--variant {name}")  # a ValueError
+    return Entrant(name, _ramjet("tier_aware", params, name))

@@ -1,0 +1,62 @@
+"""`--variant NAME=JSON`: an extra tier_aware row for ablations, validated up front."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ramjet.policy.tier_aware import TierAware
+from simulations import __main__ as cli
+from simulations.lineup import variant
+
+TRACE = (
+    Path(__file__).resolve().parents[3] / "shared/data/traces/agent/miniswe_interleaved_b64.jsonl"
+)
+
+
+def test_variant_builds_tier_aware_with_its_params_under_its_name() -> None:
+    ent = variant('tier_aware:x0.5={"externality_scale": 0.5, "per_job_prefill": false}')
+    policy = ent.make(0)
+    assert isinstance(policy, TierAware)
+    assert policy.name == ent.name == "tier_aware:x0.5"
+    assert policy.params.externality_scale == 0.5
+    assert policy.params.per_job_prefill is False
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("no_equals", "NAME=JSON"),
+        ('={"externality_scale": 1}', "NAME=JSON"),
+        ('tier_aware={"externality_scale": 1}', "taken"),
+        ('oracle:mine={"externality_scale": 1}', "taken"),
+        ("v={not json", "not JSON"),
+        ("v=[1, 2]", "JSON object"),
+        ('v={"externality_scale": -1}', "externality_scale"),
+        ('v={"no_such_param": 1}', "no_such_param"),
+    ],
+)
+def test_bad_variants_are_refused_with_the_reason(spec: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        variant(spec)
+
+
+def test_cli_refuses_a_bad_variant_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    argv = ["run", "--trace", str(TRACE), "--policies", "round_robin", "--variant", "v={"]
+    assert cli.main([*argv, "--out", str(out), "--quiet", "--no-plot"]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_cli_runs_a_variant_as_its_own_row(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["run", "--trace", str(TRACE), "--policies", "tier_aware", "--sessions", "8"]
+    argv += ["--load", "0.4", "--variant", 'v:x0={"externality_scale": 0}']
+    assert cli.main([*argv, "--out", str(out), "--quiet", "--no-plot"]) == 0
+    rows = (out / "results.csv").read_text().splitlines()
+    assert sum(r.startswith("v:x0,") for r in rows) == 1
+    assert sum(r.startswith("tier_aware,") for r in rows) == 1
