@@ -5,6 +5,7 @@ loopback port, waited for on /health, stopped by pid (SIGTERM, then SIGKILL).
     sc = SidecarProcess(argv, port, tmp_path / "sidecar.log")
     sc.health()     # the sidecar's /health JSON
     sc.stop()
+    router_blocks(server, "e0")   # what a router holds from reports for an engine
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from engines import REPO
+
+from ramjet.app.server import RouterServer
+from ramjet.residency.store import MemoryStore, Table
+from ramjet.residency.tables import ResidencyTables
+from ramjet.types import EngineId
 
 
 def get_json(url: str, timeout: float = 10.0) -> Any:
@@ -69,3 +75,17 @@ class SidecarProcess:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return time.monotonic() - t0
+
+
+def router_blocks(server: RouterServer, engine: str) -> dict[int, str]:
+    """The router's report-backed residency for one engine: key -> tier."""
+    tables = server.router.residency
+    assert isinstance(tables, ResidencyTables)
+    store = tables.store
+    assert isinstance(store, MemoryStore)
+    now = tables.clock()
+    return {
+        int(k): e.tier.label
+        for k, e in store.entries(Table.GLOBAL, EngineId(engine), exact=True)
+        if e.expires_at > now
+    }

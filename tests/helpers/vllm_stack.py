@@ -25,15 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from engines import free_port
-from sidecars import SidecarProcess
+from sidecars import SidecarProcess, router_blocks
 from vllm_engines import BLOCK, MODEL, RawEvents, VllmEngine, VllmEnv
 
 from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
 from ramjet.decisions.record import DecisionRecord
-from ramjet.residency.store import MemoryStore, Table
-from ramjet.residency.tables import ResidencyTables
-from ramjet.types import EngineId
 
 SMALL_BLOCKS = 64
 PROBE_SIZES = "64,256,1024"
@@ -59,20 +56,6 @@ def sidecar_argv(eng: VllmEngine, keys: Path, port: int, *extra: str) -> list[st
         "--load-interval", "0.5", "--log-level", "INFO",
         "--probe-sizes", PROBE_SIZES, *extra,
     ]  # fmt: skip
-
-
-def router_blocks(server: RouterServer, engine: str) -> dict[int, str]:
-    """The router's report-backed residency for one engine: key -> tier."""
-    tables = server.router.residency
-    assert isinstance(tables, ResidencyTables)
-    store = tables.store
-    assert isinstance(store, MemoryStore)
-    now = tables.clock()
-    return {
-        int(k): e.tier.label
-        for k, e in store.entries(Table.GLOBAL, EngineId(engine), exact=True)
-        if e.expires_at > now
-    }
 
 
 @dataclass

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from engines import EngineProcess, free_port
 from sidecars import SidecarProcess as Sidecar
 from sidecars import get_json as _get_json
+from sidecars import router_blocks as _router_blocks
 
 from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
@@ -39,9 +40,6 @@ from ramjet.keys.prefix import compute_keys, key_seed, render_chat
 from ramjet.keys.tokens import compute_token_keys, token_key_seed
 from ramjet.reports.bodies import DeltaBody, encode_body
 from ramjet.reports.envelope import Envelope, sign
-from ramjet.residency.store import MemoryStore, Table
-from ramjet.residency.tables import ResidencyTables
-from ramjet.types import EngineId
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -50,19 +48,6 @@ MODEL = "mini-v4"
 
 def _endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
-
-
-def router_blocks(server: RouterServer) -> dict[int, str]:
-    tables = server.router.residency
-    assert isinstance(tables, ResidencyTables)
-    store = tables.store
-    assert isinstance(store, MemoryStore)
-    now = tables.clock()
-    return {
-        int(k): e.tier.label
-        for k, e in store.entries(Table.GLOBAL, EngineId("e0"), exact=True)
-        if e.expires_at > now
-    }
 
 
 async def test_sidecar_signs_vllm_events_and_router_matches_engine(tmp_path: Path) -> None:
@@ -142,7 +127,7 @@ keys:
                 blocks = {b["key"]: b["tier"] for b in cache["blocks"]}
                 assert set(blocks) <= set(text_to_token), "engine holds a block never sent"
                 want = {text_to_token[k]: t for k, t in blocks.items()}
-                mine = router_blocks(server)
+                mine = _router_blocks(server, "e0")
                 if mine == want:
                     break
                 if time.monotonic() > deadline:
@@ -157,7 +142,7 @@ keys:
             assert health["stream"].get("truncated", 0) == 0, health
 
             # unsigned and forged frames pushed straight to the router change nothing
-            before = router_blocks(server)
+            before = _router_blocks(server, "e0")
             forged = Envelope(
                 "e0", "e0-sc", 2**62, 1, int(time.time() * 1000), "delta",
                 encode_body(DeltaBody(evicted=tuple(before))),
@@ -170,7 +155,7 @@ keys:
             for frame in frames:
                 async with http.post(server.app[REPORTS_KEY].push_url, data=frame) as r:
                     assert r.status == 400, (r.status, await r.text())
-            assert router_blocks(server) == before
+            assert _router_blocks(server, "e0") == before
             reg = server.router.metrics.registry
             rejected = sum(
                 reg.get_sample_value(
