@@ -27,9 +27,12 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po
 
+LATENCIES: dict[str, list[list[float]]] = {}
+
 
 async def measure(target: po.Target, mode: str, args: argparse.Namespace) -> int:
-    """Requests answered (each checked) in one cell of `mode`."""
+    """Requests answered (each checked) in one cell of `mode` (open loop: latencies kept
+    in `LATENCIES[target.name]`)."""
     if mode == "json":
         check = partial(po.check_json, target.name, small=True)
         return await po.closed_loop(target, po.SMALL_RAW, check, args.seconds, args.concurrency)
@@ -38,7 +41,8 @@ async def measure(target: po.Target, mode: str, args: argparse.Namespace) -> int
         return await po.closed_loop(target, po.STREAM_RAW, check_s, args.seconds, args.concurrency)
     if mode.startswith("open"):
         lat = await po.open_loop(target, args.open_rate, args.seconds)
-        return len(lat)
+        LATENCIES.setdefault(target.name, []).append(lat)
+        return len(lat) + po.OPEN_WARM
     content = "p" * (args.large_mb << 20)
     raw = po.raw_post(po.chat_body(content, False))
     client = po.Client(target.url)
@@ -138,6 +142,12 @@ def main() -> int:
                 print(
                     f"  {mode:<9} A {a:6.0f}  B {b:6.0f}  B/A {b / a:5.3f}   rounds A/B: {rounds}"
                 )
+            for name in "AB":
+                lats = LATENCIES.get(name, [])
+                if lats:
+                    p50 = statistics.median(po.pct(x, 0.5) for x in lats) * 1e6
+                    p99 = statistics.median(po.pct(x, 0.99) for x in lats) * 1e6
+                    print(f"  open loop latency {name}: p50 {p50:.0f} us, p99 {p99:.0f} us")
             print(f"self-check: every reply verified (status, body, chunks) in {len(modes)} modes")
         finally:
             for p in reversed(procs):

@@ -30,10 +30,7 @@ The log: `DecisionLog.submit` puts the (record, realized) pair on a bounded queu
 returns at once; a daemon thread builds the JSON line and appends it, rotating when the
 file would pass `max_bytes` (`path` → `path.1` → ... → `path.<backups>`, the oldest
 dropped; `backups: 0` truncates). A full queue drops the record and counts it: the
-request path never waits for the disk. When records are sparse the thread, once woken,
-waits `linger_s` (10 ms) and writes what came meanwhile as one batch (a line lands up
-to that much after its request ended), so the router's thread is not interrupted per
-record; under load it writes at once.
+request path never waits for the disk.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,10 +269,8 @@ class DecisionLog:
         on_written: Callable[[int], None] | None = None,
         on_dropped: Callable[[], None] | None = None,
         on_rotated: Callable[[], None] | None = None,
-        linger_s: float = 0.01,
     ) -> None:
         self.file = RotatingFile(path, max_bytes, backups)
-        self._linger_s = linger_s
         self.dropped = 0
         self.written = 0
         self._q: queue.Queue[object] = queue.Queue(maxsize=queue_size)
@@ -325,12 +319,6 @@ class DecisionLog:
         stop = False
         while not stop:
             first = self._q.get()
-            if first is not _STOP and self._linger_s > 0 and self._q.empty():
-                # Records are sparse: let those of the next `linger_s` join this batch, so
-                # the writer wakes once per batch instead of once per record (a wake-up is
-                # a context switch on the router's CPU). Under load the queue is not empty
-                # here and the batch is written at once.
-                time.sleep(self._linger_s)
             batch: list[Item] = []
             for item in [first, *self._drain()]:
                 if item is _STOP:
