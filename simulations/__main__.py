@@ -21,6 +21,7 @@ from ramjet.config import FleetStatsConfig, PolicyFileError, load_policy
 from simulations import compare
 from simulations import plan as planner
 from simulations.bounds import floor, srpt_merged
+from simulations.breakdown import breakdown
 from simulations.checks import REPLAY, Replay, beaten, saturated, violations, with_oracle
 from simulations.lineup import ENTRANTS, resolve, variant
 from simulations.preset import PRESETS, engine_spec
@@ -175,6 +176,8 @@ def cmd_run(a: argparse.Namespace) -> int:
             )
             out = sim.run()
             decisions[(ent.name, scale)] = out.engine
+            if a.breakdown:
+                print(f"\n{ent.name} x{scale:g}: {breakdown(out, sim.loop).line()}", flush=True)
             rows.append(
                 summarize(
                     ent.name, scale, run_reqs, out, fl.tokens, a.ttft_target_s, load, fl.work_s
@@ -273,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=JSON",
         help="an extra tier_aware row with these params (ablation), e.g. "
         "'tier_aware:x0.5={\"externality_scale\": 0.5}'; repeatable",
+    )
+    r.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="print per run: wait vs service, moved later turns, per-engine wait gap",
     )
     r.add_argument("--engines", type=int, default=2)
     r.add_argument("--scheduler", choices=("fcfs", "priority"), default="fcfs")
