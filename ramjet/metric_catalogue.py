@@ -219,6 +219,9 @@ CATALOGUE: tuple[Metric, ...] = (
            "Entries held per residency table", at_scrape=True),
     Metric("ramjet_residency_pending_entries", GAUGE, "", (), "ramjet.residency.tables",
            "Pending (engine, key) holds: requests sent, not yet confirmed by a report", at_scrape=True),
+    # -- ramjet.keys.pools ---------------------------------------------------------------
+    Metric("ramjet_token_keys_fallback_total", COUNTER, "", ("pool",), "ramjet.keys.pools",
+           "Requests of a token-keys pool keyed by text: the pool's chat template could not render them"),
     # -- ramjet.sidecar.metrics ---------------------------------------------------------
     Metric("ramjet_sidecar_unknown_fields_total", COUNTER, "", ("event", "field"), "ramjet.sidecar.metrics",
            "Fields of known KV events the decoder ignored"),

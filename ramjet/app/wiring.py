@@ -96,7 +96,7 @@ def build_router(
         metrics=metrics,
         residency=source,
         signals=signals,
-        key_pools=KeyPools(config.key_pools),
+        key_pools=KeyPools(config.key_pools, registry=metrics.registry),
         sink=sink,
         clock=clock,
     )

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from ramjet.keys.config import KeyPoolConfig as KeyPoolConfig
 from ramjet.keys.prefix import PromptError
 from ramjet.keys.tokens import (
@@ -44,6 +46,7 @@ from ramjet.keys.tokens import (
     compute_token_keys,
     token_key_seed,
 )
+from ramjet.metric_catalogue import counter
 from ramjet.request.parse import ParsedRequest, RequestError
 from ramjet.types import EngineId
 
@@ -64,10 +67,19 @@ def _resolve(path: str, base_dir: Path | None) -> Path:
 class KeyPools:
     """The router's key modes; `rekey` gives a parsed request the keys of its pool."""
 
-    def __init__(self, pools: Sequence[KeyPoolConfig], base_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        pools: Sequence[KeyPoolConfig],
+        base_dir: Path | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self._by_engine: dict[str, _Pool] = {}
         self.fallbacks: Counter[str] = Counter()
-        """Requests per pool keyed by text because the pool's template refused them."""
+        """Requests per pool keyed by text because the pool's template refused them (also
+        `ramjet_token_keys_fallback_total{pool}` on `registry`)."""
+        self._fallback_metric = (
+            None if registry is None else counter(registry, "ramjet_token_keys_fallback_total")
+        )
         for cfg in pools:
             tok: PromptTokenizer | None = None
             if cfg.keys_mode == "tokens":
@@ -109,6 +121,8 @@ class KeyPools:
             # the engine may well render what the router cannot: keep the request's text
             # keys (its token pool then sees a miss, never a wrong hit) and count it
             self.fallbacks[pool.config.name] += 1
+            if self._fallback_metric is not None:
+                self._fallback_metric.labels(pool.config.name).inc()
             log.info("pool %s: text keys for this request: %s", pool.config.name, exc)
             return parsed
         try:

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 from vllm_engines import BLOCK, MODEL, post_json
 from vllm_stack import Stack
 
@@ -50,7 +51,7 @@ TOOLS = [
 ]
 
 
-def pools(stack: Stack) -> KeyPools:
+def pools(stack: Stack, registry: CollectorRegistry | None = None) -> KeyPools:
     return KeyPools(
         [
             KeyPoolConfig(
@@ -61,7 +62,8 @@ def pools(stack: Stack) -> KeyPools:
                 chat_template_file=str(stack.env.chat_template_file),
                 block_tokens=BLOCK,
             )
-        ]
+        ],
+        registry=registry,
     )
 
 
@@ -129,9 +131,14 @@ def test_router_token_blocks_equal_vllm_stored_blocks(stack: Stack) -> None:
 
 
 def test_a_template_the_router_cannot_render_falls_back_to_text_keys(stack: Stack) -> None:
-    kp = pools(stack)
+    registry = CollectorRegistry()
+    kp = pools(stack, registry)
     body = {"model": MODEL, "messages": [{"role": "narrator", "content": "once"}]}
     parsed = parse_request("/v1/chat/completions", json.dumps(body).encode(), {}, ParseLimits())
     out = kp.rekey(parsed, [EngineId("v0")])
     assert out.keys == parsed.keys  # text keys kept, no RequestError
     assert kp.fallbacks["vllm"] == 1
+    assert registry.get_sample_value("ramjet_token_keys_fallback_total", {"pool": "vllm"}) == 1
+    # and the engine itself decides: vLLM's template raises too, so vLLM answers 400
+    status, data = post_json(stack.engines["v0"].url + "/v1/chat/completions", body)
+    assert status == 400, data
