@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         help="print per run: wait vs service, moved later turns, per-engine wait gap",
     )
     r.add_argument("--engines", type=int, default=2)
-    r.add_argument("--scheduler", choices=("fcfs", "priority"), default="fcfs")
+    r.add_argument(
+        "--scheduler", choices=("fcfs", "priority", "vllm-fcfs", "vllm-priority"), default="fcfs"
+    )
     r.add_argument("--aging", type=float, help="priority hint aging (s of work per s waited)")
     r.add_argument("--swa-ttl-s", type=float)
     r.add_argument("--chunk-tokens", type=int)
