@@ -440,5 +440,8 @@ def test_enforce_beats_incumbent_with_swa_expiry_and_tier_demotion(
     for r in (inc, enf):  # the workload did demote and expire on both
         assert r.total("host_tokens") + r.total("ssd_tokens") > 0
         assert r.total("replayed_tokens") > 0
-    assert enf.total("prefilled_tokens") <= inc.total("prefilled_tokens")
+    # enforce gives up a little affinity for load: at most 5% more prefill (the incumbent's
+    # tie cursor once rotated new conversations off their engine, which made it prefill
+    # more than enforce; fixed, it keeps them, prefills ~2% less and waits far longer)
+    assert enf.total("prefilled_tokens") <= 1.05 * inc.total("prefilled_tokens")
     assert enf.mean_ttft <= 0.85 * inc.mean_ttft
