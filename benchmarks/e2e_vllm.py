@@ -288,6 +288,7 @@ async def run_ramjet(
     bt: int,
     probe: str,
     measure: bool,
+    candidate_params: dict[str, object] | None = None,
 ) -> tuple[Run, float | None]:
     from ramjet.reports.keys import write_keypair
 
@@ -316,7 +317,9 @@ async def run_ramjet(
             if status != 200:
                 raise BenchError(f"reset {eid}: {data}")
         incumbent = "prefix_affinity"
-        server, records = await st.router(tmp, mode=mode, incumbent=incumbent)
+        server, records = await st.router(
+            tmp, mode=mode, incumbent=incumbent, candidate_params=candidate_params
+        )
         await asyncio.sleep(1.0)
         t0 = time.monotonic()
         results = await workload(server.url, sessions, system, bt, records)
@@ -393,9 +396,17 @@ async def main() -> int:
     ap.add_argument("--probe-sizes", default="256,1024,2048,4096")
     ap.add_argument("--only", default="smg_cache_aware,ramjet_observe,ramjet_enforce")
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    ap.add_argument(
+        "--candidate-params",
+        type=json.loads,
+        default=None,
+        help="tier_aware params as JSON, e.g. '{\"per_job_prefill\": false}'",
+    )
     ap.add_argument("--verbose", action="store_true", help="print every request's figures")
     args = ap.parse_args()
     only = args.only.split(",")
+    if len(set(only)) != len(only):
+        raise SystemExit(f"--only names a router twice: {args.only!r}")
     sessions = load_sessions(args.sessions, args.turns, args.max_output)
     system = "You are one of a fleet of coding agents. " + text_block(7, args.system_tokens - 10)
     runs: list[Run] = []
@@ -408,7 +419,8 @@ async def main() -> int:
                 runs.append(await run_smg(tmp, sessions, system, args.block_tokens))
             elif name.startswith("ramjet_"):
                 run, cold = await run_ramjet(tmp, name.removeprefix("ramjet_"), sessions, system,
-                                             args.block_tokens, args.probe_sizes, not measured)  # fmt: skip
+                                             args.block_tokens, args.probe_sizes, not measured,
+                                             args.candidate_params)  # fmt: skip
                 measured = measured or cold is not None
                 if cold is not None and cold < 0.5:
                     print(f"  WARNING: a cold 4k prefill took {cold:.3f} s (< 0.5 s)")

@@ -18,6 +18,7 @@ the reason.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -81,7 +82,12 @@ class Stack:
         self.sidecars[eid] = sc
         return sc
 
-    def policy_text(self, mode: str = "observe", incumbent: str = "prefix_affinity") -> str:
+    def policy_text(
+        self,
+        mode: str = "observe",
+        incumbent: str = "prefix_affinity",
+        candidate_params: dict[str, object] | None = None,
+    ) -> str:
         eng = "\n".join(
             f'  - {{id: {e.engine_id}, url: "{e.url}", models: [{MODEL}]}}'
             for e in self.engines.values()
@@ -96,7 +102,7 @@ engines:
 {eng}
 mode: {mode}
 incumbent: {{name: {incumbent}}}
-candidate: {{name: tier_aware}}
+candidate: {{name: tier_aware, params: {json.dumps(candidate_params or {})}}}
 timeouts: {{first_byte_s: 120, connect_s: 2, idle_s: 120}}
 key_pools:
   - name: vllm
@@ -115,10 +121,14 @@ keys:
 """
 
     async def router(
-        self, tmp: Path, mode: str = "observe", incumbent: str = "prefix_affinity"
+        self,
+        tmp: Path,
+        mode: str = "observe",
+        incumbent: str = "prefix_affinity",
+        candidate_params: dict[str, object] | None = None,
     ) -> tuple[RouterServer, Records]:
         policy = tmp / f"policy-{mode}-{time.monotonic_ns()}.yaml"
-        policy.write_text(self.policy_text(mode, incumbent))
+        policy.write_text(self.policy_text(mode, incumbent, candidate_params))
         records = Records()
         server = RouterServer(load_policy(policy), policy_path=str(policy), sink=records)
         await server.start()
