@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -192,12 +193,27 @@ class Sidecar:
         timeout = aiohttp.ClientTimeout(total=s.reset_timeout_s)
         deadline = time.monotonic() + s.reset_timeout_s
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            async with http.post(s.engine_url.rstrip("/") + path) as resp:
-                text = await resp.text()
-                if resp.status != 200:
+            # vLLM refuses the reset while any block is still held (a request that has
+            # just answered frees its blocks at the engine's next step) and says so only
+            # in the body, {"success": false}, with status 200: retry until it succeeds.
+            while True:
+                async with http.post(s.engine_url.rstrip("/") + path) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        return web.json_response(
+                            {"error": f"engine {path}: HTTP {resp.status}: {text[:300]}"},
+                            status=502,
+                        )
+                if not _reset_refused(text):
+                    break
+                log.info("engine %s refused the cache reset (blocks still held); retrying", path)
+                if time.monotonic() > deadline:
                     return web.json_response(
-                        {"error": f"engine {path}: HTTP {resp.status}: {text[:300]}"}, status=502
-                    )
+                        {"error": f"engine {path} refused the reset for {s.reset_timeout_s:g} s "
+                                  "(blocks still held by running requests)"},
+                        status=504,
+                    )  # fmt: skip
+                await asyncio.sleep(0.1)
             next_nudge = time.monotonic() + 0.2
             while True:
                 with self._lock:
@@ -350,3 +366,13 @@ class Sidecar:
                 except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
                     log.debug("metrics scrape failed: %s", exc)
                 await asyncio.sleep(self.settings.load_interval_s)
+
+
+def _reset_refused(body: str) -> bool:
+    """Whether an engine's answer to a cache reset says it did not reset: vLLM answers
+    `{"success": false}` while blocks are held; SGLang's `/flush_cache` answers text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("success") is False
