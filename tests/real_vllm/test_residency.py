@@ -93,9 +93,11 @@ async def test_sidecar_restarted_mid_stream_heals_from_replay(
         assert status == 200, data
     await asyncio.sleep(0.3)
     sc = await asyncio.to_thread(stack.start_sidecar, "v0")
-    seq, resident = raw.snapshot()
+    # No traffic from here on: the sidecar must reach the engine's state from the replay
+    # alone. Compared until both readers have the engine's last batch (the raw reader
+    # and the sidecar each receive it in their own time; a single read raced them).
+    await stack.settle([], timeout_s=10)
     health = sc.health()
-    assert health["last_event_seq"] == seq and health["resident_blocks"] == len(resident), health
     assert health["stream"]["healed"] >= 1, health
     server, _ = await stack.router(tmp_path)
     routers.append(server)
