@@ -263,7 +263,7 @@ async def run_smg(tmp: Path, sessions: list[list[Turn]], system: str, bt: int) -
                                                     {"model": MODEL, "prompt": "hi", "max_tokens": 1})  # fmt: skip
                 if status == 200:
                     break
-            except OSError:
+            except OSError:  # SMG not listening yet: poll again until the deadline
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise BenchError(f"smg did not start: {(tmp / 'smg.log').read_text()[-2000:]}")

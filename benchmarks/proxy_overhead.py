@@ -44,6 +44,7 @@ Every process started here is stopped by pid before exit.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import contextlib
@@ -102,7 +103,7 @@ def chat_body(content: str, stream: bool) -> bytes:
 SMALL_PROMPT = "Say something short. " * 8
 
 
-class _HttpServer(asyncio.Protocol):
+class _HttpServer(asyncio.Protocol, abc.ABC):
     """One client connection of the benchmark's own servers, parsed by httptools (llhttp);
     a subclass answers each whole request in `request` (a parse error gets 400, close)."""
 
@@ -137,8 +138,9 @@ class _HttpServer(asyncio.Protocol):
         self.url, self.body = b"", []
         self.request(method, url, body)
 
+    @abc.abstractmethod
     def request(self, method: bytes, url: bytes, body: bytes) -> None:
-        raise NotImplementedError
+        """Answer one whole request on `self.transport`."""
 
 
 # -- the upstream engines (own process: --upstream PORT,PORT) -----------------------------

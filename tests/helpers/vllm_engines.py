@@ -23,6 +23,7 @@ and its EngineCore child) by the pid this object started, SIGTERM then SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -203,7 +204,7 @@ class VllmEngine:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     if resp.status == 200:
                         return
-            except OSError:
+            except OSError:  # not listening yet: poll again until the deadline
                 pass
             if time.monotonic() > deadline:
                 self.stop()
@@ -223,19 +224,13 @@ class VllmEngine:
         if proc is None:
             return
         if proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it exited on its own
                 os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL follows
                 proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
         # the EngineCore child shares the group: make sure it is gone too
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         if proc.poll() is None:
             proc.wait(10)
 
