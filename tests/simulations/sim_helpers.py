@@ -51,10 +51,10 @@ def workload(reqs: list[Request]) -> list[Request]:
     return finish(reqs, BLOCK)
 
 
-def run_entrant(reqs: list[Request], name: str, **kw: object) -> Outcome:
-    """One simulated run of a lineup entrant (its policy, knowledge and cache sharing)."""
+def entrant_simulation(reqs: list[Request], name: str, **kw: object) -> Simulation:
+    """A simulation of a lineup entrant (its policy, knowledge and cache sharing)."""
     ent = ENTRANTS[name]
-    sim = Simulation(
+    return Simulation(
         reqs,
         spec(),
         ent.make(0),
@@ -63,4 +63,8 @@ def run_entrant(reqs: list[Request], name: str, **kw: object) -> Outcome:
         shared_cache=ent.shared_cache,
         **kw,  # type: ignore[arg-type]
     )
-    return sim.run()
+
+
+def run_entrant(reqs: list[Request], name: str, **kw: object) -> Outcome:
+    """One simulated run of a lineup entrant."""
+    return entrant_simulation(reqs, name, **kw).run()

@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from sim_helpers import BLOCK, PROFILE, req, spec, workload
+from sim_helpers import BLOCK, PROFILE, entrant_simulation, req, spec, workload
 
 from ramjet.policy.registry import create_policy
 from simulations.lineup import ENTRANTS
@@ -33,15 +33,7 @@ def _random_workload(n: int, seed: int) -> list:
 @pytest.mark.parametrize("name", sorted(ENTRANTS))
 def test_every_request_completes_exactly_once(name: str) -> None:
     reqs = _random_workload(150, 1)
-    ent = ENTRANTS[name]
-    sim = Simulation(
-        reqs,
-        spec(),
-        ent.make(0),
-        block_tokens=BLOCK,
-        knowledge=ent.knowledge,
-        shared_cache=ent.shared_cache,
-    )
+    sim = entrant_simulation(reqs, name)
     out = sim.run()
     assert out.decisions == len(reqs)
     assert all(e in (0, 1) for e in out.engine)
