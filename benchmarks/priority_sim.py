@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulations.bounds import floor
+from simulations.checks import violations
 from simulations.lineup import resolve
 from simulations.preset import engine_spec
 from simulations.sessions import closed_loop_plan, scale_for_load, scaled
@@ -92,6 +93,11 @@ class Result:
     """Uncached prompt tokens of the one that waited longest."""
     long_worst_hint_s: float
     """Its predicted prompt work (the hint), from which aging bounds its delay."""
+    alone_mean_s: float
+    """`bound:alone`'s mean over the same requests: a strict lower bound on `mean_s` for
+    any router and scheduler (the FCFS oracle bounds no priority scheduler)."""
+    problems: tuple[str, ...] = ()
+    """Where this run beats a strict bound (`simulations.checks.violations`): a failed run."""
 
 
 def _pct(sorted_vals: list[float], q: float) -> float:
@@ -164,7 +170,7 @@ def run_one(w: Workload, load: float, policy: str, scheduler: str, aging: float)
         scheduler=scheduler,
         aging=aging,
         util=row.utilization,
-        mean_s=sum(tt) / len(tt),
+        mean_s=row.ttft_mean_s,
         p99_s=_pct(tt, 0.99),
         max_s=tt[-1],
         long_n=len(long),
@@ -172,6 +178,8 @@ def run_one(w: Workload, load: float, policy: str, scheduler: str, aging: float)
         long_max_ttft_s=max(out.ttft[i] for i in long),
         long_worst_tokens=out.new_tokens[worst],
         long_worst_hint_s=hint,
+        alone_mean_s=row.alone_mean_s,
+        problems=tuple(violations([row])),
     )
 
 
@@ -374,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     with open(out_dir / "results.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(asdict(results[0])))
+        fields = [k for k in asdict(results[0]) if k != "problems"]
+        wr = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         wr.writeheader()
         for r in results:
             wr.writerow(asdict(r))
@@ -383,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, out_dir / "aging_sweep.png")
     print(text)
     print(f"{len(plan)} runs in {time.perf_counter() - t0:.0f} s; wrote {out_dir}/")
+    failed = [
+        f"{r.trace} {r.scheduler} aging {r.aging:g}: {p}" for r in results for p in r.problems
+    ]
+    if failed:
+        print("FAILED: runs that beat a strict bound (the model is wrong):", *failed, sep="\n  ")
+        return 3
+    print("self-check: every run's mean TTFT respects bound:alone over the same requests")
     return 0
 
 

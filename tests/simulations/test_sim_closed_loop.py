@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 import math
@@ -259,3 +260,13 @@ def test_closed_loop_bad_inputs_are_refused_with_a_clear_error(
     with pytest.raises(ValueError, match="sessions must be at least 1"):
         closed_loop_plan(reqs, BLOCK, sessions=-1)
     assert not (tmp_path / "o" / "results.csv").exists()
+
+
+def test_the_priority_tables_respect_the_strict_bound() -> None:
+    """`benchmarks/priority_sim.py`'s runs (docs/results/priority) mix schedulers, so the
+    FCFS oracle bounds none of them; `bound:alone` over the same requests bounds all."""
+    with open(RESULTS / "priority" / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows
+    low = [r for r in rows if float(r["mean_s"]) < float(r["alone_mean_s"])]
+    assert low == []
