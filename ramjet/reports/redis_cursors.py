@@ -13,7 +13,8 @@ the store is Redis:
    and the cursor, which the replica keeps at least as new as the shared one);
 2. `CLAIM` (Lua, atomic) compares (epoch, seq[, issue time for snapshots]) with the shared
    cursor exactly as the verifier does, and on success stores the new cursor, the gap
-   flag, the accept time and, for load and profile reports, the body. Exactly one
+   flag, the accept time and, for load and profile reports, the body (for a snapshot
+   that carries the engine's profile, that profile: issue 15). Exactly one
    replica wins a given report; every other replica, and any replay, gets `replayed` or
    `epoch_old` and changes nothing (counted like any rejection);
 3. the winner commits through the processor inside `store.report(engine, epoch, seq)`,
@@ -54,7 +55,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from ramjet.metric_catalogue import counter
-from ramjet.reports.bodies import BodyError, LoadBody, ProfileBody, parse_body
+from ramjet.reports.bodies import (
+    BodyError,
+    LoadBody,
+    ProfileBody,
+    SnapshotBody,
+    encode_body,
+    parse_body,
+    profile_body,
+)
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected
 from ramjet.residency.redis_link import LuaScript, RedisLink, RedisUnavailable
@@ -90,7 +99,9 @@ if kind == 'snapshot' then gap = 0 elseif seq > cseq + 1 then gap = 1 end
 if issued < cissued then issued = cissued end
 redis.call('HSET', vc, 'epoch', epoch, 'seq', seq, 'issued', issued, 'gap', gap, 'at', now)
 if kind == 'load' then redis.call('HSET', vc, 'load', ARGV[7], 'load_at', now) end
-if kind == 'profile' then redis.call('HSET', vc, 'profile', ARGV[7]) end
+if (kind == 'profile' or kind == 'snapshot') and ARGV[7] ~= '' then
+  redis.call('HSET', vc, 'profile', ARGV[7])
+end
 redis.call('PEXPIRE', vc, retention)
 return before
 """,
@@ -180,6 +191,11 @@ class SharedReports:
         engine = env.engine_id
         keys = self._track(engine)
         body = env.body.decode("utf-8") if env.kind in ("load", "profile") else ""
+        if isinstance(outcome.body, SnapshotBody) and outcome.body.profile is not None:
+            # the snapshot's profile becomes the shared one, as a profile report's would:
+            # a replica that learns this engine from Redis (it never pulls the snapshot
+            # itself, or its own claim of one loses) must get the measured profile too
+            body = encode_body(profile_body(outcome.body.profile)).decode("utf-8")
         try:
             res = await self.link.script(
                 CLAIM,
