@@ -66,6 +66,7 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from engines import EngineProcess, free_port, http_json, start_engine  # noqa: E402
 
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE  # noqa: E402
+from ramjet.policy.priority_key import DEFAULT_AGING, DEFAULT_HORIZON_S  # noqa: E402
 from ramjet.reports.keys import write_keypair  # noqa: E402
 
 
@@ -327,6 +328,7 @@ def run_mode(
                     "mode": "on" if variant else "observe",
                     "convention": "reference",
                     "aging": a.aging,
+                    "horizon_s": a.horizon,
                 }
             ],
             "timeouts": {"first_byte_s": 600, "idle_s": 600},
@@ -399,6 +401,7 @@ def run_mode_vllm(
                 "mode": "observe" if name == "fcfs" else "on",
                 "convention": "vllm",
                 "aging": a.aging,
+                "horizon_s": a.horizon,
             }
         ],
         "timeouts": {"first_byte_s": 600, "idle_s": 600},
@@ -466,7 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-tokens", type=int, default=5000)
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--aging", type=float, default=0.5)
+    p.add_argument("--aging", type=float, default=DEFAULT_AGING)
+    p.add_argument(
+        "--horizon", type=float, default=DEFAULT_HORIZON_S, help="s; the router's default"
+    )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--rounds", type=int, default=1, help="rounds of all modes, interleaved")
     p.add_argument("--dump", default=None, help="write every request's figures here (JSON)")

@@ -23,11 +23,12 @@ import csv
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ramjet.config import PriorityConfig
 from simulations.bounds import floor
 from simulations.checks import violations
 from simulations.lineup import resolve
@@ -69,8 +70,17 @@ PEERS = (
     "least_loaded",
 )
 SCHEDULERS = ("fcfs", "priority", "vllm-priority", "vllm-fcfs")
-AGINGS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
-DEFAULT_AGING = 0.5
+AGINGS = (0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+HORIZONS: tuple[float | None, ...] = (None, 10.0, 20.0, 30.0, 60.0)
+"""The sweep's grid (tier_aware at the middle load, both priority variants); a horizon
+needs aging > 0 (`ramjet.config.PriorityConfig`)."""
+DEFAULT_AGING: float = PriorityConfig.model_fields["aging"].default
+DEFAULT_HORIZON: float | None = PriorityConfig.model_fields["horizon_s"].default
+"""The router's defaults: the main tables run them; the sweep checks they are the rule's
+choice (`choose_default`)."""
+MAX_RATIO = 1.1
+"""The default's rule: on Mooncake at the middle load, for both variants, worst TTFT at
+most this times FCFS tier_aware's and p99 no worse; among those, the lowest mean."""
 
 
 @dataclass
@@ -80,6 +90,8 @@ class Result:
     policy: str
     scheduler: str
     aging: float
+    horizon: float | None
+    """The hint's horizon (s; None: uncapped, `ramjet.policy.priority_key`)."""
     util: float
     mean_s: float
     p99_s: float
@@ -137,9 +149,17 @@ class Workload:
         return scaled(self.plan, s) if self.plan is not None else scale_rate(self.reqs, s)
 
 
-def run_one(w: Workload, load: float, policy: str, scheduler: str, aging: float) -> Result:
+def run_one(
+    w: Workload,
+    load: float,
+    policy: str,
+    scheduler: str,
+    aging: float,
+    horizon: float | None = None,
+) -> Result:
     [ent] = resolve(policy)
-    spec = engine_spec(scheduler=scheduler, aging=aging)
+    # replace(): engine_spec drops None overrides, and None here means "no horizon"
+    spec = replace(engine_spec(scheduler=scheduler, aging=aging), horizon_s=horizon)
     reqs = w.at(load)
     sim = Simulation(
         reqs,
@@ -169,6 +189,7 @@ def run_one(w: Workload, load: float, policy: str, scheduler: str, aging: float)
         policy=policy,
         scheduler=scheduler,
         aging=aging,
+        horizon=horizon,
         util=row.utilization,
         mean_s=row.ttft_mean_s,
         p99_s=_pct(tt, 0.99),
@@ -222,14 +243,22 @@ def verdicts(rows: list[Result], load: float) -> list[str]:
 
 def tables(results: list[Result]) -> str:
     out: list[str] = []
-    main = [r for r in results if r.aging == DEFAULT_AGING or r.scheduler in ("fcfs", "vllm-fcfs")]
+    main = [
+        r
+        for r in results
+        if (r.aging, r.horizon) == (DEFAULT_AGING, DEFAULT_HORIZON)
+        or r.scheduler in ("fcfs", "vllm-fcfs")
+    ]
     for case in CASES:
         rows = [r for r in main if r.trace == case.name]
         if not rows:
             continue
         loads = sorted({r.load for r in rows})
         utils = {x: getattr(_find(rows, x, "tier_aware", "fcfs"), "util", math.nan) for x in loads}
-        out.append(f"\n### {case.name}: mean / p99 / max TTFT (s), aging {DEFAULT_AGING:g}\n")
+        out.append(
+            f"\n### {case.name}: mean / p99 / max TTFT (s), aging {DEFAULT_AGING:g}, "
+            f"horizon {_hz(DEFAULT_HORIZON)}\n"
+        )
         head = " | ".join(f"load {x:g} ({utils[x]:.0%})" for x in loads)
         out.append(f"| policy | scheduler | {head} |")
         out.append("|---|---|" + "---|" * len(loads))
@@ -250,11 +279,12 @@ def tables(results: list[Result]) -> str:
         out.append(
             f"\n{case.name}, tier_aware: the 5% of requests with the most uncached prompt "
             "tokens: worst wait before the first prefill chunk, its uncached tokens and "
-            "predicted work (the hint h), the aging horizon h/aging after which no later "
-            "arrival overtakes it, and the worst TTFT among them\n"
+            "predicted work (the hint h), the window after its arrival within which a "
+            "later arrival may overtake it (min(h/aging, horizon)), and the worst TTFT "
+            "among them\n"
         )
         out.append(
-            "| load | scheduler | n | worst wait s | its tokens | h s | h/aging s | worst TTFT s |"
+            "| load | scheduler | n | worst wait s | its tokens | h s | window s | worst TTFT s |"
         )
         out.append("|---|---|---|---|---|---|---|---|")
         for x in loads:
@@ -263,7 +293,7 @@ def tables(results: list[Result]) -> str:
                 if r is None:
                     continue
                 horizon = (
-                    f"{r.long_worst_hint_s / r.aging:.1f}"
+                    f"{min(r.long_worst_hint_s / r.aging, r.horizon or math.inf):.1f}"
                     if sch in ("priority", "vllm-priority") and r.aging > 0
                     else "-"
                 )
@@ -272,28 +302,93 @@ def tables(results: list[Result]) -> str:
                     f"{r.long_worst_tokens} | {r.long_worst_hint_s:.2f} | {horizon} | "
                     f"{r.long_max_ttft_s:.2f} |"
                 )
-    sweep = [
-        r
-        for r in results
-        if r.policy == "tier_aware" and r.scheduler in ("priority", "vllm-priority")
-    ]
     for case in CASES:
-        rows = [r for r in sweep if r.trace == case.name and r.load == case.loads[1]]
-        if len({r.aging for r in rows}) < 2:
+        rows = [r for r in results if r.trace == case.name and r.load == case.loads[1]]
+        grid = [r for r in rows if r.policy == "tier_aware" and r.scheduler in PRIO]
+        if len({(r.aging, r.horizon) for r in grid}) < 2:
             continue
+        base = {b: _find(rows, case.loads[1], "tier_aware", b) for b in BASE.values()}
         out.append(
-            f"\n### {case.name}: aging sweep, tier_aware at load {case.loads[1]:g}: "
-            "mean / p99 / max TTFT (s); worst wait of the most-work 5% (s)\n"
+            f"\n### {case.name}: aging x horizon sweep, tier_aware at load {case.loads[1]:g}: "
+            "mean / p99 / max TTFT (s); worst wait of the most-work 5% (s); in brackets "
+            "mean / p99 / max over FCFS tier_aware on the same engine model\n"
         )
-        out.append("| aging | priority | vllm-priority |")
-        out.append("|---|---|---|")
-        for a in sorted({r.aging for r in rows}):
+        out.append("| aging | horizon s | priority (chunk) | vllm-priority |")
+        out.append("|---|---|---|---|")
+        for ag, hz in sorted({(r.aging, r.horizon) for r in grid}, key=_grid_order):
             cells = []
-            for sch in ("priority", "vllm-priority"):
-                hits = [r for r in rows if r.aging == a and r.scheduler == sch]
-                cells.append(f"{_fmt(hits[0])}; {hits[0].long_max_wait_s:.2f}" if hits else "-")
-            out.append(f"| {a:g} | " + " | ".join(cells) + " |")
+            for sch in PRIO:
+                hit = next(
+                    (r for r in grid if (r.aging, r.horizon, r.scheduler) == (ag, hz, sch)), None
+                )
+                b = base[BASE[sch]]
+                if hit is None or b is None:
+                    cells.append("-")
+                    continue
+                cells.append(
+                    f"{_fmt(hit)}; {hit.long_max_wait_s:.2f} ({hit.mean_s / b.mean_s:.2f} / "
+                    f"{hit.p99_s / b.p99_s:.2f} / {hit.max_s / b.max_s:.2f})"
+                )
+            mark = "**" if (ag, hz) == (DEFAULT_AGING, DEFAULT_HORIZON) else ""
+            out.append(
+                f"| {mark}{ag:g}{mark} | {mark}{_hz(hz)}{mark} | " + " | ".join(cells) + " |"
+            )
+    pick = choose_default(results)
+    if pick is not None:
+        ag, hz, worst_mean = pick
+        agree = (ag, hz) == (DEFAULT_AGING, DEFAULT_HORIZON)
+        out.append(
+            f"\nThe rule (Mooncake, middle load, both variants: max <= {MAX_RATIO:g}x and p99 "
+            f"<= 1x FCFS tier_aware's; lowest mean): aging {ag:g}, horizon {_hz(hz)} "
+            f"(its worse variant's mean {worst_mean:.2f}x FCFS). The router's default: aging "
+            f"{DEFAULT_AGING:g}, horizon {_hz(DEFAULT_HORIZON)}"
+            + (" (the same)." if agree else " (DIFFERENT: revisit the default).")
+        )
     return "\n".join(out) + "\n"
+
+
+PRIO = ("priority", "vllm-priority")
+BASE = {"priority": "fcfs", "vllm-priority": "vllm-fcfs"}
+
+
+def _hz(h: float | None) -> str:
+    return "none" if h is None else f"{h:g}"
+
+
+def _grid_order(k: tuple[float, float | None]) -> tuple[float, float]:
+    return (k[0], math.inf if k[1] is None else k[1])
+
+
+def choose_default(results: list[Result]) -> tuple[float, float | None, float] | None:
+    """(aging, horizon, the worse variant's mean ratio) of the grid point the rule picks
+    on Mooncake at its middle load (see MAX_RATIO); None without the sweep."""
+    case = next(c for c in CASES if c.name == "mooncake")
+    rows = [r for r in results if r.trace == case.name and r.load == case.loads[1]]
+    base = {b: _find(rows, case.loads[1], "tier_aware", b) for b in BASE.values()}
+    best: tuple[float, float | None, float] | None = None
+    points = {
+        (r.aging, r.horizon) for r in rows if r.policy == "tier_aware" and r.scheduler in PRIO
+    }
+    for ag, hz in sorted(points, key=_grid_order):
+        worst = 0.0
+        for sch in PRIO:
+            r = next(
+                (
+                    r
+                    for r in rows
+                    if r.policy == "tier_aware"
+                    and (r.aging, r.horizon, r.scheduler) == (ag, hz, sch)
+                ),
+                None,
+            )
+            b = base[BASE[sch]]
+            if r is None or b is None or r.max_s > MAX_RATIO * b.max_s or r.p99_s > b.p99_s:
+                worst = math.inf
+                break
+            worst = max(worst, r.mean_s / b.mean_s)
+        if worst < math.inf and (best is None or worst < best[2]):
+            best = (ag, hz, worst)
+    return best
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -302,39 +397,41 @@ def plot(results: list[Result], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CASES), figsize=(5 * len(CASES), 4), squeeze=False)
-    for ax, case in zip(axes[0], CASES, strict=True):
+    fig, axes = plt.subplots(2, len(CASES), figsize=(5 * len(CASES), 8), squeeze=False)
+    for col, case in enumerate(CASES):
         mid = case.loads[1]
+        rows = [r for r in results if r.trace == case.name and r.load == mid]
         for sch, style in (("priority", "-"), ("vllm-priority", "--")):  # fmt: skip
-            rows = sorted(
-                (
-                    r
-                    for r in results
-                    if r.trace == case.name
-                    and r.load == mid
-                    and r.policy == "tier_aware"
-                    and r.scheduler == sch
-                ),
-                key=lambda r: r.aging,
-            )
-            if not rows:
+            b = _find(rows, mid, "tier_aware", BASE[sch])
+            if b is None:
                 continue
-            xs = [max(r.aging, 0.02) for r in rows]
-            ax.plot(xs, [r.mean_s for r in rows], style, marker="o", label=f"{sch} mean")
-            ax.plot(xs, [r.p99_s for r in rows], style, marker="^", label=f"{sch} p99")
-            ax.plot(xs, [r.long_max_wait_s for r in rows], style, marker="x",
-                    label=f"{sch} worst wait, most-work 5%")  # fmt: skip
-        for base, color in (("fcfs", "grey"), ("vllm-fcfs", "tan")):
-            fc = _find([r for r in results if r.trace == case.name], mid, "tier_aware", base)
-            if fc is not None:
-                ax.axhline(fc.mean_s, color=color, lw=1, label=f"{base} mean")
-                ax.axhline(fc.p99_s, color=color, lw=1, ls=":", label=f"{base} p99")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("aging (s of work forgiven per s waited; 0 drawn at 0.02)")
-        ax.set_ylabel("seconds")
-        ax.set_title(f"{case.name}, load {mid:g}, tier_aware")
-        ax.legend(fontsize=6)
+            for hz in HORIZONS:
+                line = sorted(
+                    (
+                        r
+                        for r in rows
+                        if r.policy == "tier_aware" and r.scheduler == sch and r.horizon == hz
+                    ),
+                    key=lambda r: r.aging,
+                )
+                if not line:
+                    continue
+                xs = [max(r.aging, 0.01) for r in line]
+                label = f"{sch}, horizon {_hz(hz)}"
+                axes[0][col].plot(
+                    xs, [r.mean_s / b.mean_s for r in line], style, marker="o", label=label
+                )
+                axes[1][col].plot(
+                    xs, [r.max_s / b.max_s for r in line], style, marker="x", label=label
+                )
+        for row, what in ((0, "mean"), (1, "max")):
+            ax = axes[row][col]
+            ax.axhline(1.0, color="grey", lw=1)
+            ax.set_xscale("log")
+            ax.set_xlabel("aging (s of work forgiven per s waited; 0 drawn at 0.01)")
+            ax.set_ylabel(f"{what} TTFT / FCFS tier_aware's")
+            ax.set_title(f"{case.name}, load {mid:g}, tier_aware: {what}")
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -349,36 +446,38 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(a.traces.split(","))
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan: list[tuple[TraceCase, float, str, str, float]] = []
+    plan: list[tuple[TraceCase, float, str, str, float, float | None]] = []
     for case in CASES:
         if case.name not in wanted:
             continue
         for x in case.loads:
             for peer in PEERS:
                 for base in ("fcfs", "vllm-fcfs"):
-                    plan.append((case, x, peer, base, DEFAULT_AGING))
+                    plan.append((case, x, peer, base, DEFAULT_AGING, DEFAULT_HORIZON))
             for sch in SCHEDULERS:
-                plan.append((case, x, "tier_aware", sch, DEFAULT_AGING))
+                plan.append((case, x, "tier_aware", sch, DEFAULT_AGING, DEFAULT_HORIZON))
             for sch in ("priority", "vllm-priority"):
-                plan.append((case, x, "prefix_affinity", sch, DEFAULT_AGING))
+                plan.append((case, x, "prefix_affinity", sch, DEFAULT_AGING, DEFAULT_HORIZON))
         if not a.no_sweep:
             for ag in AGINGS:
-                if ag == DEFAULT_AGING:
-                    continue
-                for sch in ("priority", "vllm-priority"):
-                    plan.append((case, case.loads[1], "tier_aware", sch, ag))
+                for hz in HORIZONS:
+                    if (ag, hz) == (DEFAULT_AGING, DEFAULT_HORIZON) or (hz is not None and ag == 0):
+                        continue
+                    for sch in PRIO:
+                        plan.append((case, case.loads[1], "tier_aware", sch, ag, hz))
     results: list[Result] = []
     workloads: dict[str, Workload] = {}
     t0 = time.perf_counter()
-    for n, (case, x, pol, sch, ag) in enumerate(plan, 1):
+    for n, (case, x, pol, sch, ag, hz) in enumerate(plan, 1):
         if case.name not in workloads:
             workloads[case.name] = Workload(case, a.quick)
-        r = run_one(workloads[case.name], x, pol, sch, ag)
+        r = run_one(workloads[case.name], x, pol, sch, ag, hz)
         results.append(r)
         el = time.perf_counter() - t0
         print(
             f"[{n}/{len(plan)} {el:5.0f}s, ~{el / n * (len(plan) - n):.0f}s left] {case.name} "
-            f"load {x:g} {pol} {sch} aging {ag:g}: util {r.util:.0%} {_fmt(r)}",
+            f"load {x:g} {pol} {sch} aging {ag:g} horizon {_hz(hz)}: util {r.util:.0%} "
+            f"{_fmt(r)}",
             flush=True,
         )
     with open(out_dir / "results.csv", "w", newline="") as f:
@@ -393,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"{len(plan)} runs in {time.perf_counter() - t0:.0f} s; wrote {out_dir}/")
     failed = [
-        f"{r.trace} {r.scheduler} aging {r.aging:g}: {p}" for r in results for p in r.problems
+        f"{r.trace} {r.scheduler} aging {r.aging:g} horizon {_hz(r.horizon)}: {p}"
+        for r in results
+        for p in r.problems
     ]
     if failed:
         print("FAILED: runs that beat a strict bound (the model is wrong):", *failed, sep="\n  ")

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ramjet.policy.priority_key import DEFAULT_AGING
+
 log = logging.getLogger("engine_stub")
 
 
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--priority-aging",
         type=_nonneg_float,
-        default=0.5,
+        default=DEFAULT_AGING,
         help="the router's priority aging (bands the queue-wait metric only)",
     )
     s.add_argument(

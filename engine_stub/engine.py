@@ -32,6 +32,7 @@ from engine_stub.speculation import Speculator
 from engine_stub.swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from engine_stub.swa_pool import SWAPool
 from ramjet.keys.prefix import key_seed
+from ramjet.policy.priority_key import DEFAULT_AGING
 from ramjet.policy.profile import EngineProfile
 from ramjet.types import Tier
 
@@ -59,7 +60,7 @@ class EngineSettings:
     """fcfs or priority (`engine_stub.scheduler`: the body's `priority`, lowest first)."""
     priority_variant: str = "chunk"
     """Under priority: chunk (preempt at chunk boundaries) or vllm (vLLM V1's)."""
-    priority_aging: float = 0.5
+    priority_aging: float = DEFAULT_AGING
     """The router's aging: only to band the queue-wait metric by the hint's work."""
     max_gen_tokens: int = 256
     """The generation budget at reasoning_effort=100 (and the default max_tokens)."""

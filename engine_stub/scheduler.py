@@ -62,6 +62,7 @@ from engine_stub.metrics import EngineMetrics
 from engine_stub.prompt_cache import PromptCache
 from engine_stub.request import Request, sample
 from engine_stub.speculation import Speculator
+from ramjet.policy.priority_key import DEFAULT_AGING
 
 log = logging.getLogger("engine_stub.scheduler")
 
@@ -89,8 +90,9 @@ class SchedulerConfig:
     """"fcfs" or "priority" (see the module docstring)."""
     variant: str = "chunk"
     """Under priority: "chunk" (preempt at chunk boundaries) or "vllm" (vLLM V1's)."""
-    priority_aging: float = 0.5
-    """The router's aging, used only to decode a hint's work band for the metrics."""
+    priority_aging: float = DEFAULT_AGING
+    """The router's aging, used only to decode a hint's work band for the metrics (a
+    hint over the router's cap, aging x horizon, decodes as the cap)."""
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ramjet.errors import ConfigError
 from ramjet.keys.config import KeyPoolConfig, check_pools
+from ramjet.policy.priority_key import DEFAULT_AGING, DEFAULT_HORIZON_S
 from ramjet.reports.config import KeysConfig, ReportsConfig
 from ramjet.residency.config import ResidencyConfig, StoreConfig
 
@@ -180,8 +181,9 @@ class PriorityConfig(_Frozen):
     """Priority hints for one pool of engines (`ramjet.app.priority`, docs/priority.md).
 
     The hint is the cost model's predicted prompt work on the engine the request is routed
-    to; the key sent is `round(1000 * (work_s + aging * arrival_unix_s))`, integer
-    milliseconds of wall-clock time, so several router replicas agree."""
+    to; the key sent is `round(1000 * (min(work_s, aging * horizon_s) + aging *
+    arrival_unix_s))`, integer milliseconds of wall-clock time, so several router
+    replicas agree."""
 
     name: str = Field(min_length=1, max_length=64)
     engines: tuple[str, ...] = Field(min_length=1)
@@ -190,14 +192,27 @@ class PriorityConfig(_Frozen):
     convention: Literal["vllm", "sglang", "reference"] = "vllm"
     """How the engine reads `priority`: vllm and reference run the lowest value first,
     sglang the highest (the router sends the negated key)."""
-    aging: float = Field(default=0.5, ge=0.0, le=100.0)
+    aging: float = Field(default=DEFAULT_AGING, ge=0.0, le=100.0)
     """Seconds of predicted work forgiven per second waited (0: pure least-work-first)."""
+    horizon_s: float | None = Field(default=DEFAULT_HORIZON_S, gt=0.0, le=86400.0)
+    """No request is overtaken by one that arrived more than this many seconds after it
+    (the hint's work is capped at aging x horizon_s); null: no cap, only aging bounds it.
+    The defaults (0.05, 20 s) are the sweep's choice (docs/priority.md)."""
     client: Literal["keep", "override", "combine"] = "keep"
     """A request that carries its own `priority`: keep it (no hint), override it with the
     hint, or combine: the client's value is a class above the hint."""
     share: float = Field(default=1.0, ge=0.0, le=1.0)
     """mode on: the share of sessions (by the same session hash as routing's canary) whose
     requests carry the hint; the others are observed only."""
+
+    @model_validator(mode="after")
+    def _horizon_needs_aging(self) -> PriorityConfig:
+        if self.aging == 0 and "horizon_s" in self.model_fields_set and self.horizon_s:
+            raise ValueError(
+                "horizon_s bounds how long aging lets later arrivals overtake, and at "
+                "aging 0 nothing ages (pure least-work-first); set aging > 0 or drop horizon_s"
+            )
+        return self
 
 
 class PolicyConfig(_Frozen):

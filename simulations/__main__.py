@@ -56,6 +56,19 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def _horizon(text: str) -> float:
+    """A horizon in seconds (> 0), or 'none': no cap (infinite, `hint_key_s`)."""
+    if text.strip().lower() == "none":
+        return math.inf
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds or 'none'") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"horizon must be > 0 s (or 'none'), got {text}")
+    return v
+
+
 def _floats(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
@@ -92,6 +105,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             host_tokens=a.host_tokens,
             ssd_tokens=a.ssd_tokens,
             aging=a.aging,
+            horizon_s=a.horizon,
         )
         fleet_cfg = load_policy(a.policy_file).fleet_stats if a.policy_file else FleetStatsConfig()
         closed = closed_loop_wanted(a.closed_loop, reqs)
@@ -287,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         "--scheduler", choices=("fcfs", "priority", "vllm-fcfs", "vllm-priority"), default="fcfs"
     )
     r.add_argument("--aging", type=float, help="priority hint aging (s of work per s waited)")
+    r.add_argument(
+        "--horizon",
+        type=_horizon,
+        help="priority hint horizon (s, or 'none' for no cap): no request is overtaken by "
+        "one that arrived more than this after it (default: the router's)",
+    )
     r.add_argument("--swa-ttl-s", type=float)
     r.add_argument("--chunk-tokens", type=int)
     r.add_argument("--hbm-tokens", type=int)

@@ -11,9 +11,11 @@ running batch's decode with prefill: the interference the cost model charges).
 Restores are serial with prefill here (a real engine may overlap them: pessimistic).
 
 Scheduling. FCFS: the queue in arrival order, a job runs to its first token. Priority:
-a heap on `hint + aging · arrival` where the hint is the router's predicted prompt work
-(seconds); since every waiting job ages at the same rate, that static key orders jobs as
-"least predicted work first, forgiving `aging` seconds of work per second waited". The
+a heap on `min(hint, aging · horizon) + aging · arrival` where the hint is the router's
+predicted prompt work (seconds; `ramjet.policy.priority_key`, the router's key); since
+every waiting job ages at the same rate, that static key orders jobs as "least predicted
+work first, forgiving `aging` seconds of work per second waited", and with a `horizon`
+no job is overtaken by one that arrived more than `horizon` seconds after it. The
 running job is re-queued at each chunk boundary with its remaining work (preemption at
 chunk granularity: `priority`, the chunk-preemptive engine; the reference engine's
 `--priority-variant chunk`).
@@ -47,6 +49,7 @@ from collections.abc import Callable
 
 from ramjet.policy.base import GlobalMatch
 from ramjet.policy.cost import prompt_work
+from ramjet.policy.priority_key import hint_key_s
 from ramjet.types import EngineId, PrefixKey
 from simulations.cache import SwaPool, TieredCache
 from simulations.preset import EngineSpec
@@ -158,7 +161,7 @@ class Engine:
         self.inflight += 1
         self.queued_tokens += job.predicted_new
         if self.priority:
-            job.key = job.hint_s + self.spec.aging * job.arrival
+            job.key = hint_key_s(job.hint_s, self.spec.aging, job.arrival, self.spec.horizon_s)
             self._seq += 1
             heapq.heappush(self.heap, (job.key, self._seq, job))
         else:
@@ -245,7 +248,7 @@ class Engine:
         elif self.preempt:
             # re-queue with the remaining work; the best job runs next chunk
             remaining = self.profile.prefill_seconds(job.end - job.ctx, job.ctx)
-            job.key = remaining + self.spec.aging * job.arrival
+            job.key = hint_key_s(remaining, self.spec.aging, job.arrival, self.spec.horizon_s)
             self._seq += 1
             heapq.heappush(self.heap, (job.key, self._seq, job))
             self._next(now)

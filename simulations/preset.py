@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE
+from ramjet.policy.priority_key import DEFAULT_AGING, DEFAULT_HORIZON_S
 from ramjet.policy.profile import EngineProfile
 from simulations.plan import Deployment
 
@@ -37,8 +38,11 @@ class EngineSpec:
     """"fcfs", "priority" (the router's hint: predicted prompt work, with aging; preempted
     at chunk boundaries), "vllm-priority" (vLLM V1's: the hint orders waiting jobs only)
     or "vllm-fcfs" (vLLM's step packing in arrival order); `simulations.engine`."""
-    aging: float = 0.5
+    aging: float = DEFAULT_AGING
     """Priority hint aging: seconds of predicted work forgiven per second waited."""
+    horizon_s: float | None = DEFAULT_HORIZON_S
+    """Priority hint horizon: no job is overtaken by one that arrived more than this many
+    seconds after it (`ramjet.policy.priority_key`); None: aging alone bounds it."""
 
 
 def v41_preset() -> EngineSpec:

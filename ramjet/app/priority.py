@@ -7,10 +7,12 @@ routed to an engine of the pool:
   (`ramjet.policy.cost`: `work_s` = restore + replay + prefill): the live decision's
   figure for that engine, else the other pick's, else the cost model run for that engine
   alone (a baseline policy records no components).
-- The key is `round(1000 * (work_s + aging * arrival_unix_s))`, integer milliseconds
-  of wall-clock time: an engine that serves the least key first without aging of its own
-  serves "least work first, forgiving `aging` seconds of work per second waited", and
-  router replicas with synchronised clocks compute the same key for the same request.
+- The key is `round(1000 * (min(work_s, aging * horizon_s) + aging * arrival_unix_s))`,
+  integer milliseconds of wall-clock time (`ramjet.policy.priority_key`): an engine that
+  serves the least key first without aging of its own serves "least work first,
+  forgiving `aging` seconds of work per second waited", no request is overtaken by one
+  that arrived more than `horizon_s` after it, and router replicas with synchronised
+  clocks compute the same key for the same request.
 - Convention: vLLM (`--scheduling-policy priority`) and the reference engine run the
   lowest `priority` first, so the key is sent as is; SGLang
   (`--enable-priority-scheduling`) runs the highest first, so `-key` is sent.
@@ -45,6 +47,7 @@ from ramjet.config import PriorityConfig
 from ramjet.metric_catalogue import counter, histogram
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from ramjet.policy.cost import estimate
+from ramjet.policy.priority_key import hint_key_s
 from ramjet.request.parse import ParsedRequest
 
 CLASS_STRIDE = 10**15
@@ -67,7 +70,8 @@ class PriorityHint:
     work_s: float
     """Predicted prompt work on `engine` (the hint)."""
     key_ms: int
-    """round(1000 * (work_s + aging * arrival_unix_s)); lower runs first."""
+    """round(1000 * (min(work_s, aging * horizon_s) + aging * arrival_unix_s)); lower
+    runs first."""
     value: int | None
     """The `priority` sent (outcome "sent") or that would have been sent."""
     client: Any = None
@@ -91,9 +95,11 @@ class PriorityHint:
         }
 
 
-def hint_key_ms(work_s: float, aging: float, arrival_unix_s: float) -> int:
-    """The static key, integer milliseconds: lower runs first."""
-    return round(1000.0 * (max(work_s, 0.0) + aging * arrival_unix_s))
+def hint_key_ms(
+    work_s: float, aging: float, arrival_unix_s: float, horizon_s: float | None = None
+) -> int:
+    """The static key, integer milliseconds: lower runs first (`hint_key_s`)."""
+    return round(1000.0 * hint_key_s(work_s, aging, arrival_unix_s, horizon_s))
 
 
 def priority_value(key_ms: int, convention: str, client: int | None) -> int:
@@ -210,7 +216,7 @@ class PriorityHints:
         if pool is None:
             return parsed.body, None
         work = self.work_on(rv, view, outcome, fleet)
-        key = hint_key_ms(work, pool.aging, self._wall() - age_s)
+        key = hint_key_ms(work, pool.aging, self._wall() - age_s, pool.horizon_s)
         has_client = "priority" in parsed.json
         client = parsed.json.get("priority") if has_client else None
         combine: int | None = None

@@ -18,11 +18,13 @@ def cold(t: float, n: int, base: int, out: int = 0) -> Request:
     return req(t, [base + j for j in range(-(-n // BLOCK))], tokens=n, out=out)
 
 
-def run(reqs: list[Request], scheduler: str, aging: float = 0.5) -> list[float]:
+def run(
+    reqs: list[Request], scheduler: str, aging: float = 0.5, horizon: float | None = None
+) -> list[float]:
     """First-token times (arrival + TTFT) per request, in arrival order."""
     out = simulate(
         reqs,
-        spec(scheduler=scheduler, aging=aging),
+        spec(scheduler=scheduler, aging=aging, horizon_s=horizon),
         create_policy("round_robin", {}),
         block_tokens=BLOCK,
         engines=1,
@@ -89,3 +91,28 @@ def test_aging_bounds_the_wait_of_a_long_prompt(scheduler: str) -> None:
     # aged: arrivals within h/a overtake it (their work plus its own), then it runs
     bound = 1.4 * (h / 0.5) + h + 2 * PROFILE.prefill_seconds(512, 0)
     assert aged < bound < no_aging
+
+
+@pytest.mark.parametrize("scheduler", ["priority", "vllm-priority"])
+def test_a_horizon_bounds_the_wait_under_a_small_aging(scheduler: str) -> None:
+    # A 6 s overload of short prompts (each ~0.013 s of work every 0.01 s) and one long
+    # prompt early on, at aging 0.05: h/a is longer than the backlog, so the long prompt
+    # waits for all of it. With a 1 s horizon (work capped at 0.05 s, above a short's)
+    # the shorts still go first, but only those that arrive within 1 s of it.
+    shorts = [cold(0.01 * i, 100, 10_000 + 100 * i) for i in range(600)]
+    long = cold(0.05, 5000, 1)
+    reqs = workload([*shorts, long])
+    idx = next(i for i, r in enumerate(reqs) if r.prompt_tokens == 5000)
+    h = PROFILE.prefill_seconds(5000, 0)
+    assert h / 0.05 > 6.0
+    uncapped = run(reqs, scheduler, aging=0.05)[idx] - 0.05
+    capped_run = run(reqs, scheduler, aging=0.05, horizon=1.0)
+    capped = capped_run[idx] - 0.05
+    backlog_end = max(run(reqs, "fcfs"))
+    assert uncapped > backlog_end - 0.05 - 2 * h
+    bound = 1.4 * 1.0 + h + 2 * PROFILE.prefill_seconds(512, 0)
+    assert capped < bound < uncapped
+    # within the horizon least work still goes first: a short that arrived after the
+    # long one gets its first token before the long one does
+    first_after = next(i for i, r in enumerate(reqs) if r.arrival_s > 0.06)
+    assert capped_run[first_after] < capped_run[idx]

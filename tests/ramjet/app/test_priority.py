@@ -36,6 +36,19 @@ def test_least_work_first_with_aging_order() -> None:
     assert hint_key_ms(10.0, 0.5, t) > hint_key_ms(0.5, 0.5, t + 10)
 
 
+def test_a_horizon_caps_how_long_later_arrivals_overtake() -> None:
+    t = 1_800_000_000.0
+    # without a horizon a 10 s prompt at aging 0.1 is overtaken by a 0.5 s one that
+    # arrives up to 95 s later; with a 20 s horizon (work capped at 2 s) only up to 15 s
+    assert hint_key_ms(10.0, 0.1, t) > hint_key_ms(0.5, 0.1, t + 60)
+    assert hint_key_ms(10.0, 0.1, t, 20.0) < hint_key_ms(0.5, 0.1, t + 16, 20.0)
+    assert hint_key_ms(10.0, 0.1, t, 20.0) > hint_key_ms(0.5, 0.1, t + 14, 20.0)
+    # work under the cap is unchanged: same key as without a horizon
+    assert hint_key_ms(1.5, 0.1, t, 20.0) == hint_key_ms(1.5, 0.1, t)
+    # work over the cap keeps arrival order among such requests
+    assert hint_key_ms(9.0, 0.1, t, 20.0) < hint_key_ms(3.0, 0.1, t + 0.01, 20.0)
+
+
 def test_conventions_and_client_classes() -> None:
     assert priority_value(1234, "vllm", None) == 1234
     assert priority_value(1234, "reference", None) == 1234
@@ -95,13 +108,20 @@ def _policy(priority: object) -> dict[str, object]:
 def test_priority_section_defaults_and_values() -> None:
     cfg = parse_policy(_policy([{"name": "v", "engines": ["e0", "e1"]}]))
     [p] = cfg.priority
-    assert (p.mode, p.convention, p.aging, p.client, p.share) == (
+    assert (p.mode, p.convention, p.aging, p.horizon_s, p.client, p.share) == (
         "observe",
         "vllm",
-        0.5,
+        0.05,
+        20.0,
         "keep",
         1.0,
     )
+    # aging 0 (pure least-work-first) is accepted with the default horizon, which then
+    # does not apply; `horizon_s: null` drops the cap
+    [p] = parse_policy(_policy([{"name": "v", "engines": ["e0"], "aging": 0}])).priority
+    assert hint_key_ms(9.0, p.aging, 1e9, p.horizon_s) == 9000
+    [p] = parse_policy(_policy([{"name": "v", "engines": ["e0"], "horizon_s": None}])).priority
+    assert p.horizon_s is None
     cfg = parse_policy(
         _policy(
             [
@@ -127,6 +147,16 @@ def test_priority_section_defaults_and_values() -> None:
             [{"name": "v", "engines": ["e0"], "aging": -1}],
             "priority[0].aging",
             "greater than or equal",
+        ),
+        (
+            [{"name": "v", "engines": ["e0"], "horizon_s": 0}],
+            "priority[0].horizon_s",
+            "greater than 0",
+        ),
+        (
+            [{"name": "v", "engines": ["e0"], "aging": 0, "horizon_s": 10}],
+            "priority[0]",
+            "set aging > 0 or drop horizon_s",
         ),
         ([{"name": "v", "engines": ["e0"], "client": "drop"}], "priority[0].client", "keep"),
         (
