@@ -65,8 +65,8 @@ sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 from engines import EngineProcess, free_port, http_json, start_engine  # noqa: E402
 
+from ramjet.config import DEFAULT_AGING, DEFAULT_HORIZON_S  # noqa: E402
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE  # noqa: E402
-from ramjet.policy.priority_key import DEFAULT_AGING, DEFAULT_HORIZON_S  # noqa: E402
 from ramjet.reports.keys import write_keypair  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ramjet.policy.priority_key import DEFAULT_AGING
+from ramjet.config import DEFAULT_AGING
 
 log = logging.getLogger("engine_stub")
 

@@ -31,8 +31,8 @@ from engine_stub.scheduler import Scheduler, SchedulerConfig
 from engine_stub.speculation import Speculator
 from engine_stub.swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from engine_stub.swa_pool import SWAPool
+from ramjet.config import DEFAULT_AGING
 from ramjet.keys.prefix import key_seed
-from ramjet.policy.priority_key import DEFAULT_AGING
 from ramjet.policy.profile import EngineProfile
 from ramjet.types import Tier
 

@@ -62,7 +62,7 @@ from engine_stub.metrics import EngineMetrics
 from engine_stub.prompt_cache import PromptCache
 from engine_stub.request import Request, sample
 from engine_stub.speculation import Speculator
-from ramjet.policy.priority_key import DEFAULT_AGING
+from ramjet.config import DEFAULT_AGING
 
 log = logging.getLogger("engine_stub.scheduler")
 

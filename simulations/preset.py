@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from ramjet.config import DEFAULT_AGING, DEFAULT_HORIZON_S
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE
-from ramjet.policy.priority_key import DEFAULT_AGING, DEFAULT_HORIZON_S
 from ramjet.policy.profile import EngineProfile
 from simulations.plan import Deployment
 

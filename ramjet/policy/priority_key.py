@@ -20,13 +20,6 @@ from __future__ import annotations
 
 import math
 
-DEFAULT_AGING = 0.05
-DEFAULT_HORIZON_S = 20.0
-"""The router's defaults (`ramjet.config.PriorityConfig`), the choice of the aging x
-horizon sweep of `benchmarks/priority_sim.py` (docs/priority.md): on the Mooncake trace at
-68% utilisation, the lowest mean TTFT whose worst TTFT stays within 1.1x and p99 within
-1x of FCFS's, for both the chunk-preemptive and vLLM's scheduler."""
-
 
 def hint_key_s(work_s: float, aging: float, arrival_s: float, horizon_s: float | None) -> float:
     """The key in seconds (lower runs first). `horizon_s` None: no cap; at aging 0 (pure
