@@ -97,6 +97,7 @@ def main() -> int:
     ap.add_argument("--mode", choices=["observe", "enforce", "round_robin"], default="observe")
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    ap.add_argument("--raw", type=Path, help="also keep py-spy's raw samples here")
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(po.PY).parent / "py-spy")
     if not Path(spy).exists():
@@ -152,6 +153,8 @@ def main() -> int:
                 print("FAILED: py-spy recorded nothing (ptrace allowed?)", file=sys.stderr)
                 return 1
             per_stage, leaves = split(raw)
+            if args.raw is not None:
+                shutil.copyfile(raw, args.raw)
         finally:
             if router is not None and router.proc is not None:
                 po.stop(router.proc)

@@ -63,6 +63,7 @@ from ramjet.proxy.forward import Proxy
 from ramjet.proxy.http1 import EnginePool
 from ramjet.proxy.transport import EngineTransport, fetch
 from ramjet.request.admission import Admission, reject
+from ramjet.request.client import ClientRequest
 from ramjet.request.openai_errors import json_error
 from ramjet.request.parse import (
     ParsedRequest,
@@ -198,7 +199,7 @@ class Router:
 
     # -- handlers -----------------------------------------------------------------------
 
-    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+    async def handle_completion(self, request: ClientRequest) -> web.StreamResponse:
         t0 = self.clock()
         self.arrivals.arrive(t0)
         refused = self.admission.refuse_early(request, self.draining)
@@ -211,7 +212,7 @@ class Router:
         finally:
             self.admission.release()
 
-    async def _admitted(self, request: web.Request, t0: float) -> web.StreamResponse:
+    async def _admitted(self, request: ClientRequest, t0: float) -> web.StreamResponse:
         body = await self.admission.read_body(request)
         if isinstance(body, web.Response):
             return body
@@ -276,7 +277,7 @@ class Router:
 
     async def _forward(
         self,
-        request: web.Request,
+        request: ClientRequest,
         parsed: ParsedRequest,
         outcome: ModeOutcome,
         request_id: str,

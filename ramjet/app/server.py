@@ -1,5 +1,12 @@
 """The router's HTTP server: aiohttp app, connection-level limits, lifecycle.
 
+Plain completion requests (`POST /v1/chat/completions` and `/v1/completions` with a
+Content-Length body) are served by `ramjet.app.fast_server`, an asyncio protocol on
+httptools that every connection starts on; it hands a connection to the aiohttp handler
+below, replaying the bytes it read, for anything else (other routes, chunked bodies,
+anything malformed or over a limit). `RouterServer(fast_path=False)` (or
+`logging.access_log`) leaves everything to aiohttp.
+
 Connection-level protections live below the app, in a `RequestHandler` subclass:
 
 - **Header deadline** (slowloris): once a connection has sent the first byte of a
@@ -23,7 +30,6 @@ Public API for tests and the CLI:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 from typing import Any
@@ -34,27 +40,19 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from prometheus_client import CollectorRegistry
 
+from ramjet.app.fast_server import FastServer, raw_error
 from ramjet.app.reload import admin_reload_handler, on_sighup
 from ramjet.app.router import Router
 from ramjet.app.wiring import build_router, mount
 from ramjet.config import PolicyConfig
 from ramjet.decisions.record import DecisionSink
-from ramjet.request.openai_errors import error_body, json_error
+from ramjet.request.openai_errors import json_error
 from ramjet.residency.tables import ResidencyTables
 from ramjet.runtime.gc import tune_gc
 
 log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
-
-
-def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
-    body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + body
 
 
 class _Handler(RequestHandler):
@@ -97,7 +95,7 @@ class _Handler(RequestHandler):
         if self._request_in_progress or self._messages or self.transport is None:
             return
         self.transport.write(
-            _raw_error(
+            raw_error(
                 408, "Request Timeout", "Request headers not received in time.", "request_timeout"
             )
         )
@@ -132,11 +130,31 @@ class _Server(web.Server):
     def __init__(self, *args: Any, header_deadline_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_deadline_s = header_deadline_s
+        self.fast: FastServer | None = None
+        """Set by `RouterServer.start`: the completion routes' own server, in front."""
 
-    def __call__(self) -> RequestHandler:
+    def handler(self) -> RequestHandler:
+        """aiohttp's handler for one connection (with the header deadline)."""
         return _Handler(
             self, loop=self._loop, header_deadline_s=self._header_deadline_s, **self._kwargs
         )
+
+    def __call__(self) -> RequestHandler:
+        if self.fast is not None:
+            # The fast server's protocol, which hands a connection to `handler()` for
+            # anything it does not serve itself (`ramjet.app.fast_server`).
+            return self.fast()  # type: ignore[return-value]
+        return self.handler()
+
+    def pre_shutdown(self) -> None:
+        super().pre_shutdown()
+        if self.fast is not None:
+            self.fast.close_idle()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        await super().shutdown(timeout)
+        if self.fast is not None:
+            await self.fast.shutdown(timeout or 0.0)
 
 
 class _Runner(web.AppRunner):
@@ -222,8 +240,12 @@ class RouterServer:
         residency: ResidencyTables | None = None,
         sink: DecisionSink | None = None,
         policy_path: str | None = None,
+        fast_path: bool = True,
     ) -> None:
+        """`fast_path`: serve plain completion requests from `ramjet.app.fast_server`
+        (off, or with `logging.access_log`, aiohttp serves everything)."""
         self.config = config
+        self.fast_path = fast_path and not config.logging.access_log
         self.host = host
         self.port = port
         self.app = create_app(
@@ -245,16 +267,35 @@ class RouterServer:
         self._site: web.TCPSite | None = None
 
     @property
+    def fast(self) -> FastServer | None:
+        """The completion routes' own server while started with `fast_path`."""
+        server = self._runner.server
+        return server.fast if isinstance(server, _Server) else None
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
         await self._runner.setup()
+        server = self._runner.server
+        if self.fast_path and isinstance(server, _Server):
+            cfg, metrics = self.config, self.router.metrics
+            server.fast = FastServer(
+                self.router.handle_completion,
+                server.handler,
+                header_deadline_s=cfg.timeouts.header_deadline_s,
+                body_timeout_s=cfg.timeouts.body_s,
+                max_headers=cfg.limits.max_headers,
+                max_line_bytes=cfg.limits.max_header_line_bytes,
+                max_body_bytes=cfg.limits.max_body_bytes,
+                on_body_timeout=lambda: metrics.rejected.labels(reason="body_timeout").inc(),
+            )
         self._site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await self._site.start()
-        server = self._site._server
-        if self.port == 0 and server is not None:
-            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        listening = self._site._server
+        if self.port == 0 and listening is not None:
+            self.port = listening.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
 
     async def stop(self, drain_s: float | None = None) -> None:
         """Drain (refuse new, finish or end in-flight), then close everything."""

@@ -43,6 +43,7 @@ from ramjet.proxy.http1 import EnginePool
 from ramjet.proxy.retries import RETRY_STATUSES, RetryBudget, parse_retry_after
 from ramjet.proxy.stream import StreamWriter
 from ramjet.proxy.transport import EngineResponse, EngineTransport, UpstreamConnectError
+from ramjet.request.client import ClientRequest
 from ramjet.request.openai_errors import json_error
 from ramjet.types import EngineId
 
@@ -137,7 +138,7 @@ class Proxy:
 
     async def forward(
         self,
-        request: web.Request,
+        request: ClientRequest,
         body: bytes,
         first: EngineState,
         prompt_tokens: int,
@@ -153,7 +154,7 @@ class Proxy:
         try:
             opened = await self.open(
                 request.method,
-                request.rel_url.path_qs,
+                request.path_qs,
                 headers,
                 body,
                 first,

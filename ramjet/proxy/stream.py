@@ -32,6 +32,7 @@ from ramjet.proxy.exchange import Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import client_response_headers
 from ramjet.proxy.retries import RETRY_STATUSES
 from ramjet.proxy.transport import EngineResponse
+from ramjet.request.client import ClientRequest, FastRequest, FastResponse
 from ramjet.request.openai_errors import error_body
 from ramjet.types import EngineId
 
@@ -55,7 +56,7 @@ class StreamWriter:
 
     async def stream(
         self,
-        request: web.Request,
+        request: ClientRequest,
         upstream: EngineResponse,
         first: bytes,
         engine: EngineState,
@@ -70,9 +71,15 @@ class StreamWriter:
         out_headers, res.engine_headers = client_response_headers(upstream.headers)
         out_headers["X-Ramjet-Engine"] = engine.id
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        resp = _Passthrough(status=status, reason=upstream.reason, headers=out_headers)
-        if upstream.content_length is not None:
-            resp.content_length = upstream.content_length
+        resp: web.StreamResponse
+        if isinstance(request, FastRequest):  # `ramjet.app.fast_server`'s connection
+            resp = FastResponse(
+                request, status, upstream.reason, out_headers, upstream.content_length
+            )
+        else:
+            resp = _Passthrough(status=status, reason=upstream.reason, headers=out_headers)
+            if upstream.content_length is not None:
+                resp.content_length = upstream.content_length
         res.engine, res.status = engine.id, status
         if request.transport is not None:
             request.transport.set_write_buffer_limits(high=self._cfg.limits.stream_buffer_bytes)
@@ -82,7 +89,8 @@ class StreamWriter:
         length = upstream.content_length
         tail = b"\n\n"
         try:
-            await resp.prepare(request)
+            if not isinstance(request, FastRequest):
+                await resp.prepare(request)
             chunk = first
             # Headers leave with the first piece (`_Passthrough`): count them against
             # the write buffer once.
@@ -138,7 +146,7 @@ class StreamWriter:
 
     async def _send(
         self,
-        request: web.Request,
+        request: ClientRequest,
         resp: web.StreamResponse,
         chunk: bytes,
         eof: bool,
@@ -170,7 +178,7 @@ class StreamWriter:
 
     async def _end_cut(
         self,
-        request: web.Request,
+        request: ClientRequest,
         resp: web.StreamResponse,
         sse: bool,
         tail: bytes,

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from ramjet.config import LimitsConfig
 from ramjet.metrics import RouterMetrics
+from ramjet.request.client import ClientRequest
 from ramjet.request.openai_errors import json_error
 
 
@@ -52,7 +53,7 @@ def overloaded() -> web.Response:
     )
 
 
-def header_bytes(request: web.Request) -> int:
+def header_bytes(request: ClientRequest) -> int:
     """Bytes of the request's header lines (name, ": ", value, CRLF)."""
     return sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
 
@@ -68,7 +69,7 @@ class Admission:
         self._slots = asyncio.Semaphore(limits.max_concurrent)
         self._waiting = 0
 
-    def refuse_early(self, request: web.Request, draining: bool) -> web.Response | None:
+    def refuse_early(self, request: ClientRequest, draining: bool) -> web.Response | None:
         """The refusal for a request that must not wait for a slot (steps 1-3), or None."""
         if header_bytes(request) > self.limits.max_header_bytes:
             return reject(
@@ -124,7 +125,7 @@ class Admission:
     def release(self) -> None:
         self._slots.release()
 
-    async def read_body(self, request: web.Request) -> bytes | web.Response:
+    async def read_body(self, request: ClientRequest) -> bytes | web.Response:
         """The whole body, or the refusal (413, 408, 400) if it is too big, late or bad."""
         limit = self.limits.max_body_bytes
         content = request.content

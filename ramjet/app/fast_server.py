@@ -1,0 +1,399 @@
+"""The completion routes' own HTTP/1.1 server: an asyncio protocol on httptools (llhttp,
+the parser uvicorn uses), in front of aiohttp on the same port.
+
+Every connection starts here. A request is served here only when it is plain: `POST
+/v1/chat/completions` or `POST /v1/completions` (no query), HTTP/1.1, one valid
+Content-Length within `limits.max_body_bytes`, no Transfer-Encoding, Expect or Upgrade,
+headers within `limits.max_headers` and `limits.max_header_line_bytes`, CRLF line ends
+only, and a head llhttp accepts. Anything else (another route, a chunked or oversized
+body, a malformed or over-limit head) is handed to aiohttp's own connection handler
+(`ramjet.app.server`), which gets the bytes of that request from its first byte on and
+keeps the connection from then: its refusals (400, 413, 431, ...) and its routes are
+exactly as without this layer.
+
+What this layer keeps itself, as aiohttp's handler does:
+
+- the header deadline (`timeouts.header_deadline_s`, slowloris): from connect or the
+  first byte of a request until its head is complete, else 408 and close;
+- the body deadline (`timeouts.body_s`): the body is read whole before the router sees
+  it, else 408 and close (counted as `body_timeout`);
+- keep-alive (idle connections closed after 75 s, aiohttp's default), pipelined
+  requests answered in order (reading pauses while a backlog past 1 MiB waits), and
+  `Connection: close` honoured;
+- the handler task is cancelled when the client goes away (aiohttp's
+  `handler_cancellation`), so the engine's request is aborted;
+- backpressure: `FastResponse` waits for the transport to drain when it has paused.
+
+The response head and framing are aiohttp's (`ramjet.request.client`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import cast
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from ramjet.request.client import FastRequest, FastResponse, serialize_response
+from ramjet.request.openai_errors import error_body, json_error
+
+log = logging.getLogger(__name__)
+
+ROUTES = frozenset({b"/v1/chat/completions", b"/v1/completions"})
+KEEPALIVE_S = 75.0
+"""Idle keep-alive connections are closed after this long (aiohttp's default)."""
+BACKLOG_BYTES = 1 << 20
+"""Pipelined bytes buffered while a request is answered before reading pauses."""
+
+Handler = Callable[[FastRequest], Awaitable[web.StreamResponse]]
+
+
+def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A whole error response (OpenAI error object) that closes the connection."""
+    body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class _Head:
+    """A parsed request head that qualifies for this server."""
+
+    __slots__ = ("headers", "keep_alive", "length", "path", "raw", "size")
+
+    def __init__(
+        self,
+        path: str,
+        raw: tuple[tuple[bytes, bytes], ...],
+        headers: CIMultiDictProxy[str],
+        length: int,
+        keep_alive: bool,
+        size: int,
+    ) -> None:
+        self.path, self.raw, self.headers = path, raw, headers
+        self.length, self.keep_alive, self.size = length, keep_alive, size
+
+
+class FastServer:
+    """Builds the protocol of each connection and keeps them (for shutdown).
+    `fallback()` builds aiohttp's handler for a connection handed over."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        fallback: Callable[[], asyncio.Protocol],
+        *,
+        header_deadline_s: float,
+        body_timeout_s: float,
+        max_headers: int,
+        max_line_bytes: int,
+        max_body_bytes: int,
+        on_body_timeout: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.handler = handler
+        self.fallback = fallback
+        self.header_deadline_s = header_deadline_s
+        self.body_timeout_s = body_timeout_s
+        self.max_headers = max_headers
+        self.max_line_bytes = max_line_bytes
+        self.max_body_bytes = max_body_bytes
+        self.on_body_timeout = on_body_timeout
+        # A head longer than this breaks a limit (aiohttp refuses it once handed over).
+        self.max_head_bytes = (max_headers + 2) * (max_line_bytes * 2 + 4)
+        self.connections: set[FastProtocol] = set()
+        self.served = 0
+        """Requests given to the handler here so far (tests read it)."""
+        self.handed_over = 0
+        """Connections handed to aiohttp so far (tests read it)."""
+
+    def __call__(self) -> FastProtocol:
+        return FastProtocol(self)
+
+    def close_idle(self) -> None:
+        """Close every connection that is not answering a request."""
+        for conn in list(self.connections):
+            if conn.task is None:
+                conn.close()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Close idle connections; give busy ones `timeout_s`, then cancel them."""
+        self.close_idle()
+        tasks = [c.task for c in self.connections if c.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for t in pending:
+                t.cancel()
+        for conn in list(self.connections):
+            conn.close()
+
+
+class FastProtocol(asyncio.Protocol):
+    """One client connection (see the module docstring)."""
+
+    def __init__(self, server: FastServer) -> None:
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.writing_paused = False
+        self.response_started = False
+        """Set by `FastResponse` once the current request's answer began to leave."""
+        self.task: asyncio.Task[None] | None = None
+        self._buf = bytearray()
+        self._head: _Head | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._complete = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""
+        self._drain: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._closed = False
+
+    # -- llhttp callbacks (the head only; the body is sliced by Content-Length) ---------
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._complete = True
+
+    # -- timers -------------------------------------------------------------------------
+
+    def _arm(self, kind: str, delay: float) -> None:
+        if self._timer_kind == kind:
+            return
+        self._disarm()
+        self._timer_kind = kind
+        self._timer = self._loop.call_later(delay, self._expired, kind)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_kind = ""
+
+    def _expired(self, kind: str) -> None:
+        self._timer, self._timer_kind = None, ""
+        if self.transport is None or self.task is not None:
+            return
+        if kind == "idle":
+            self.close()
+            return
+        if kind == "body":
+            self._server.on_body_timeout()
+            msg = "Request body not received in time."
+        else:
+            msg = "Request headers not received in time."
+        self.transport.write(raw_error(408, "Request Timeout", msg, "request_timeout"))
+        self.close()
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self._server.connections.add(self)
+        self._arm("head", self._server.header_deadline_s)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._closed = True
+        self._disarm()
+        self._server.connections.discard(self)
+        if self.task is not None:
+            self.task.cancel()  # the client went away: end its request (and the engine's)
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("Connection lost"))
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    async def drain(self) -> None:
+        if self.transport is None:
+            raise ConnectionResetError("Connection lost")
+        if not self.writing_paused:
+            return
+        if self._drain is None or self._drain.done():
+            self._drain = self._loop.create_future()
+        await asyncio.shield(self._drain)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self._buf += data
+        if self.task is None:
+            self._process()
+        elif len(self._buf) > BACKLOG_BYTES and self.transport is not None:
+            self.transport.pause_reading()
+            self._reading_paused = True
+
+    def eof_received(self) -> bool | None:
+        if self.task is None:
+            self.close()
+        return None
+
+    def close(self) -> None:
+        self._disarm()
+        if self.transport is not None and not self._closed:
+            self._closed = True
+            self.transport.close()
+
+    # -- requests -----------------------------------------------------------------------
+
+    def _process(self) -> None:
+        """Serve what is buffered: dispatch a whole request, hand the connection over, or
+        wait for more bytes (under the head or body deadline)."""
+        buf = self._buf
+        if not buf:
+            self._arm("idle", KEEPALIVE_S)
+            return
+        head = self._head
+        if head is None:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > self._server.max_head_bytes or b"\n\n" in buf:
+                    self._hand_over()
+                else:
+                    self._arm("head", self._server.header_deadline_s)
+                return
+            head = self._parse_head(bytes(buf[: end + 4]))
+            if head is None:
+                self._hand_over()
+                return
+            self._head = head
+        need = head.size + head.length
+        if len(buf) < need:
+            self._arm("body", self._server.body_timeout_s)
+            return
+        self._disarm()
+        with memoryview(buf) as view:
+            body = bytes(view[head.size : need])  # one copy of a large body, not two
+        del buf[:need]
+        try:
+            self._parser.feed_data(body)  # the message ends: the parser is ready for the next
+        except httptools.HttpParserError:
+            self._parser = httptools.HttpRequestParser(self)
+        self._head = None
+        req = FastRequest(self, head.path, head.raw, head.headers, body, head.keep_alive)
+        self._server.served += 1
+        self.task = self._loop.create_task(self._run(req))
+
+    def _parse_head(self, raw: bytes) -> _Head | None:
+        """The head if this server takes the request, else None (handed over)."""
+        srv = self._server
+        if raw.count(b"\n") != raw.count(b"\r\n") or raw.count(b"\r") != raw.count(b"\r\n"):
+            return None  # a bare LF or CR: aiohttp refuses it
+        self._url, self._fields, self._complete = b"", [], False
+        try:
+            self._parser.feed_data(raw)
+        except httptools.HttpParserError:
+            return None
+        p = self._parser
+        url, fields = self._url, self._fields
+        if (
+            not self._complete
+            or url not in ROUTES
+            or p.get_method() != b"POST"
+            or p.get_http_version() != "1.1"
+            or p.should_upgrade()
+            or len(fields) > srv.max_headers
+            or raw.find(b"\r\n") > srv.max_line_bytes
+        ):
+            return None
+        length: int | None = None
+        limit = srv.max_line_bytes
+        for name, value in fields:
+            if len(name) > limit or len(value) > limit:
+                return None
+            lname = name.lower()
+            if lname == b"content-length":
+                if length is not None or not value.isdigit():
+                    return None
+                length = int(value)
+            elif lname in (b"transfer-encoding", b"expect", b"upgrade"):
+                return None
+        if length is None or length > srv.max_body_bytes:
+            return None
+        raw_headers = tuple(fields)
+        headers = CIMultiDictProxy(
+            CIMultiDict(
+                (k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
+                for k, v in raw_headers
+            )
+        )
+        keep_alive = bool(p.should_keep_alive())
+        return _Head(url.decode(), raw_headers, headers, length, keep_alive, len(raw))
+
+    def _hand_over(self) -> None:
+        """Give the connection to aiohttp, with the current request's bytes so far."""
+        transport = self.transport
+        if transport is None:
+            return
+        self._disarm()
+        self._closed = True
+        self._server.connections.discard(self)
+        self._server.handed_over += 1
+        data, self._buf = bytes(self._buf), bytearray()
+        handler = self._server.fallback()
+        handler.connection_made(transport)
+        transport.set_protocol(handler)
+        self.transport = None
+        if self._reading_paused:
+            transport.resume_reading()
+        if data:
+            handler.data_received(data)
+
+    async def _run(self, req: FastRequest) -> None:
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await self._server.handler(req)
+        except asyncio.CancelledError:
+            self.task = None
+            raise
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            resp = json_error(exc.status, exc.reason, "invalid_request_error", f"http_{exc.status}")
+        except Exception as exc:
+            log.error("unhandled error", exc_info=exc)
+            resp = None
+        self.task = None
+        self._finish(req, resp)
+
+    def _finish(self, req: FastRequest, resp: web.StreamResponse | None) -> None:
+        transport = self.transport
+        if transport is None or self._closed:
+            return
+        keep = req.keep_alive
+        started, self.response_started = self.response_started, False
+        if started:  # a streamed answer: the connection carries on only if it ended whole
+            done = isinstance(resp, FastResponse) and resp.done
+            keep = keep and done and resp is not None and resp.keep_alive is not False
+        else:
+            if resp is None or isinstance(resp, FastResponse):
+                resp = json_error(500, "Internal error.", "server_error", "http_500", close=True)
+            keep = keep and resp.keep_alive is not False
+            transport.write(serialize_response(resp, keep))
+        if not keep:
+            self.close()
+            return
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        self._process()
