@@ -112,9 +112,26 @@ class EngineProfile(BaseModel):
         return max(0.0, ys[i] + slope * (x - xs[i]))
 
     def prefill_seconds(self, new_tokens: int, context_tokens: int = 0) -> float:
-        """Time to prefill `new_tokens` on top of `context_tokens` cached ones."""
+        """Time to prefill `new_tokens` on top of `context_tokens` cached ones. Answers are
+        kept (up to 4096, then forgotten at once): one decision asks the same figure
+        several times (the stand-in profile, then each engine priced with it), and the
+        answer depends only on the arguments, the curve and the overhead."""
         if new_tokens <= 0:
             return 0.0
+        memo = self.__dict__.get("_prefill_memo")
+        if memo is None or memo[0] is not self.prefill_curve or memo[1] != self.prefill_overhead_s:
+            memo = (self.prefill_curve, self.prefill_overhead_s, {})
+            self.__dict__["_prefill_memo"] = memo
+        answers: dict[tuple[int, int], float] = memo[2]
+        key = (new_tokens, context_tokens)
+        got = answers.get(key)
+        if got is None:
+            if len(answers) >= 4096:
+                answers.clear()
+            got = answers[key] = self._prefill_seconds(new_tokens, context_tokens)
+        return got
+
+    def _prefill_seconds(self, new_tokens: int, context_tokens: int) -> float:
         lo, hi = float(context_tokens), float(context_tokens + new_tokens)
         xs = self._curve()[0]
         knots = (lo, *xs[bisect.bisect_right(xs, lo) : bisect.bisect_left(xs, hi)], hi)

@@ -86,8 +86,9 @@ class TierAware:
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> Decision:
         ests = self.estimates(request, engines, fleet)
-        low = min((s.cost_s, s.wait_s) for s in ests)
-        tied = [s for s in ests if (s.cost_s, s.wait_s) == low]
+        ranks = [(s.cost_s, s.wait_s) for s in ests]
+        low = min(ranks)
+        tied = [s for s, r in zip(ests, ranks, strict=True) if r == low]
         best = tied[self._ties % len(tied)]
         if len(tied) > 1:
             self._ties += 1
