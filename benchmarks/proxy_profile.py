@@ -98,6 +98,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--raw", type=Path, help="also keep py-spy's raw samples here")
+    ap.add_argument(
+        "--stream", action="store_true", help=f"SSE requests ({po.CHUNKS} chunks) instead"
+    )
     args = ap.parse_args()
     spy = shutil.which("py-spy") or str(Path(po.PY).parent / "py-spy")
     if not Path(spy).exists():
@@ -135,9 +138,12 @@ def main() -> int:
                 po.wait_http(router.url + "/readyz", proc=proc)
             uvloop.run(po.verify(router))
             check = partial(po.check_json, router.name, small=True)
+            raw_request = po.SMALL_RAW
+            if args.stream:
+                check, raw_request = partial(po.check_stream, router.name), po.STREAM_RAW
             pids = router.pids()
             c0 = po.cpu_seconds(pids)
-            n = uvloop.run(po.closed_loop(router, po.SMALL_RAW, check, args.seconds, 32))
+            n = uvloop.run(po.closed_loop(router, raw_request, check, args.seconds, 32))
             cpu_us = (po.cpu_seconds(pids) - c0) / n * 1e6
             raw = tmp / "samples.txt"
             assert router.proc is not None
@@ -148,7 +154,7 @@ def main() -> int:
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(0.5)
-            uvloop.run(po.closed_loop(router, po.SMALL_RAW, check, args.seconds, 32))
+            uvloop.run(po.closed_loop(router, raw_request, check, args.seconds, 32))
             if rec.wait(30) != 0 or not raw.exists():
                 print("FAILED: py-spy recorded nothing (ptrace allowed?)", file=sys.stderr)
                 return 1
@@ -164,8 +170,9 @@ def main() -> int:
     if busy == 0:
         print("FAILED: no busy samples", file=sys.stderr)
         return 1
+    what = f"SSE request ({po.CHUNKS} chunks)" if args.stream else "small request"
     print(
-        f"ramjet {args.mode}: {cpu_us:.0f} us CPU per small request unprofiled "
+        f"ramjet {args.mode}: {cpu_us:.0f} us CPU per {what} unprofiled "
         f"({n} checked requests); {busy} busy samples under py-spy"
     )
     print(f"{'stage':<16} {'share':>6} {'~us/req':>8}   top frames (self samples)")
