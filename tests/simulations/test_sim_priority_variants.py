@@ -74,16 +74,21 @@ def test_leftover_budget_is_dropped_when_the_engine_goes_idle() -> None:
     assert r2 == pytest.approx(0.9 + p100 + step, rel=1e-9)
 
 
+def overload(n_shorts: int) -> tuple[list[Request], int, float]:
+    """Short prompts (~0.013 s of work each) every 0.01 s and one long cold prompt at
+    0.05 s: the requests, the long one's index and its work h."""
+    shorts = [cold(0.01 * i, 100, 10_000 + 100 * i) for i in range(n_shorts)]
+    reqs = workload([*shorts, cold(0.05, 5000, 1)])
+    idx = next(i for i, r in enumerate(reqs) if r.prompt_tokens == 5000)
+    return reqs, idx, PROFILE.prefill_seconds(5000, 0)
+
+
 @pytest.mark.parametrize("scheduler", ["priority", "vllm-priority"])
 def test_aging_bounds_the_wait_of_a_long_prompt(scheduler: str) -> None:
     # An overload of short prompts (each ~0.013 s of work every 0.01 s for 3 s) and one
     # long prompt early on. Without aging it waits for the whole backlog; with aging a it
     # is overtaken only by arrivals within h/a of its own (h: its predicted work).
-    shorts = [cold(0.01 * i, 100, 10_000 + 100 * i) for i in range(300)]
-    long = cold(0.05, 5000, 1)
-    reqs = workload([*shorts, long])
-    idx = next(i for i, r in enumerate(reqs) if r.prompt_tokens == 5000)
-    h = PROFILE.prefill_seconds(5000, 0)
+    reqs, idx, h = overload(300)
     no_aging = run(reqs, scheduler, aging=0.0)[idx] - 0.05
     aged = run(reqs, scheduler, aging=0.5)[idx] - 0.05
     backlog_end = max(run(reqs, "fcfs"))
@@ -99,11 +104,7 @@ def test_a_horizon_bounds_the_wait_under_a_small_aging(scheduler: str) -> None:
     # prompt early on, at aging 0.05: h/a is longer than the backlog, so the long prompt
     # waits for all of it. With a 1 s horizon (work capped at 0.05 s, above a short's)
     # the shorts still go first, but only those that arrive within 1 s of it.
-    shorts = [cold(0.01 * i, 100, 10_000 + 100 * i) for i in range(600)]
-    long = cold(0.05, 5000, 1)
-    reqs = workload([*shorts, long])
-    idx = next(i for i, r in enumerate(reqs) if r.prompt_tokens == 5000)
-    h = PROFILE.prefill_seconds(5000, 0)
+    reqs, idx, h = overload(600)
     assert h / 0.05 > 6.0
     uncapped = run(reqs, scheduler, aging=0.05)[idx] - 0.05
     capped_run = run(reqs, scheduler, aging=0.05, horizon=1.0)
