@@ -127,6 +127,8 @@ class Sidecar:
         self.flushed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._probing: asyncio.Task[None] | None = None
+        """The profile probe started with the sidecar, while it runs (a reset waits for it)."""
 
     # -- events (stream thread) ------------------------------------------------------------
 
@@ -185,8 +187,15 @@ class Sidecar:
         `AllBlocksCleared` only at its next engine step, which an idle engine does not
         take: reading the sidecar right after resetting the engine directly shows stale
         blocks. So the sidecar sends the reset, then nudges the engine with a one-token
-        request (no full block: it stores nothing) until the clear arrives."""
+        request (no full block: it stores nothing) until the clear arrives.
+
+        A profile probe still running (the sidecar's start) is finished first: its
+        prompts fill blocks, and a reset answered in the middle of it would leave the
+        engine holding the probe's later blocks after "cleared"."""
         s = self.settings
+        if self._probing is not None and not self._probing.done():
+            log.info("cache reset waits for the profile probe to finish")
+            await asyncio.wait([self._probing])
         path = RESET_PATHS[s.engine_kind]
         with self._lock:
             before = self.tracker.stats["cleared"]
@@ -281,7 +290,8 @@ class Sidecar:
                 self.profile = EngineProfile.model_validate_json(f.read())
             self.publisher.publish_profile(self.profile)
         elif self.settings.profile == "probe":
-            self._tasks.append(asyncio.create_task(self._probe()))
+            self._probing = asyncio.create_task(self._probe())
+            self._tasks.append(self._probing)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)

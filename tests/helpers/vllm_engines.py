@@ -13,9 +13,18 @@ built: the real-engine tests fail then, they never skip. The engine serves the t
 random-weight Llama of `scripts/build_tiny_model.py` as model `MODEL` with prefix
 caching, block size `BLOCK`, `sha256_cbor` hashes, cached-token usage details, priority
 scheduling, KV events (PUB on an `ipc://` path, replay on a tcp port) and
-`VLLM_SERVER_DEV_MODE=1` (`POST /reset_prefix_cache`). Each engine is pinned to one core
-(`VLLM_CPU_OMP_THREADS_BIND`; without it every instance binds core 0). `num_blocks`
-forces a small cache (`--num-gpu-blocks-override`) so tests see evictions.
+`VLLM_SERVER_DEV_MODE=1` (`POST /reset_prefix_cache`). Each engine is confined to one
+core: its model worker's threads are bound to it (`VLLM_CPU_OMP_THREADS_BIND`; without it
+every instance binds core 0), and the whole process tree (API server, EngineCore, worker)
+runs on it (the API server's CPU affinity, which its children inherit). Without the
+latter an engine occupies two cores, not one: vLLM's EngineCore and worker processes
+wait for each other by spinning on shared memory (`sched_yield`, for 1 s after each
+message), so the EngineCore of a busy engine holds a second core. Measured on the 2-core
+machine (`benchmarks/e2e_vllm.py`, CPU time per process): one busy engine used 0.9 of a
+core in its worker and 0.9 in its EngineCore; with two busy engines both EngineCores
+together got 0.15, each step waited for its scheduler, and requests stalled 0.7-1.2 s.
+Confined, an EngineCore spins only when its own worker does not run (0.05).
+`num_blocks` forces a small cache (`--num-gpu-blocks-override`) so tests see evictions.
 
 The process runs in its own session; `stop` signals that process group (the API server
 and its EngineCore child) by the pid this object started, SIGTERM then SIGKILL.
@@ -118,6 +127,8 @@ class VllmEngine:
     eager: bool = True
     """--enforce-eager: no torch.compile warm-up (about 30 s less start-up per engine)."""
     extra_args: tuple[str, ...] = ()
+    confine: bool = True
+    """Run the engine's whole process tree on `core` (see the module docstring)."""
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ramjet-vllm-")))
@@ -191,6 +202,10 @@ class VllmEngine:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        if self.confine:
+            # before the API server starts its EngineCore and worker (it is just past
+            # exec, one thread): they inherit the mask
+            os.sched_setaffinity(self.proc.pid, {self.core})
 
     def wait_ready(self, timeout_s: float = STARTUP_S) -> None:
         deadline = time.monotonic() + timeout_s

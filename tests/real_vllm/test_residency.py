@@ -128,6 +128,22 @@ async def test_reset_prefix_cache_is_applied_before_the_sidecar_answers(
     assert router_blocks(server, "v0") == {} and not stack.raw["v0"].resident
 
 
+async def test_a_reset_during_the_profile_probe_leaves_the_cache_empty(stack: Stack) -> None:
+    """A sidecar probes its engine's profile right after it starts, with prompts that
+    fill blocks. A reset asked meanwhile (a benchmark or operator starting clean) must
+    not answer "cleared" while the probe goes on storing blocks: the sidecar finishes
+    its probe first, then resets. Before, the engine held the probe's later blocks
+    after the answer (seen once engines were confined to one core each, which makes
+    the probe slower than the next test's reset)."""
+    sc = await asyncio.to_thread(stack.start_sidecar, "v0")
+    assert (await asyncio.to_thread(sc.health))["profile"] is None  # probing now
+    out = await reset(stack, "v0")
+    assert out["cleared"] and out["resident_blocks"] == 0, out
+    assert (await asyncio.to_thread(sc.health))["profile"] is not None
+    await stack.settle()
+    assert not stack.raw["v0"].resident
+
+
 async def test_engine_restart_starts_a_new_epoch_and_drops_stale_entries(
     stack: Stack, routers: list[RouterServer], tmp_path: Any
 ) -> None:
