@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -79,6 +80,8 @@ class Result:
     predicted_cached: int | None = None
     predicted_ttft_s: float | None = None
     predicted_wait_s: float | None = None
+    sent_s: float = 0.0
+    """When the request was sent, seconds after the run's workload began."""
 
 
 @dataclass
@@ -86,6 +89,11 @@ class Run:
     name: str
     results: list[Result] = field(default_factory=list)
     wall_s: float = 0.0
+    round: int = 0
+    load: tuple[float, float] = (0.0, 0.0)
+    """The 1-minute load average when the workload began and when it ended."""
+    began_at: float = 0.0
+    """Wall-clock time (time.time()) when the workload began."""
 
 
 def load_sessions(n: int, turns: int, max_output: int) -> list[list[Turn]]:
@@ -176,6 +184,7 @@ async def workload(
 ) -> list[Result]:
     out: list[Result] = []
     total = sum(len(s) for s in sessions)
+    start = time.perf_counter()
 
     async def one(si: int, turns: list[Turn], http: aiohttp.ClientSession) -> None:
         msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
@@ -183,9 +192,10 @@ async def workload(
             parts = [text_block(si * 1000 + ti * 50 + b, block_tokens) for b in range(t.new_blocks)]
             msgs.append({"role": "user", "content": f"Session {si} turn {ti}: " + " ".join(parts)})
             rid = f"bench-s{si}-t{ti}-{time.monotonic_ns()}"
+            sent = time.perf_counter() - start
             ttft, answer, usage = await stream_chat(http, url, msgs, t.max_tokens, rid)
             res = Result(si, ti, ttft, usage["prompt_tokens"],
-                         usage["prompt_tokens_details"]["cached_tokens"])  # fmt: skip
+                         usage["prompt_tokens_details"]["cached_tokens"], sent_s=sent)  # fmt: skip
             if records is not None:
                 rec = await wait_record(records, rid)
                 res.engine = rec.engine
@@ -270,9 +280,10 @@ async def run_smg(tmp: Path, sessions: list[list[Turn]], system: str, bt: int) -
             await asyncio.sleep(0.5)
         for e in engines.values():
             e.reset_prefix_cache()
-        t0 = time.monotonic()
+        t0, load0, began = time.monotonic(), os.getloadavg()[0], time.time()
         results = await workload(url, sessions, system, bt, None)
-        return Run("smg_cache_aware", results, time.monotonic() - t0)
+        load = (load0, os.getloadavg()[0])
+        return Run("smg_cache_aware", results, time.monotonic() - t0, load=load, began_at=began)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -321,9 +332,11 @@ async def run_ramjet(
             tmp, mode=mode, incumbent=incumbent, candidate_params=candidate_params
         )
         await asyncio.sleep(1.0)
-        t0 = time.monotonic()
+        t0, load0, began = time.monotonic(), os.getloadavg()[0], time.time()
         results = await workload(server.url, sessions, system, bt, records)
-        return Run(f"ramjet_{mode}", results, time.monotonic() - t0), cold
+        load = (load0, os.getloadavg()[0])
+        run = Run(f"ramjet_{mode}", results, time.monotonic() - t0, load=load, began_at=began)
+        return run, cold
     finally:
         if server is not None:
             await server.stop(drain_s=1.0)
@@ -360,30 +373,57 @@ def summary(run: Run) -> dict[str, float]:
     return out
 
 
+def pooled(runs: list[Run]) -> list[Run]:
+    """One run per router, its rounds' requests together, in first-seen order."""
+    by: dict[str, Run] = {}
+    for r in runs:
+        p = by.setdefault(r.name, Run(r.name, round=0))
+        p.results += r.results
+        p.wall_s += r.wall_s
+    return list(by.values())
+
+
+def table_row(label: str, r: Run) -> str:
+    s = summary(r)
+    per: dict[str, int] = {}
+    for x in r.results:
+        per[x.engine or "?"] = per.get(x.engine or "?", 0) + 1
+    agree = f"{int(s['agree'])}/{int(s['agree_of'])}" if "agree" in s else "-"
+    err = f"{s['ttft_err_median']:+.1%}" if "ttft_err_median" in s else "-"
+    load = f"{r.load[0]:.2f}-{r.load[1]:.2f}" if r.round else "-"
+    return (f"| {label} | {int(s['requests'])} | {s['mean']:.3f} | {s['p50']:.3f} | {s['p99']:.3f} "
+            f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {per} | {agree} | {err} | {load} |")  # fmt: skip
+
+
+def ratios(label: str, runs: list[Run]) -> None:
+    base = next((r for r in runs if r.name == "smg_cache_aware"), None)
+    if base is None:
+        return
+    b = summary(base)
+    print(f"\nratios to SMG cache_aware, {label} (lower is better):")
+    for r in runs:
+        if r.name == "smg_cache_aware":
+            continue
+        s = summary(r)
+        print(f"  {r.name}: mean {s['mean'] / b['mean']:.2f}x, p50 {s['p50'] / b['p50']:.2f}x, "
+              f"p99 {s['p99'] / b['p99']:.2f}x, prefilled {s['prefilled'] / max(b['prefilled'], 1):.2f}x")  # fmt: skip
+
+
 def print_table(runs: list[Run]) -> None:
-    rows = {r.name: summary(r) for r in runs}
+    rounds = sorted({r.round for r in runs})
     print()
     print("| router | requests | mean TTFT s | p50 s | p99 s | cached share | prompt tokens prefilled "
-          "| per engine | predicted cached = vLLM | predicted TTFT error (median) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in runs:
-        s = rows[r.name]
-        per: dict[str, int] = {}
-        for x in r.results:
-            per[x.engine or "?"] = per.get(x.engine or "?", 0) + 1
-        agree = f"{int(s['agree'])}/{int(s['agree_of'])}" if "agree" in s else "-"
-        err = f"{s['ttft_err_median']:+.1%}" if "ttft_err_median" in s else "-"
-        print(f"| {r.name} | {int(s['requests'])} | {s['mean']:.3f} | {s['p50']:.3f} | {s['p99']:.3f} "
-              f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {per} | {agree} | {err} |")  # fmt: skip
-    base = rows.get("smg_cache_aware")
-    if base:
-        print("\nratios to SMG cache_aware (lower is better):")
+          "| per engine | predicted cached = vLLM | predicted TTFT error (median) | load 1m |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    if len(rounds) > 1:
         for r in runs:
-            if r.name == "smg_cache_aware":
-                continue
-            s = rows[r.name]
-            print(f"  {r.name}: mean {s['mean'] / base['mean']:.2f}x, p50 {s['p50'] / base['p50']:.2f}x, "
-                  f"p99 {s['p99'] / base['p99']:.2f}x, prefilled {s['prefilled'] / max(base['prefilled'], 1):.2f}x")  # fmt: skip
+            print(table_row(f"{r.name} (round {r.round})", r))
+    for r in pooled(runs):
+        print(table_row(r.name if len(rounds) == 1 else f"**{r.name} (all rounds)**", r))
+    if len(rounds) > 1:
+        for k in rounds:
+            ratios(f"round {k}", [r for r in runs if r.round == k])
+    ratios("all rounds" if len(rounds) > 1 else "one round", pooled(runs))
 
 
 async def main() -> int:
@@ -403,7 +443,13 @@ async def main() -> int:
         help="tier_aware params as JSON, e.g. '{\"per_job_prefill\": false}'",
     )
     ap.add_argument("--verbose", action="store_true", help="print every request's figures")
+    ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every router this many times, interleaved (round 1: each router, round 2: ...)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
     only = args.only.split(",")
     if len(set(only)) != len(only):
         raise SystemExit(f"--only names a router twice: {args.only!r}")
@@ -411,31 +457,42 @@ async def main() -> int:
     system = "You are one of a fleet of coding agents. " + text_block(7, args.system_tokens - 10)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="e2e-vllm-") as d:
-        tmp = Path(d)
         measured = False
-        for name in only:
-            print(f"{name}: fresh engines ...", flush=True)
-            if name == "smg_cache_aware":
-                runs.append(await run_smg(tmp, sessions, system, args.block_tokens))
-            elif name.startswith("ramjet_"):
-                run, cold = await run_ramjet(tmp, name.removeprefix("ramjet_"), sessions, system,
-                                             args.block_tokens, args.probe_sizes, not measured,
-                                             args.candidate_params)  # fmt: skip
-                measured = measured or cold is not None
-                if cold is not None and cold < 0.5:
-                    print(f"  WARNING: a cold 4k prefill took {cold:.3f} s (< 0.5 s)")
+        for k in range(1, args.rounds + 1):
+            tmp = Path(d) / f"round{k}"
+            for name in only:
+                print(f"round {k}/{args.rounds} {name}: fresh engines ...", flush=True)
+                if name == "smg_cache_aware":
+                    run = await run_smg(tmp, sessions, system, args.block_tokens)
+                elif name.startswith("ramjet_"):
+                    run, cold = await run_ramjet(tmp, name.removeprefix("ramjet_"), sessions,
+                                                 system, args.block_tokens, args.probe_sizes,
+                                                 not measured, args.candidate_params)  # fmt: skip
+                    measured = measured or cold is not None
+                    if cold is not None and cold < 0.5:
+                        print(f"  WARNING: a cold 4k prefill took {cold:.3f} s (< 0.5 s)")
+                else:
+                    raise SystemExit(f"unknown router {name!r}")
+                run.round = k
+                print(
+                    f"  {summary(run)['mean']:.3f} s mean TTFT, load {run.load[0]:.2f}-{run.load[1]:.2f}"
+                )
                 runs.append(run)
-            else:
-                raise SystemExit(f"unknown router {name!r}")
     if args.verbose:
         for r in runs:
-            for x in r.results:
-                print(f"{r.name} s{x.session}t{x.turn} {x.engine} n={x.prompt_tokens} "
-                      f"cached={x.cached_tokens}/{x.predicted_cached} ttft={x.ttft_s:.3f} "
-                      f"pred={x.predicted_ttft_s} wait={x.predicted_wait_s}")  # fmt: skip
+            for x in sorted(r.results, key=lambda x: x.sent_s):
+                print(f"{r.name} r{r.round} s{x.session}t{x.turn} {x.engine} sent={x.sent_s:.3f} "
+                      f"n={x.prompt_tokens} cached={x.cached_tokens}/{x.predicted_cached} "
+                      f"ttft={x.ttft_s:.3f} pred={x.predicted_ttft_s} wait={x.predicted_wait_s}")  # fmt: skip
     print_table(runs)
     if args.out is not None:
-        args.out.write_text(json.dumps({r.name: summary(r) for r in runs}, indent=1))
+        out = {
+            "summary": {r.name: summary(r) for r in pooled(runs)},
+            "runs": [{"name": r.name, "round": r.round, "load": r.load, "summary": summary(r),
+                      "began_at": r.began_at, "wall_s": r.wall_s,
+                      "requests": [vars(x) for x in r.results]} for r in runs],
+        }  # fmt: skip
+        args.out.write_text(json.dumps(out, indent=1))
     return 0
 
 
