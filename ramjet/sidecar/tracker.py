@@ -191,6 +191,11 @@ class ResidencyTracker:
         if ev.extra_keys is not None and any(x is not None for x in ev.extra_keys):
             self.stats["extra_keys"] += len(ev.block_hashes)
             return
+        if ev.cache_salt is not None:
+            # SGLang namespaces the hashes by the request's salt: the blocks serve only
+            # requests with that salt, which a key from the tokens cannot tell apart
+            self.stats["cache_salt"] += len(ev.block_hashes)
+            return
         if ev.parent_block_hash is None:
             parent = self._seed(ev.lora_name)
         else:

@@ -8,8 +8,8 @@ and SGLang's `python/sglang/srt/disaggregation/kv_events.py` sends it:
   answers one message per buffered batch with seq >= start_seq, then an end marker whose
   seq is `0xFF` x 8 (`(-1).to_bytes(8, "big", signed=True)`) with an empty payload.
   vLLM (0.32.0, seen) answers `[b"", topic, seq, payload]` and ends with
-  `[b"", b"", END, b""]`; SGLang and older vLLM `[b"", seq, payload]`: both are accepted
-  (`parse_replay`). A first replayed seq above the one asked for means the engine's
+  `[b"", b"", END, b""]`, and so does SGLang 0.5.23 (seen from its own publisher); older
+  vLLM and SGLang `[b"", seq, payload]`: both are accepted (`parse_replay`). A first replayed seq above the one asked for means the engine's
   buffer (`buffer_steps` batches) no longer holds it (history truncated).
 
 Payload: msgpack of the batch, an **array** `[ts, events, dp_rank]` (msgspec
@@ -17,19 +17,23 @@ Payload: msgpack of the batch, an **array** `[ts, events, dp_rank]` (msgspec
 the wire and in `tests/vectors/vllm_recorded.json`; a map `{ts, events,
 data_parallel_rank}` is accepted too. Each event is a tagged map (`{"type":
 "BlockStored", "block_hashes": [...], ...}`, msgspec `tag=True`, as vLLM 0.32.0 sends
-it) or a tag-first array (`["BlockStored", block_hashes, parent_block_hash, ...]`,
-older builds and SGLang); msgspec's `omit_defaults` leaves out default fields, so
+it, and SGLang 0.5.23 too: `tests/vectors/sglang_events.json`) or a tag-first array
+(`["BlockStored", block_hashes, parent_block_hash, ...]`, older builds); msgspec's `omit_defaults` leaves out default fields, so
 shorter arrays (and maps without the optional keys) are legal. Field order of the arrays:
 
     BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id,
                      medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
                      kv_cache_spec_sliding_window, locality, ownership, session_id
+                     (and, in maps only, SGLang's cache_salt)
     BlockRemoved     block_hashes, medium, group_idx, locality, ownership
     AllBlocksCleared (no fields)
 
 `session_id` is the request's `session_id` (vLLM sets it on stores when a request
 carries one, also on the re-reports of `kv_cache_report_mode: "full"`); it does not
-change what a block is. Engine hashes are msgpack integers (vLLM's default
+change what a block is. `cache_salt` is SGLang's: the salt of the request that stored
+the blocks, by which SGLang namespaces their hashes (vLLM puts a salt in `extra_keys`);
+the tracker reports neither, since a key from the tokens alone would claim the blocks
+for requests without that salt. Engine hashes are msgpack integers (vLLM's default
 `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`: the digest's low 64 bits, often >= 2**63, so
 msgpack uint64; SGLang's first 8 digest bytes, signed) or byte strings; both are kept as
 they come (hashable).
@@ -94,6 +98,9 @@ class BlockStored:
     ownership: str | None = None
     session_id: str | None = None
     """The request's session (vLLM); identifies who stored or re-reported the block."""
+    cache_salt: str | None = None
+    """SGLang: the salt of the request that stored the blocks. Its hashes are namespaced by
+    it, so the blocks serve only requests with the same salt (the tracker keys none)."""
 
     @property
     def hash_only(self) -> bool:
@@ -122,7 +129,15 @@ _TYPES: dict[str, type[BlockStored] | type[BlockRemoved] | type[AllBlocksCleared
     "BlockRemoved": BlockRemoved,
     "AllBlocksCleared": AllBlocksCleared,
 }
-_FIELDS = {name: tuple(f.name for f in fields(cls)) for name, cls in _TYPES.items()}
+_MAP_ONLY: dict[str, tuple[str, ...]] = {"BlockStored": ("cache_salt",)}
+"""Fields known by name only (SGLang's, in maps): not positions of vLLM's array order,
+and encoded only when set (as msgspec's `omit_defaults`)."""
+_FIELDS = {
+    name: tuple(f.name for f in fields(cls) if f.name not in _MAP_ONLY.get(name, ()))
+    for name, cls in _TYPES.items()
+}
+"""Each event's positional fields, in the order of its tag-first array."""
+_KNOWN = {name: (*names, *_MAP_ONLY.get(name, ())) for name, names in _FIELDS.items()}
 _REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 
 
@@ -264,6 +279,7 @@ def _build(tag: str, values: dict[str, Any], path: str) -> Event:
         locality=_opt_str(values.get("locality"), f"{path}.locality"),
         ownership=_opt_str(values.get("ownership"), f"{path}.ownership"),
         session_id=_opt_str(values.get("session_id"), f"{path}.session_id"),
+        cache_salt=_opt_str(values.get("cache_salt"), f"{path}.cache_salt"),
     )
 
 
@@ -290,7 +306,7 @@ def _event(raw: Any, path: str) -> tuple[Event, tuple[str, ...]]:
         if tag not in _TYPES:
             raise UnknownEventType(tag, f"{path}.type")
         names = _FIELDS[tag]
-        extra = [k for k in raw if k != "type" and k not in names]
+        extra = [k for k in raw if k != "type" and k not in _KNOWN[tag]]
         bad = [k for k in extra if not isinstance(k, str)]
         if bad:
             raise WireError(f"{path}: field names must be strings, got {bad[0]!r}")
@@ -432,8 +448,11 @@ def encode_event(ev: Event, *, tagged: bool = True) -> Any:
     if tagged:
         out: dict[str, Any] = {"type": tag}
         out.update((n, _plain(v)) for n, v in zip(names, vals, strict=True))
+        for name in _MAP_ONLY.get(tag, ()):
+            if getattr(ev, name) is not None:
+                out[name] = getattr(ev, name)
         return out
-    defaults = [f.default for f in fields(type(ev))]
+    defaults = [f.default for f in fields(type(ev)) if f.name in names]
     n = len(vals)
     while n > _REQUIRED[tag] and vals[n - 1] == defaults[n - 1]:
         n -= 1
