@@ -16,8 +16,8 @@
    encodes them (`msgspec.msgpack.Encoder().encode(batch)`), run in `.venv-vllm`; with
    each event's fields as `msgspec.structs.asdict` gives them.
 
-Nothing is downloaded; the engine listens on loopback only. SGLang's event module is
-not importable here (no sglang for CPU in this environment), so no SGLang batches.
+Nothing is downloaded; the engine listens on loopback only. SGLang's batches (from its
+own classes and publisher) are recorded by `scripts/sglang_record_fixtures.py`.
 """
 
 from __future__ import annotations
