@@ -37,6 +37,7 @@ from aiohttp import web
 from ramjet.config import PolicyConfig
 from ramjet.fleet.engines import EngineState, Fleet, Outcome, Ticket, classify_status
 from ramjet.metrics import RouterMetrics
+from ramjet.proxy.deadlines import Deadlines
 from ramjet.proxy.exchange import Attempt, Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import upstream_request_headers
 from ramjet.proxy.http1 import EnginePool
@@ -107,6 +108,14 @@ class Proxy:
         for e in fleet.engines:
             self._watch(e)
         self._pools: dict[EngineId, EngineTransport] = {}
+        self._deadlines: Deadlines | None = None
+
+    def _first_byte(self, delay_s: float) -> Deadlines:
+        """The first-byte waits, one timer for all (`ramjet.proxy.deadlines`)."""
+        d = self._deadlines
+        if d is None or d.delay_s != delay_s:
+            d = self._deadlines = Deadlines(delay_s)
+        return d
 
     def _watch(self, e: EngineState) -> None:
         def requests() -> float:
@@ -266,22 +275,28 @@ class Proxy:
         upstream: EngineResponse | None = None
         try:
             try:
-                async with asyncio.timeout(t.first_byte_s):
-                    upstream = await pool.request(method, path_qs, headers, body)
-                    exchange.upstream = upstream
-                    status = upstream.status
-                    attempt.status = status
-                    if status in RETRY_STATUSES:
-                        outcome = classify_status(status)
-                        ra = parse_retry_after(upstream.headers.get("Retry-After"))
-                        self._fleet.record(engine, outcome, ra)
-                        kind = "backpressure" if outcome is Outcome.BACKPRESSURE else "status_5xx"
-                        self._metrics.upstream_errors.labels(engine=engine.id, kind=kind).inc()
-                        attempt.error = kind
-                        if nxt.get() is not None and self.budget.has_room():
-                            upstream.close()
-                            return None
-                    first = await upstream.readany()
+                with self._first_byte(t.first_byte_s).wait() as deadline:
+                    try:
+                        upstream = await pool.request(method, path_qs, headers, body)
+                        exchange.upstream = upstream
+                        status = upstream.status
+                        attempt.status = status
+                        if status in RETRY_STATUSES:
+                            outcome = classify_status(status)
+                            ra = parse_retry_after(upstream.headers.get("Retry-After"))
+                            self._fleet.record(engine, outcome, ra)
+                            kind = (
+                                "backpressure" if outcome is Outcome.BACKPRESSURE else "status_5xx"
+                            )
+                            self._metrics.upstream_errors.labels(engine=engine.id, kind=kind).inc()
+                            attempt.error = kind
+                            if nxt.get() is not None and self.budget.has_room():
+                                upstream.close()
+                                return None
+                        first = await upstream.readany()
+                    except asyncio.CancelledError:
+                        deadline.raise_if_expired()  # TimeoutError if the deadline did it
+                        raise
             except TimeoutError:
                 raise UpstreamError("first_byte_timeout") from None
             except UpstreamConnectError as exc:
