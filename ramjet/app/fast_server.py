@@ -17,9 +17,9 @@ What this layer keeps itself, as aiohttp's handler does:
   first byte of a request until its head is complete, else 408 and close;
 - the body deadline (`timeouts.body_s`): the body is read whole before the router sees
   it, else 408 and close (counted as `body_timeout`);
-- keep-alive (idle connections closed after 75 s, aiohttp's default), pipelined
-  requests answered in order (reading pauses while a backlog past 1 MiB waits), and
-  `Connection: close` honoured;
+- keep-alive (idle connections closed after `keepalive_s`, 75 s as aiohttp's default),
+  pipelined requests answered in order (reading pauses while a backlog past 1 MiB
+  waits), and `Connection: close` honoured;
 - the handler task is cancelled when the client goes away (aiohttp's
   `handler_cancellation`), so the engine's request is aborted;
 - backpressure: `FastResponse` waits for the transport to drain when it has paused.
@@ -105,6 +105,8 @@ class FastServer:
         self.max_line_bytes = max_line_bytes
         self.max_body_bytes = max_body_bytes
         self.on_body_timeout = on_body_timeout
+        self.keepalive_s = KEEPALIVE_S
+        """An idle connection is closed after this long."""
         # A head longer than this breaks a limit (aiohttp refuses it once handed over).
         self.max_head_bytes = (max_headers + 2) * (max_line_bytes * 2 + 4)
         self.connections: set[FastProtocol] = set()
@@ -185,10 +187,13 @@ class FastProtocol(asyncio.Protocol):
 
     def _expired(self, kind: str) -> None:
         self._timer, self._timer_kind = None, ""
-        if self.transport is None or self.task is not None:
+        if self.transport is None:
             return
         if kind == "idle":
-            self.close()
+            if self.task is None and not self._buf:
+                self.close()
+            return
+        if self.task is not None:
             return
         if kind == "body":
             self._server.on_body_timeout()
@@ -261,7 +266,7 @@ class FastProtocol(asyncio.Protocol):
         wait for more bytes (under the head or body deadline)."""
         buf = self._buf
         if not buf:
-            self._arm("idle", KEEPALIVE_S)
+            self._arm("idle", self._server.keepalive_s)
             return
         head = self._head
         if head is None:

@@ -246,3 +246,23 @@ async def test_openai_style_client_reuses_the_connection(
             assert r.status == 200
     fast = _fast(router)
     assert fast.served == 4 and fast.handed_over == 1
+
+
+async def test_idle_keepalive_connections_close_and_busy_ones_stay(
+    upstreams: list[FakeUpstream], make_router: RouterFactory
+) -> None:
+    router = await make_router()
+    _fast(router).keepalive_s = 0.2
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    try:
+        for _ in range(6):  # 0.5 s of requests 0.1 s apart: never idle for 0.2 s
+            writer.write(_post())
+            assert (await _read_response(reader))[0] == 200
+            await asyncio.sleep(0.1)
+        t0 = asyncio.get_running_loop().time()
+        rest = await asyncio.wait_for(reader.read(), 2)  # now idle: closed
+        took = asyncio.get_running_loop().time() - t0
+    finally:
+        writer.close()
+    assert rest == b"" and 0.05 <= took < 0.6
+    assert _fast(router).served == 6
