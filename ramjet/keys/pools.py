@@ -31,7 +31,7 @@ import dataclasses
 import json
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,16 @@ from ramjet.request.parse import ParsedRequest, RequestError
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
+
+
+def cache_salt(body: Mapping[str, Any]) -> str | None:
+    """The request's `cache_salt` (vLLM and SGLang), as the text its keys are seeded with;
+    None when absent or null. A non-string salt is seeded by its JSON text: the engine
+    decides whether it is valid, and it still matches no unsalted block."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,7 +136,8 @@ class KeyPools:
             log.info("pool %s: text keys for this request: %s", pool.config.name, exc)
             return parsed
         try:
-            keys = compute_token_keys(ids, token_key_seed(parsed.model), pool.config.block_tokens)
+            seed = token_key_seed(parsed.model, salt=cache_salt(parsed.json))
+            keys = compute_token_keys(ids, seed, pool.config.block_tokens)
         except ValueError as exc:  # token ids beyond 32 bits
             raise RequestError(
                 400, "invalid_request_error", "invalid_value", f"prompt: {exc}", "prompt"

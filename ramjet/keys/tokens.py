@@ -43,8 +43,14 @@ TOKENS_SPEC_VERSION = 1
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
-def token_key_seed(model: str, adapter: str | None = None) -> int:
+def token_key_seed(model: str, adapter: str | None = None, salt: str | None = None) -> int:
+    """The seed of a prompt's first block key. `salt`: the request's `cache_salt`: an
+    engine shares no cached block between salts (vLLM hashes it into the first block,
+    SGLang namespaces every hash by it), so a salted request's keys start from their own
+    seed and match no unsalted block (the sidecar keys no salted block either)."""
     tag = f"ramjet-tokens-v{TOKENS_SPEC_VERSION}\x00{model}\x00{adapter or ''}"
+    if salt is not None:
+        tag += f"\x00salt\x00{salt}"
     return _xxh3(tag.encode("utf-8", "surrogatepass"))
 
 

@@ -281,3 +281,16 @@ def test_rekey_by_pool(hf_files: tuple[Path, Path]) -> None:
     with pytest.raises(RequestError) as err:
         pools.rekey(huge, [EngineId("v0")])  # type: ignore[arg-type]
     assert err.value.status == 400
+    # a cache_salt seeds the keys: no salted request matches an unsalted block or another
+    # salt's (vLLM and SGLang share no cached block between salts); the body is untouched
+    salted = [
+        pools.rekey(_parse({"model": "m", "messages": msgs, "cache_salt": s}), [EngineId("v0")])  # type: ignore[arg-type]
+        for s in ("a", "a", "b", {"k": 1})
+    ]
+    assert salted[0].keys == compute_token_keys(ids, token_key_seed("m", salt="a"), 4)
+    assert salted[0].keys == salted[1].keys
+    blocks = [set(x.keys.blocks) for x in (v, salted[0], salted[2], salted[3])]
+    assert all(not (b & c) for i, b in enumerate(blocks) for c in blocks[i + 1 :])
+    assert token_key_seed("m", salt=None) == token_key_seed("m")  # unsalted keys unchanged
+    nulled = _parse({"model": "m", "messages": msgs, "cache_salt": None})
+    assert pools.rekey(nulled, [EngineId("v0")]).keys == v.keys  # type: ignore[arg-type]
