@@ -11,38 +11,26 @@ Real redis-server, real signed frames, two `SharedReports` replicas."""
 
 from __future__ import annotations
 
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from policy_fakes import engine, request
-from prometheus_client import CollectorRegistry
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers"))
-from redis_server import RedisProcess, redis_server
+# the snapshot tests' Redis rig: a redis-server and its links (fixtures), a replica, the key
+from test_reports_redis_snapshot import PRIV, links, replica, server  # noqa: F401
 
 from ramjet.policy.base import FleetStats
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, estimate
 from ramjet.policy.profile import CurvePoint, EngineProfile
 from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body, profile_body
 from ramjet.reports.envelope import Envelope, sign
-from ramjet.reports.keys import KeyRing
-from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.redis_cursors import SharedReports
 from ramjet.reports.verify import Accepted, Rejected
-from ramjet.residency.config import ResidencyConfig
-from ramjet.residency.redis_link import RedisLink, RedisSettings
-from ramjet.residency.redis_store import RedisStore
-from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId, PrefixKey
 
 pytestmark = pytest.mark.redis
 E0, E1 = EngineId("e0"), EngineId("e1")
-PRIV = Ed25519PrivateKey.from_private_bytes(bytes(range(96, 128)))
-RING = KeyRing({"k0": (E0, PRIV.public_key())})
 MEASURED = EngineProfile(  # a small CPU engine: ~4x dearer per token than the estimate
     prefill_curve=[
         CurvePoint(context_tokens=0, seconds_per_token=8e-5),
@@ -56,29 +44,13 @@ MEASURED = EngineProfile(  # a small CPU engine: ~4x dearer per token than the e
 NEWER = MEASURED.model_copy(update={"prefill_overhead_s": 0.02})
 
 
-def replica(server: RedisProcess) -> tuple[RedisStore, ReportProcessor, SharedReports]:
-    reg = CollectorRegistry()
-    cfg = ResidencyConfig()
-    link = RedisLink(RedisSettings(url=server.url, timeout_ms=150), reg)
-    store = RedisStore(link, cfg, engines=(E0,), registry=reg)
-    processor = ReportProcessor(RING, ResidencyTables(cfg, store), registry=reg)
-    return store, processor, SharedReports(processor, store, (E0,), reg)
-
-
 @pytest.fixture
-def server() -> Iterator[RedisProcess]:
-    with redis_server() as s:
-        yield s
-
-
-@pytest.fixture
-async def links() -> AsyncIterator[list[RedisStore]]:
-    stores: list[RedisStore] = []
-    try:
-        yield stores
-    finally:
-        for s in stores:
-            await s.link.close()
+def two(server: Any, links: list[Any]) -> tuple[Any, SharedReports, Any, SharedReports]:  # noqa: F811
+    """Two replicas sharing one Redis: (processor A, A, processor B, B)."""
+    sa, pa, a = replica(server, 0)
+    sb, pb, b = replica(server, 0)
+    links += [sa, sb]
+    return pa, a, pb, b
 
 
 def signed(seq: int, kind: str, body: bytes, issued_ms: int | None = None) -> bytes:
@@ -102,14 +74,10 @@ def same(got: EngineProfile | None, want: EngineProfile) -> bool:
     return got is not None and got.model_dump() == want.model_dump()
 
 
-async def test_a_replica_that_only_syncs_gets_the_profile_of_a_snapshot(
-    server: RedisProcess, links: list[RedisStore]
-) -> None:
+async def test_a_replica_that_only_syncs_gets_the_profile_of_a_snapshot(two: Any) -> None:
     # the sidecar published its profile (report 1) before any router ran, then deltas;
     # A, started later, pulls a snapshot, which carries the profile
-    sa, pa, a = replica(server)
-    sb, pb, b = replica(server)
-    links += [sa, sb]
+    pa, a, pb, b = two
     assert isinstance(await a.submit(snapshot(3, MEASURED), E0), Accepted)
     assert same(pa.profile(E0), MEASURED)
     # B learns e0 from Redis: cursor, trust and the measured profile
@@ -128,12 +96,8 @@ async def test_a_replica_that_only_syncs_gets_the_profile_of_a_snapshot(
     assert same(pb.profile(E0), NEWER)
 
 
-async def test_a_replica_whose_snapshot_claim_loses_still_gets_the_profile(
-    server: RedisProcess, links: list[RedisStore]
-) -> None:
-    sa, _pa, a = replica(server)
-    sb, pb, b = replica(server)
-    links += [sa, sb]
+async def test_a_replica_whose_snapshot_claim_loses_still_gets_the_profile(two: Any) -> None:
+    _pa, a, pb, b = two
     issued = int(time.time() * 1000)
     frame = snapshot(2, MEASURED, issued)
     assert isinstance(await a.submit(frame, E0), Accepted)
@@ -143,12 +107,8 @@ async def test_a_replica_whose_snapshot_claim_loses_still_gets_the_profile(
     assert same(pb.profile(E0), MEASURED)  # absorbed with the refusal
 
 
-async def test_a_snapshot_without_a_profile_keeps_the_shared_one(
-    server: RedisProcess, links: list[RedisStore]
-) -> None:
-    sa, _pa, a = replica(server)
-    sb, pb, b = replica(server)
-    links += [sa, sb]
+async def test_a_snapshot_without_a_profile_keeps_the_shared_one(two: Any) -> None:
+    _pa, a, pb, b = two
     now = int(time.time() * 1000)
     assert isinstance(await a.submit(snapshot(2, MEASURED, now), E0), Accepted)
     assert isinstance(await a.submit(snapshot(2, None, now + 5), E0), Accepted)
@@ -156,16 +116,12 @@ async def test_a_snapshot_without_a_profile_keeps_the_shared_one(
     assert same(pb.profile(E0), MEASURED)
 
 
-async def test_the_engine_without_a_measured_profile_is_not_the_cheaper_one(
-    server: RedisProcess, links: list[RedisStore]
-) -> None:
+async def test_the_engine_without_a_measured_profile_is_not_the_cheaper_one(two: Any) -> None:
     """On the replica that learnt e0's profile from Redis, e1 (no profile reported) is
     priced no cheaper than e0 for the same work: before, e0 was priced by the measured
     CPU profile only when a profile report had been claimed, and e1 by the ~4x cheaper
     built-in estimate, so every request went to e1."""
-    sa, _pa, a = replica(server)
-    sb, pb, b = replica(server)
-    links += [sa, sb]
+    _pa, a, pb, b = two
     assert isinstance(await a.submit(snapshot(3, MEASURED), E0), Accepted)
     await b.sync_once()
     views = [engine("e0", profile=pb.profile(E0)), engine("e1", profile=pb.profile(E1))]
