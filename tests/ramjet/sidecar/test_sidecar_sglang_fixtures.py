@@ -17,11 +17,9 @@ a PUB socket and answered on its replay socket for those batches.
 from __future__ import annotations
 
 import base64
-import json
-from pathlib import Path
-from typing import Any
 
 import pytest
+from event_vectors import as_plain, frames, load
 
 from ramjet.reports.bodies import DeltaBuilder
 from ramjet.sidecar.tracker import SGLANG_MEDIA, ResidencyTracker
@@ -35,21 +33,7 @@ from ramjet.sidecar.wire import (
 )
 from ramjet.types import Tier
 
-DATA = json.loads(
-    (Path(__file__).resolve().parents[2] / "vectors" / "sglang_events.json").read_text()
-)
-
-
-def frames(entry: dict[str, Any]) -> list[bytes]:
-    return [base64.b64decode(f) for f in entry["frames_b64"]]
-
-
-def as_plain(ev: BlockStored | BlockRemoved | AllBlocksCleared) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": type(ev).__name__}
-    for name in ev.__slots__:  # type: ignore[union-attr]
-        v = getattr(ev, name)
-        out[name] = list(v) if isinstance(v, tuple) else v
-    return out
+DATA = load("sglang_events.json")
 
 
 def case_events(name: str) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:

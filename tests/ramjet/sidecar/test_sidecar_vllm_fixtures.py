@@ -16,38 +16,20 @@ encoded as its publisher encodes them. Both written by `scripts/vllm_record_fixt
 from __future__ import annotations
 
 import base64
-import json
-from pathlib import Path
-from typing import Any
 
 import pytest
+from event_vectors import as_plain, frames, load
 
 from ramjet.reports.bodies import DeltaBuilder
 from ramjet.sidecar.tracker import VLLM_MEDIA, ResidencyTracker
 from ramjet.sidecar.wire import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     decode_batch,
     parse_live,
     parse_replay,
 )
 
-VECTORS = Path(__file__).resolve().parents[2] / "vectors"
-RECORDED = json.loads((VECTORS / "vllm_recorded.json").read_text())
-CLASSES = json.loads((VECTORS / "vllm_class_batches.json").read_text())
-
-
-def frames(entry: dict[str, Any]) -> list[bytes]:
-    return [base64.b64decode(f) for f in entry["frames_b64"]]
-
-
-def as_plain(ev: BlockStored | BlockRemoved | AllBlocksCleared) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": type(ev).__name__}
-    for name in ev.__slots__:  # type: ignore[union-attr]
-        v = getattr(ev, name)
-        out[name] = list(v) if isinstance(v, tuple) else v
-    return out
+RECORDED = load("vllm_recorded.json")
+CLASSES = load("vllm_class_batches.json")
 
 
 def test_recorded_live_frames_decode_to_what_vllm_sent() -> None:
