@@ -169,6 +169,9 @@ class FleetStatsConfig(_Frozen):
     """Arrival-rate EWMA time constant: an arrival adds 1/τ, the value decays as exp(-dt/τ)."""
     wait_tau_s: float = Field(default=10.0, gt=0)
     """Mean-wait EWMA time constant: a sample moves the mean (1 - exp(-dt/τ)) of the way."""
+    work_tau_s: float = Field(default=2.0, gt=0)
+    """Per-engine routed-work-rate EWMA time constant (the packing term of engines with
+    `per_job_prefill: false`): about the span in which later prompts still join a step."""
 
 
 class AdminConfig(_Frozen):

@@ -186,7 +186,9 @@ class Simulation:
                 raise ValueError(f"unknown knowledge {knowledge.kind!r}")
         if knowledge.kind == "none":
             self.routed = []
-        self.estimators = FleetEstimators(fleet_stats.arrival_tau_s, fleet_stats.wait_tau_s)
+        self.estimators = FleetEstimators(
+            fleet_stats.arrival_tau_s, fleet_stats.wait_tau_s, fleet_stats.work_tau_s
+        )
         self.peak = [[0, 0, 0] for _ in self.engines]
         if loop is not None and len(loop.parents) != n:
             raise ValueError("the closed loop does not match the requests")
@@ -260,6 +262,9 @@ class Simulation:
         decision = self.policy.pick(request_view(req), self._views(now), fleet)
         idx = self.index_of[decision.engine]
         engine = self.engines[idx]
+        comp = decision.components.get(decision.engine)
+        if comp is not None and "work_s" in comp:  # the packing term's ρ, as the router
+            self.estimators.routed(now, decision.engine, float(comp["work_s"]))
         if self.routed:
             self.routed[idx].routed(req.block_keys)
         # the router's prediction on the chosen engine: its in-flight tokens and the hint

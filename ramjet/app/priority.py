@@ -161,6 +161,17 @@ def _components_work(d: Decision | None, engine: str) -> float | None:
     return float(comp["work_s"])
 
 
+def decided_work(outcome: ModeOutcome, engine: str) -> float | None:
+    """Predicted prompt work on `engine` as the decisions recorded it: the live pick's
+    figure, else the candidate's, else the incumbent's; None when none recorded one (a
+    baseline policy records no work)."""
+    for d in (outcome.live, outcome.candidate, outcome.incumbent):
+        w = _components_work(d, engine)
+        if w is not None:
+            return w
+    return None
+
+
 class PriorityHints:
     """The router's hint maker for every priority pool; see the module docstring."""
 
@@ -192,11 +203,8 @@ class PriorityHints:
     ) -> float:
         """Predicted prompt work on `view`'s engine: the live pick's figure, else the
         other picks', else the cost model for that engine alone."""
-        for d in (outcome.live, outcome.candidate, outcome.incumbent):
-            w = _components_work(d, view.id)
-            if w is not None:
-                return w
-        return estimate(rv, [view], fleet)[0].work.work_s
+        w = decided_work(outcome, view.id)
+        return w if w is not None else estimate(rv, [view], fleet)[0].work.work_s
 
     def apply(
         self,

@@ -44,7 +44,7 @@ from typing import Any
 from aiohttp import web
 
 from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
-from ramjet.app.priority import PriorityHint, PriorityHints
+from ramjet.app.priority import PriorityHint, PriorityHints, decided_work
 from ramjet.app.profile_source import ProfileSources
 from ramjet.config import PolicyConfig
 from ramjet.decisions.accounting import Accounting
@@ -56,7 +56,7 @@ from ramjet.keys.pools import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.policy.base import EngineView
 from ramjet.policy.candidates import uncached_prompt_tokens
-from ramjet.policy.fleet_stats import fleet_stats
+from ramjet.policy.fleet_stats import WorkRates, fleet_stats
 from ramjet.policy.registry import create_policy
 from ramjet.proxy.exchange import Exchange, ForwardResult
 from ramjet.proxy.forward import Proxy
@@ -130,6 +130,7 @@ class Router:
         )
         self.metrics.registry.register(self.profile_sources)
         self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
+        self.work_rates = WorkRates(config.fleet_stats.work_tau_s)
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
         self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
         self.priority = PriorityHints(config.priority, self.metrics.registry)
@@ -260,13 +261,16 @@ class Router:
                     status=exc.status, body=exc.to_openai_json(), content_type="application/json"
                 )
         rv = to_request_view(parsed, request_id)
-        fleet = fleet_stats(t0, self.arrivals, self.accounting.waits)
+        fleet = fleet_stats(t0, self.arrivals, self.accounting.waits, self.work_rates)
         session_key = parsed.session or (
             str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
         )
         outcome = self.modes.decide(rv, views, fleet, session_key)
         live = next((v for v in views if v.id == outcome.live.engine), None)
         new = uncached_prompt_tokens(rv, live) if live is not None else parsed.prompt_tokens
+        routed_work = decided_work(outcome, outcome.live.engine)
+        if routed_work is not None:  # the packing term's ρ (`ramjet.policy.fleet_stats`)
+            self.work_rates.routed(t0, outcome.live.engine, routed_work)
         body, hint = parsed.body, None
         if self.priority:  # priority hints (`ramjet.app.priority`): the body changes if sent
             age = self.clock() - t0

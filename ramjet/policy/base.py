@@ -141,6 +141,9 @@ class FleetStats:
     """Recent request arrival rate across the fleet (EWMA)."""
     mean_wait_s: float = 0.0
     """Recent mean time requests waited before their prefill started (EWMA)."""
+    work_rate: Mapping[EngineId, float] = field(default_factory=dict)
+    """Per engine: predicted prompt work routed to it per second (EWMA; s/s, so a
+    utilisation): what a packing engine's next steps will also carry."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,13 @@ For request r (n prompt tokens) on engine e, with profile P:
   default: the reference engine) runs at least one chunk per request, so each waiting
   request (`EngineLoad.waiting_requests`), the one in prefill and this one add a step
   and each waiting request its own fixed overhead: short prompts cost a step each.
-- TTFT_e = wait_e + work_e.
+- Packing: an engine that packs several prompts into a step (`per_job=False`, vLLM)
+  also puts the prompts that arrive while this one waits into this one's step, so its
+  first token waits for their prefill too. Expected extra ≈ ρ_e · (wait_e + work_e),
+  ρ_e the predicted prompt work routed to the engine per second (`FleetStats.work_rate`,
+  an EWMA, capped at 1). On real vLLM it took the median predicted-TTFT error from −29%
+  to within ±20% (docs/real-engines.md). 0 for a one-job-per-step engine.
+- TTFT_e = wait_e + work_e + packing_e.
 - Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
   requests queued behind it. By Little's law about λ·W of them wait at any time, where λ
   is the fleet's measured arrival rate and W its measured mean wait (both from
@@ -225,10 +231,13 @@ class EngineEstimate:
     stand_in: EngineId | None = None
     """With `default_profile`: the engine whose measured profile priced this one (it was
     dearer than the default); None when the default did."""
+    packing_s: float = 0.0
+    """A packing engine (`per_job=False`): what the prompts that arrive while this one
+    waits add to its step, ρ_e · (wait + work) (module docstring)."""
 
     @property
     def ttft_s(self) -> float:
-        return self.wait_s + self.work.work_s
+        return self.wait_s + self.work.work_s + self.packing_s
 
     @property
     def cost_s(self) -> float:
@@ -249,6 +258,7 @@ class EngineEstimate:
             "prefill_s": w.prefill_s,
             "work_s": w.work_s,
             "wait_s": self.wait_s,
+            "packing_s": self.packing_s,
             "ttft_s": self.ttft_s,
             "delta_s": self.delta_s,
             "externality_s": self.externality_s,
@@ -317,6 +327,10 @@ def estimate(
     for e, work, match, swa, wait, use_default, degraded in staged:
         delta = work.work_s - least
         extra = session_s.get(e.id, 0.0) if session_s else 0.0
+        packing = 0.0
+        if not per_job:  # later arrivals join this request's step (vLLM's packing)
+            rho = min(max(fleet.work_rate.get(e.id, 0.0), 0.0), 1.0)
+            packing = rho * (wait + work.work_s)
         out.append(
             EngineEstimate(
                 e.id,
@@ -330,6 +344,7 @@ def estimate(
                 degraded,
                 extra,
                 stand_in=stand_in_id if use_default else None,
+                packing_s=packing,
             )
         )
     return out

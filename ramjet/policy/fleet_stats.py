@@ -13,8 +13,14 @@ does, with the same time constants, taken from the policy file's `fleet_stats:` 
   (1 - exp(-dt/τ)) of the way to x, dt since the previous sample (at least 1/64, so a
   burst of samples at one instant still moves it); the first sample sets it. With no
   samples it holds its value (no traffic, no λ·W).
-- `FleetEstimators`: the pair, fed `arrive(now)` per routed request and `wait(now, s)`
-  per measured wait, read as a `FleetStats` snapshot by `stats(now)`.
+- `WorkRates`: per engine, the predicted prompt work routed to it per second (seconds of
+  work per second: a utilisation), the same decaying sum as `ArrivalRate` with each
+  arrival weighted by its work. A packing engine (vLLM) puts the prompts that arrive
+  while one waits into that one's step, so the cost model reads it as the share of its
+  wait and work that later arrivals add (`ramjet.policy.cost`, `per_job=False`).
+- `FleetEstimators`: λ, W and the work rates, fed `arrive(now)` per request,
+  `routed(now, engine, work_s)` per routed request and `wait(now, s)` per measured
+  wait, read as a `FleetStats` snapshot by `stats(now)`.
 
 Where the samples come from differs only in what each side can observe: the router
 learns a request's wait from the engine's usage report when its response ends
@@ -27,9 +33,11 @@ from __future__ import annotations
 import math
 
 from ramjet.policy.base import FleetStats
+from ramjet.types import EngineId
 
 DEFAULT_ARRIVAL_TAU_S = 10.0
 DEFAULT_WAIT_TAU_S = 10.0
+DEFAULT_WORK_TAU_S = 2.0
 
 
 class ArrivalRate:
@@ -83,27 +91,66 @@ class MeanWait:
         return self._value
 
 
-def fleet_stats(now: float, arrivals: ArrivalRate, waits: MeanWait) -> FleetStats:
-    """The snapshot a policy is given: λ and W as of `now`."""
-    return FleetStats(now_s=now, arrival_rate_per_s=arrivals.rate(now), mean_wait_s=waits.mean())
+class WorkRates:
+    """Per engine: predicted prompt work routed per second, an `ArrivalRate` whose every
+    arrival adds its work (see module docstring)."""
+
+    __slots__ = ("_rates", "tau_s")
+
+    def __init__(self, tau_s: float = DEFAULT_WORK_TAU_S) -> None:
+        if not tau_s > 0:
+            raise ValueError("tau_s must be > 0")
+        self.tau_s = tau_s
+        self._rates: dict[EngineId, tuple[float, float]] = {}
+        """engine -> (value, time of value)"""
+
+    def routed(self, now: float, engine: EngineId, work_s: float) -> None:
+        v = self._at(engine, now)
+        self._rates[engine] = (v + max(work_s, 0.0) / self.tau_s, now)
+
+    def _at(self, engine: EngineId, now: float) -> float:
+        v, t = self._rates.get(engine, (0.0, now))
+        return v * math.exp(-(now - t) / self.tau_s) if now > t else v
+
+    def rates(self, now: float) -> dict[EngineId, float]:
+        return {e: self._at(e, now) for e in self._rates}
+
+
+def fleet_stats(
+    now: float, arrivals: ArrivalRate, waits: MeanWait, work: WorkRates | None = None
+) -> FleetStats:
+    """The snapshot a policy is given: λ, W and the engines' work rates as of `now`."""
+    return FleetStats(
+        now_s=now,
+        arrival_rate_per_s=arrivals.rate(now),
+        mean_wait_s=waits.mean(),
+        work_rate=work.rates(now) if work is not None else {},
+    )
 
 
 class FleetEstimators:
-    """λ and W together, for a caller that owns both (the simulator)."""
+    """λ, W and the work rates together, for a caller that owns all three (the simulator)."""
 
-    __slots__ = ("arrivals", "waits")
+    __slots__ = ("arrivals", "waits", "work")
 
     def __init__(
-        self, arrival_tau_s: float = DEFAULT_ARRIVAL_TAU_S, wait_tau_s: float = DEFAULT_WAIT_TAU_S
+        self,
+        arrival_tau_s: float = DEFAULT_ARRIVAL_TAU_S,
+        wait_tau_s: float = DEFAULT_WAIT_TAU_S,
+        work_tau_s: float = DEFAULT_WORK_TAU_S,
     ) -> None:
         self.arrivals = ArrivalRate(arrival_tau_s)
         self.waits = MeanWait(wait_tau_s)
+        self.work = WorkRates(work_tau_s)
 
     def arrive(self, now: float) -> None:
         self.arrivals.arrive(now)
+
+    def routed(self, now: float, engine: EngineId, work_s: float) -> None:
+        self.work.routed(now, engine, work_s)
 
     def wait(self, now: float, sample_s: float) -> None:
         self.waits.add(now, sample_s)
 
     def stats(self, now: float) -> FleetStats:
-        return fleet_stats(now, self.arrivals, self.waits)
+        return fleet_stats(now, self.arrivals, self.waits, self.work)

@@ -1,6 +1,9 @@
-"""Router and simulator measure λ and W with one implementation and one set of constants."""
+"""Router and simulator measure λ, W and the engines' routed work rates with one
+implementation and one set of constants."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from sim_helpers import req, spec, workload
@@ -8,8 +11,15 @@ from sim_helpers import req, spec, workload
 from ramjet.app.router import Router
 from ramjet.config import FleetStatsConfig, parse_policy
 from ramjet.policy.base import FleetStats
-from ramjet.policy.fleet_stats import ArrivalRate, MeanWait, fleet_stats
+from ramjet.policy.fleet_stats import (
+    ArrivalRate,
+    FleetEstimators,
+    MeanWait,
+    WorkRates,
+    fleet_stats,
+)
 from ramjet.policy.registry import create_policy
+from ramjet.types import EngineId
 from simulations.engine import Job
 from simulations.simulator import Simulation
 from simulations.workload import Request
@@ -32,12 +42,33 @@ def _workload() -> list[Request]:
     return workload(reqs)
 
 
+class RecordingEstimators(FleetEstimators):
+    """The simulator's estimators, logging every routed (time, engine, work)."""
+
+    __slots__ = ("routes",)
+
+    def __init__(self, *taus: float) -> None:
+        super().__init__(*taus)
+        self.routes: list[tuple[float, str, float]] = []
+
+    def routed(self, now: float, engine: EngineId, work_s: float) -> None:
+        self.routes.append((now, engine, work_s))
+        super().routed(now, engine, work_s)
+
+
 class Recording(Simulation):
     """A simulation that logs every (time, kind, value) its estimators are fed."""
 
     def __init__(self, *a: object, **kw: object) -> None:
         super().__init__(*a, **kw)  # type: ignore[arg-type]
         self.fed: list[tuple[float, str, float]] = []
+        e = self.estimators
+        self.estimators = RecordingEstimators(e.arrivals.tau_s, e.waits.tau_s, e.work.tau_s)
+
+    @property
+    def routes(self) -> list[tuple[float, str, float]]:
+        assert isinstance(self.estimators, RecordingEstimators)
+        return self.estimators.routes
 
     def _on_start(self, job: Job, now: float) -> None:
         super()._on_start(job, now)
@@ -69,12 +100,16 @@ def test_router_and_simulator_give_the_same_lambda_and_w(taus: tuple[float, floa
             router.arrivals.arrive(t)
         else:
             router.accounting.waits.add(t, value)
+    assert len(sim.routes) == len(reqs)  # tier_aware records its work for every pick
+    for t, engine, work in sim.routes:
+        router.work_rates.routed(t, engine, work)  # type: ignore[arg-type]
     end = events[-1][0] + 0.5
-    routed = fleet_stats(end, router.arrivals, router.accounting.waits)
+    routed = fleet_stats(end, router.arrivals, router.accounting.waits, router.work_rates)
     simulated = sim.estimators.stats(end)
     assert routed == simulated
     assert isinstance(routed, FleetStats)
     assert routed.arrival_rate_per_s > 0 and routed.mean_wait_s > 0
+    assert set(routed.work_rate) == {"e0", "e1"} and min(routed.work_rate.values()) > 0
     want = taus or (10.0, 10.0)
     assert (router.arrivals.tau_s, router.accounting.waits.tau_s) == want
     assert (sim.estimators.arrivals.tau_s, sim.estimators.waits.tau_s) == want
@@ -84,6 +119,17 @@ def test_the_router_defaults_are_the_policy_file_defaults() -> None:
     cfg = FleetStatsConfig()
     assert ArrivalRate().tau_s == cfg.arrival_tau_s
     assert MeanWait().tau_s == cfg.wait_tau_s
+    assert WorkRates().tau_s == cfg.work_tau_s
+
+
+def test_work_rates_are_a_per_engine_utilisation() -> None:
+    w = WorkRates(2.0)
+    for i in range(400):  # 0.05 s of work every 0.1 s on e0, for 40 s: about 50% busy
+        w.routed(0.1 * i, "e0", 0.05)  # type: ignore[arg-type]
+    w.routed(39.9, "e1", 0.0)  # type: ignore[arg-type]
+    r = w.rates(40.0)
+    assert r["e0"] == pytest.approx(0.5, rel=0.05) and r["e1"] == 0.0
+    assert w.rates(46.0)["e0"] == pytest.approx(r["e0"] * math.exp(-3.0))  # 3 tau later
 
 
 def test_a_bad_time_constant_is_refused() -> None:

@@ -411,3 +411,22 @@ def test_each_waiting_request_costs_its_own_chunk_on_a_one_prefill_per_step_engi
         c["wait_s"]
         for c in tokens.pick(request(100), [many, one], FleetStats()).components.values()
     } == {packed}
+
+
+def test_a_packing_engine_adds_the_prompts_routed_there_meanwhile() -> None:
+    # vLLM packs the prompts that arrive while ours waits into our step: with ρ_e of the
+    # engine's time routed to it as prompt work, TTFT grows by ρ_e · (wait + work); a
+    # one-job-per-step engine (per_job) adds nothing, and ρ is capped at 1
+    a, b = engine("a", queued=600, inflight=2), engine("b", queued=600, inflight=2)
+    fleet = FleetStats(work_rate={"a": 0.5, "b": 3.0})  # type: ignore[dict-item]
+    packed = create_policy("tier_aware", {"per_job_prefill": False})
+    comps = packed.pick(request(100), [a, b], fleet).components
+    for eid, rho in (("a", 0.5), ("b", 1.0)):
+        c = comps[eid]
+        assert c["packing_s"] == pytest.approx(rho * (c["wait_s"] + c["work_s"]))
+        assert c["ttft_s"] == pytest.approx(c["wait_s"] + c["work_s"] + c["packing_s"])
+    assert packed.pick(request(100), [a, b], fleet).engine == "a"  # the less loaded
+    per_job = create_policy("tier_aware", {}).pick(request(100), [a, b], fleet).components
+    assert {c["packing_s"] for c in per_job.values()} == {0.0}
+    none = packed.pick(request(100), [a, b], FleetStats()).components
+    assert {c["packing_s"] for c in none.values()} == {0.0}
