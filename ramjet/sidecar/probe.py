@@ -49,6 +49,11 @@ LIMIT_MARGIN = 16
 """Tokens kept free below the engine's limit (the generated token, rounding)."""
 
 
+class PromptTooLong(RuntimeError):
+    """The engine refused a probe prompt as longer than its context (HTTP 400 naming the
+    context length, as vLLM and SGLang word it)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     seconds: float
@@ -102,7 +107,10 @@ async def probe_once(
     async with session.post(url.rstrip("/") + "/v1/completions", json=body) as resp:
         data: Any = await resp.json(content_type=None)
         if resp.status != 200:
-            raise RuntimeError(f"probe request failed: HTTP {resp.status}: {str(data)[:200]}")
+            text = str(data)
+            if resp.status == 400 and "context length" in text:
+                raise PromptTooLong(f"probe prompt too long: {text[:200]}")
+            raise RuntimeError(f"probe request failed: HTTP {resp.status}: {text[:200]}")
     dt = time.perf_counter() - t0
     usage = data.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
@@ -143,8 +151,17 @@ async def probe_profile(
             cold: ProbeResult | None = None
             warm: ProbeResult | None = None
             for _ in range(repeats):
-                prompt = filler(words, secrets.token_hex(8))
-                c = await probe_once(s, url, model, prompt, max_tokens)
+                for shrink in range(4):
+                    # the words-to-tokens estimate is linear and each nonce tokenizes its
+                    # own way: a prompt sized at the limit can come out a few tokens over
+                    prompt = filler(words, secrets.token_hex(8))
+                    try:
+                        c = await probe_once(s, url, model, prompt, max_tokens)
+                        break
+                    except PromptTooLong:
+                        if shrink == 3:
+                            raise
+                        words = max(1, int(words * 0.98) - LIMIT_MARGIN)
                 w = await probe_once(s, url, model, prompt, max_tokens)
                 cold = c if cold is None or c.seconds < cold.seconds else cold
                 warm = w if warm is None or w.seconds < warm.seconds else warm

@@ -15,13 +15,25 @@ from ramjet.sidecar.scrape import LoadScraper, parse_metrics
 OVERHEAD, PER_TOKEN, REPLAY, DECODE = 0.05, 2e-4, 0.05, 0.004
 
 
-async def _fake_engine() -> tuple[web.AppRunner, str]:
+async def _fake_engine(
+    max_len: int | None = None, long_extra: int = 0
+) -> tuple[web.AppRunner, str]:
+    """`max_len`: the engine's context (served by /v1/models; longer prompts get vLLM's
+    400); `long_extra`: tokens a prompt of over 100 words has beyond one per word (a
+    tokenizer the probe's linear words-to-tokens estimate gets wrong at length)."""
     seen: set[str] = set()
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": max_len}]})
 
     async def completions(request: web.Request) -> web.Response:
         body = await request.json()
         prompt, max_tokens = body["prompt"], body["max_tokens"]
         n = len(prompt.split())
+        n += long_extra if n > 100 else 0
+        if max_len is not None and n > max_len:
+            msg = f"This model's maximum context length is {max_len} tokens. However, your prompt contains at least {n} input tokens"
+            return web.json_response({"error": {"message": msg}}, status=400)
         cached = (n // 16) * 16 if prompt in seen else 0
         seen.add(prompt)
         delay = OVERHEAD + PER_TOKEN * (n - cached) + (REPLAY if cached else 0.0)
@@ -33,6 +45,8 @@ async def _fake_engine() -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    if max_len is not None:
+        app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -63,6 +77,19 @@ async def test_probe_recovers_the_engines_costs() -> None:
     assert prof.replay_floor_s == pytest.approx(REPLAY, rel=0.35)
     assert prof.decode_step_s == pytest.approx(DECODE * 15 / 16, abs=0.002)
     assert prof.global_kv_bytes_per_token == 1000.0
+
+
+@pytest.mark.timeout(30)
+async def test_a_probe_prompt_over_the_limit_is_retried_shorter() -> None:
+    # sized at the limit from a short calibration, the longest prompt comes out 30 tokens
+    # over (the engine refuses it with a 400); the probe shortens it and measures it
+    runner, url = await _fake_engine(max_len=300, long_extra=30)
+    try:
+        prof = await probe_profile(url, "m", repeats=1, global_kv_bytes_per_token=1.0)
+    finally:
+        await runner.cleanup()
+    last = prof.prefill_curve[-1].context_tokens
+    assert 0 < last < 300
 
 
 async def test_probe_refuses_bad_sizes() -> None:
