@@ -25,8 +25,9 @@ catch what they caught. The groups are new: nothing caught them before.
     │   ├── UpstreamConnectError (OSError)   ramjet.proxy.transport: no connection
     │   └── UpstreamClosed (OSError)         ramjet.proxy.transport: closed, broken, not HTTP
     ├── RedisUnavailable                   ramjet.residency.redis_link: fail open to local state
-    └── WireError (ValueError)             ramjet.sidecar.wire: an engine event not decodable
-        └── UnknownEventType
+    ├── WireError (ValueError)             ramjet.sidecar.wire: an engine event not decodable
+    │   └── UnknownEventType
+    └── PromptTooLong (RuntimeError)       ramjet.sidecar.probe: a probe prompt over the context
 
 A new public exception goes under the group it belongs to (or the root), and into this
 drawing; `tests/ramjet/test_errors.py` imports every module and fails on one that is not

@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 
+from ramjet.errors import RamjetError
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 
 DEFAULT_SIZES = (256, 1024, 4096, 16384, 65536, 131072)
@@ -49,7 +50,7 @@ LIMIT_MARGIN = 16
 """Tokens kept free below the engine's limit (the generated token, rounding)."""
 
 
-class PromptTooLong(RuntimeError):
+class PromptTooLong(RamjetError, RuntimeError):
     """The engine refused a probe prompt as longer than its context (HTTP 400 naming the
     context length, as vLLM and SGLang word it)."""
 
