@@ -27,7 +27,7 @@ from typing import Any
 
 from engines import free_port
 from sidecars import SidecarProcess, router_blocks
-from vllm_engines import BATCH_TOKENS, BLOCK, MODEL, RawEvents, VllmEngine, VllmEnv
+from vllm_engines import BATCH_TOKENS, BLOCK, MODEL, RawEvents, VllmEngine, VllmEnv, post_json
 
 from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
@@ -174,3 +174,22 @@ keys:
 
 def chat_body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0, **extra}
+
+
+def predicted_cached(record: DecisionRecord) -> int:
+    """The candidate's predicted HBM hit on the engine that served `record`, capped as
+    vLLM caps a hit (it always computes the last prompt token: at most (n-1)//B blocks)."""
+    assert record.candidate is not None and record.engine is not None, record
+    comp = record.candidate.components[record.engine]
+    cap = (record.prompt_tokens - 1) // BLOCK * BLOCK
+    return min(int(comp["hbm_tokens"]), cap)
+
+
+async def reset(stack: Stack, eid: str) -> dict[str, Any]:
+    """`POST /reset_prefix_cache` through engine `eid`'s sidecar; its answer."""
+    status, data = await asyncio.to_thread(
+        post_json, stack.sidecars[eid].url + "/reset_prefix_cache", {}
+    )
+    assert status == 200, data
+    out: dict[str, Any] = data
+    return out

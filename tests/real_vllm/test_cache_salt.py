@@ -19,10 +19,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from test_cached_tokens import predicted_cached
-from test_residency import reset
 from vllm_engines import BLOCK
-from vllm_stack import Stack, chat_body
+from vllm_stack import Stack, chat_body, predicted_cached, reset
 
 from ramjet.app.server import RouterServer
 

@@ -18,20 +18,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from vllm_engines import BLOCK
-from vllm_stack import Stack, chat_body
+from vllm_stack import Stack, chat_body, predicted_cached
 
 from ramjet.app.server import RouterServer
-from ramjet.decisions.record import DecisionRecord
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def predicted_cached(record: DecisionRecord) -> int:
-    assert record.candidate is not None and record.engine is not None, record
-    comp = record.candidate.components[record.engine]
-    cap = (record.prompt_tokens - 1) // BLOCK * BLOCK
-    return min(int(comp["hbm_tokens"]), cap)
 
 
 def system_prompt(nonce: str) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 from vllm_engines import MODEL, post_json
-from vllm_stack import Stack, chat_body, router_blocks
+from vllm_stack import Stack, chat_body, reset, router_blocks
 
 from ramjet.app.server import RouterServer
 from ramjet.keys.tokens import token_key_seed
@@ -29,15 +29,6 @@ SEED = token_key_seed(MODEL)
 def document(n: int, nonce: str) -> list[dict[str, Any]]:
     text = " ".join(f"document {n} line {i}: the cache keeps what was computed." for i in range(22))
     return [{"role": "user", "content": f"[{nonce}] {text}"}]
-
-
-async def reset(stack: Stack, eid: str) -> dict[str, Any]:
-    status, data = await asyncio.to_thread(
-        post_json, stack.sidecars[eid].url + "/reset_prefix_cache", {}
-    )
-    assert status == 200, data
-    out: dict[str, Any] = data
-    return out
 
 
 async def test_small_cache_through_evictions_and_full_reports(
