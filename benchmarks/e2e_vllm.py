@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -273,13 +274,12 @@ async def run_smg(tmp: Path, sessions: list[list[Turn]], system: str, bt: int) -
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
-            try:
+            status = 0
+            with contextlib.suppress(OSError):  # SMG not listening yet: poll until the deadline
                 status, _ = await asyncio.to_thread(post_json, url + "/v1/completions",
                                                     {"model": MODEL, "prompt": "hi", "max_tokens": 1})  # fmt: skip
-                if status == 200:
-                    break
-            except OSError:  # SMG not listening yet: poll again until the deadline
-                pass
+            if status == 200:
+                break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise BenchError(f"smg did not start: {(tmp / 'smg.log').read_text()[-2000:]}")
             await asyncio.sleep(0.5)

@@ -20,13 +20,13 @@ from pathlib import Path
 from ramjet.config import FleetStatsConfig, PolicyFileError, load_policy
 from simulations import compare
 from simulations import plan as planner
-from simulations.bounds import floor, srpt_merged
+from simulations.bounds import Floor, floor, srpt_merged
 from simulations.breakdown import breakdown
 from simulations.checks import REPLAY, Replay, beaten, saturated, violations, with_oracle
 from simulations.lineup import ENTRANTS, resolve, variant
-from simulations.preset import PRESETS, engine_spec
+from simulations.preset import PRESETS, EngineSpec, engine_spec
 from simulations.report import markdown, plot, table, write_csv
-from simulations.sessions import SessionPlan, closed_loop_plan, scale_for_load, scaled
+from simulations.sessions import ClosedLoop, SessionPlan, closed_loop_plan, scale_for_load, scaled
 from simulations.simulator import Simulation
 from simulations.summary import Row, bound_row, summarize
 from simulations.workload import Request, TraceError, load_trace, replicate, scale_rate
@@ -86,6 +86,59 @@ def closed_loop_wanted(mode: str, reqs: list[Request]) -> bool:
     if mode == "auto":
         return bool(reqs) and all(r.session is not None and r.turn is not None for r in reqs)
     return mode == "on"
+
+
+def checked_rows(
+    rows: list[Row],
+    scale: float,
+    run_reqs: list[Request],
+    spec: EngineSpec,
+    *,
+    decisions: dict[str, list[int]],
+    block_tokens: int,
+    engines: int,
+    floor_: Floor,
+    ttft_target_s: float,
+    load: float,
+    fleet_stats: FleetStatsConfig,
+    loop: ClosedLoop | None,
+    progress: Progress | None = None,
+) -> list[Row]:
+    """The rows that bound `rows` at `scale`: each policy that beats every oracle routing
+    replayed on one shared cache (its own decisions: the oracle must bound it too), then
+    `bound:alone`, and for open-loop arrivals `bound:srpt_merged_2x`. `decisions`: each
+    policy's chosen engine per request at this scale. With `with_oracle` and
+    `violations` this is the check every results table passes (`simulations run`,
+    `simulations.probes`)."""
+    out: list[Row] = []
+    for name in beaten(rows, scale):  # a policy below every oracle: replay it shared
+        if progress is not None:
+            progress.label = f"{REPLAY}{name} x{scale:g}"
+        sim = Simulation(
+            run_reqs,
+            spec,
+            Replay(name, decisions[name]),
+            block_tokens=block_tokens,
+            engines=engines,
+            shared_cache=True,
+            progress=progress,
+            fleet_stats=fleet_stats,
+            loop=loop,
+        )
+        res = sim.run()
+        out.append(
+            summarize(
+                REPLAY + name, scale, run_reqs, res, floor_.tokens, ttft_target_s, load,
+                floor_.work_s,
+            )
+        )  # fmt: skip
+    out.append(bound_row("bound:alone", scale, floor_.work_s, floor_.tokens, ttft_target_s, load))
+    if loop is None:  # SRPT over fixed arrivals: no bound when arrivals depend on service
+        srpt = srpt_merged(run_reqs, floor_.work_s)
+        out.append(
+            bound_row("bound:srpt_merged_2x", scale, srpt, floor_.tokens, ttft_target_s, load)
+        )
+    return out
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -197,31 +250,21 @@ def cmd_run(a: argparse.Namespace) -> int:
                     ent.name, scale, run_reqs, out, fl.tokens, a.ttft_target_s, load, fl.work_s
                 )
             )
-        for name in beaten(rows, scale):  # a policy below every oracle: replay it shared
-            progress.label = f"{REPLAY}{name} x{scale:g}"
-            sim = Simulation(
-                run_reqs,
-                spec,
-                Replay(name, decisions[(name, scale)]),
-                block_tokens=block,
-                engines=a.engines,
-                shared_cache=True,
-                progress=progress,
-                fleet_stats=fleet_cfg,
-                loop=plan.loop if plan is not None else None,
-            )
-            out = sim.run()
-            rows.append(
-                summarize(
-                    REPLAY + name, scale, run_reqs, out, fl.tokens, a.ttft_target_s, load, fl.work_s
-                )
-            )
-        rows.append(bound_row("bound:alone", scale, fl.work_s, fl.tokens, a.ttft_target_s, load))
-        if plan is None:  # SRPT over fixed arrivals: no bound when arrivals depend on service
-            srpt = srpt_merged(run_reqs, fl.work_s)
-            rows.append(
-                bound_row("bound:srpt_merged_2x", scale, srpt, fl.tokens, a.ttft_target_s, load)
-            )
+        rows += checked_rows(
+            rows,
+            scale,
+            run_reqs,
+            spec,
+            decisions={n: d for (n, x), d in decisions.items() if x == scale},
+            block_tokens=block,
+            engines=a.engines,
+            floor_=fl,
+            ttft_target_s=a.ttft_target_s,
+            load=load,
+            fleet_stats=fleet_cfg,
+            loop=plan.loop if plan is not None else None,
+            progress=progress,
+        )
     progress.close()
     rows = with_oracle(rows)
     elapsed = time.perf_counter() - t0

@@ -45,13 +45,14 @@ from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, Ro
 from ramjet.policy.cost import EngineEstimate
 from ramjet.policy.tier_aware import TierAware
 from ramjet.types import EngineId
-from simulations.__main__ import closed_loop_wanted
+from simulations.__main__ import checked_rows, closed_loop_wanted
 from simulations.bounds import floor
+from simulations.checks import violations, with_oracle
 from simulations.lineup import ENTRANTS, Entrant, variant
 from simulations.preset import engine_spec
 from simulations.sessions import closed_loop_plan, scale_for_load, scaled
 from simulations.simulator import Knowledge, Simulation
-from simulations.summary import summarize
+from simulations.summary import Row, summarize
 from simulations.workload import Request, TraceError, load_trace, scale_rate
 
 IDLE_CYCLES = 3.0
@@ -226,10 +227,12 @@ def probe(spec: str) -> Maker:
         if len(parts) == 4 and parts[:2] == ["place", "future"]:
             weight, horizon = float(parts[2]), int(parts[3])
             return lambda seed, fut: Placement(spec, "future", weight, fut, horizon)
-    except ValueError:
-        pass
+    except ValueError as exc:  # a number that does not parse: the same error, with why
+        why = f": {exc}"
+    else:
+        why = ""
     raise ValueError(
-        f"unknown probe {spec!r} (first:hash, place:count|rate:W, place:future:W:H, ext:busy)"
+        f"unknown probe {spec!r} (first:hash, place:count|rate:W, place:future:W:H, ext:busy)" + why
     )
 
 
@@ -271,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     spec = engine_spec()
+    problems: list[str] = []
     figures: dict[str, list[tuple[float, float, float]]] = {n: [] for n, _ in lineup}
     for seed in seeds:
         try:
@@ -290,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             scale = round(a.load * a.engines * span / sum(fl.work_s), 4)
             run_reqs = scale_rate(reqs, scale)
         fut = future_work(run_reqs, fl.work_s)
+        rows: list[Row] = []
+        decisions: dict[str, list[int]] = {}
         for name, make in lineup:
             knowledge, shared = flags[name]
             sim = Simulation(
@@ -303,19 +309,43 @@ def main(argv: list[str] | None = None) -> int:
                 fleet_stats=FleetStatsConfig(),
                 loop=loop,
             )
-            row = summarize(name, scale, run_reqs, sim.run(), fl.tokens, 2.0, a.load, fl.work_s)
+            out = sim.run()
+            decisions[name] = out.engine
+            row = summarize(name, scale, run_reqs, out, fl.tokens, 2.0, a.load, fl.work_s)
+            rows.append(row)
             figures[name].append((row.ttft_mean_s, row.ttft_p99_s, row.floor_ratio))
             print(
                 f"seed {seed} {name:26s} mean {row.ttft_mean_s:.4f} p99 {row.ttft_p99_s:.3f} "
                 f"prefill/floor {row.floor_ratio:.3f}",
                 flush=True,
             )
+        rows += checked_rows(
+            rows,
+            scale,
+            run_reqs,
+            spec,
+            decisions=decisions,
+            block_tokens=block,
+            engines=a.engines,
+            floor_=fl,
+            ttft_target_s=2.0,
+            load=a.load,
+            fleet_stats=FleetStatsConfig(),
+            loop=loop,
+        )
+        problems += [f"seed {seed}: {v}" for v in violations(with_oracle(rows))]
     base = figures.get("tier_aware")
     print(f"\nload {a.load:g}, mean over seeds {a.seeds}:")
     for name, runs in figures.items():
         mean, p99, fl_ratio = (statistics.mean(r[i] for r in runs) for i in range(3))
         rel = f"  {mean / statistics.mean(r[0] for r in base):.3f}x tier_aware" if base else ""
         print(f"{name:26s} mean {mean:.4f}  p99 {p99:.3f}  prefill/floor {fl_ratio:.3f}{rel}")
+    if problems:  # as `simulations run`: a run where a policy beats a bound has failed
+        print("FAILED: a policy beats the oracle or a strict bound:", file=sys.stderr)
+        for line in problems:
+            print(f"  {line}", file=sys.stderr)
+        return 3
+    print("self-check: no policy beats the oracle (with replays) or a strict bound in any seed")
     return 0
 
 
