@@ -50,7 +50,7 @@ def read_rows(path: str | Path) -> list[Row]:
     return out
 
 
-def _is_peer(name: str, mode: str) -> bool:
+def is_peer(name: str, mode: str) -> bool:
     if name.startswith(("tier_aware", "oracle", "bound:")) or name == "prefix_affinity":
         return False
     if ":" not in name:
@@ -67,7 +67,7 @@ def peer_ratios(rows: Sequence[Row], policy: str = "tier_aware") -> list[PeerRat
         if mine is None:
             continue
         for mode in ("exact", "real"):
-            peers = [r for r in these if _is_peer(r.policy, mode)]
+            peers = [r for r in these if is_peer(r.policy, mode)]
             if not peers:
                 continue
             bm = min(peers, key=lambda r: r.ttft_mean_s)

@@ -25,6 +25,19 @@ and one probe of the move price, on every turn:
   backlog x clears in x / (1 − ρ)), S_e = r's work plus the fixed per-job cost, λ_e =
   λ / engines, ρ_e the engine time the policy has sent to e per second (EWMA, 10 s;
   1 − ρ_e at least 0.05).
+- `ext:social:W`: the same, pricing W times r's own work (work + fixed cost) as well as
+  Δ_e, by the arrivals at e itself (λ_e: the requests the policy sent to e per second,
+  EWMA, 10 s): r's own work also delays the later arrivals of the engine it joins, and
+  fewer of them on the emptier engine. W = 1 is the full social cost of r's work.
+
+`--cross` replays each routing's decisions, request by request, on the other cache
+model: a policy's on one shared cache (`oracle:as:NAME`: what the shared cache alone
+would give that routing) and each oracle routing's on the partitioned caches
+(`partitioned:as:NAME`: what its moves cost once each pays its recompute). `--goal P`
+prints issue 17's goal figures for P on the seeds' means: ÷ the best peer's mean and
+p99 (peers as `simulations compare` counts them), prefill ÷ floor, ÷ the oracle (each
+seed's best oracle routing or replay), and the oracle ÷ the best peer: the least ratio
+any router the oracle bounds can reach.
 
 A session is active until it has not been seen for 3 of its inter-turn times. The
 probes keep their state inside `pick`, as the policy contract allows.
@@ -46,11 +59,12 @@ from ramjet.policy.cost import EngineEstimate
 from ramjet.policy.tier_aware import TierAware
 from ramjet.types import EngineId
 from simulations.__main__ import checked_rows, closed_loop_wanted
-from simulations.bounds import floor
-from simulations.checks import violations, with_oracle
+from simulations.bounds import Floor, floor
+from simulations.checks import REPLAY, Replay, violations, with_oracle
+from simulations.compare import is_peer
 from simulations.lineup import ENTRANTS, Entrant, variant
-from simulations.preset import engine_spec
-from simulations.sessions import closed_loop_plan, scale_for_load, scaled
+from simulations.preset import EngineSpec, engine_spec
+from simulations.sessions import ClosedLoop, closed_loop_plan, scale_for_load, scaled
 from simulations.simulator import Knowledge, Simulation
 from simulations.summary import Row, summarize
 from simulations.workload import Request, TraceError, load_trace, scale_rate
@@ -161,10 +175,13 @@ class Placement(TierAware):
 class BusyPeriod(TierAware):
     """`tier_aware` with the busy-period externality (`ext:busy`, module docstring)."""
 
-    def __init__(self, name: str, tau_s: float = 10.0, slack: float = 0.05) -> None:
+    def __init__(
+        self, name: str, tau_s: float = 10.0, slack: float = 0.05, own: float = 0.0
+    ) -> None:
         super().__init__(name=name)
-        self.tau_s, self.slack = tau_s, slack
+        self.tau_s, self.slack, self.own = tau_s, slack, own
         self.rho: dict[EngineId, float] = {}
+        self.lam: dict[EngineId, float] = {}
         self._last_s = 0.0
         self._fixed_s = 0.0
 
@@ -175,6 +192,7 @@ class BusyPeriod(TierAware):
         if fleet.now_s > self._last_s:
             decay = math.exp(-(fleet.now_s - self._last_s) / self.tau_s)
             self.rho = {e: v * decay for e, v in self.rho.items()}
+            self.lam = {e: v * decay for e, v in self.lam.items()}
             self._last_s = fleet.now_s
         p = next((e.profile for e in engines if e.profile), None) or self.params.default_profile
         self._fixed_s = p.prefill_overhead_s + p.decode_step_s
@@ -183,7 +201,9 @@ class BusyPeriod(TierAware):
         for s in ests:
             idle = max(1.0 - self.rho.get(s.engine, 0.0), self.slack)
             backlog = s.wait_s + s.work.work_s + self._fixed_s
-            out.append(replace(s, externality_s=s.delta_s * lam * backlog / idle))
+            lam_e = self.lam.get(s.engine, 0.0) if self.own > 0 else lam
+            priced = s.delta_s + self.own * (s.work.work_s + self._fixed_s)
+            out.append(replace(s, externality_s=priced * lam_e * backlog / idle))
         return out
 
     def pick(
@@ -192,6 +212,7 @@ class BusyPeriod(TierAware):
         decision = super().pick(request, engines, fleet)
         sent = decision.components[decision.engine]["work_s"] + self._fixed_s
         self.rho[decision.engine] = self.rho.get(decision.engine, 0.0) + sent / self.tau_s
+        self.lam[decision.engine] = self.lam.get(decision.engine, 0.0) + 1.0 / self.tau_s
         return decision
 
 
@@ -219,6 +240,9 @@ def probe(spec: str) -> Maker:
         return lambda seed, fut: BusyPeriod(spec)
     parts = spec.split(":")
     try:
+        if len(parts) == 3 and parts[:2] == ["ext", "social"]:
+            own = float(parts[2])
+            return lambda seed, fut: BusyPeriod(spec, own=own)
         if parts == ["first", "hash"]:
             return lambda seed, fut: Placement(spec, "hash", 0.0)
         if len(parts) == 3 and parts[0] == "place" and parts[1] in ("count", "rate"):
@@ -236,6 +260,90 @@ def probe(spec: str) -> Maker:
     )
 
 
+def cross_rows(
+    rows: Sequence[Row],
+    lineup: Sequence[tuple[str, Maker]],
+    flags: Mapping[str, tuple[Knowledge, bool]],
+    decisions: Mapping[str, list[int]],
+    run_reqs: list[Request],
+    spec: EngineSpec,
+    block: int,
+    engines: int,
+    loop: ClosedLoop | None,
+    fl: Floor,
+    scale: float,
+    load: float,
+    figures: dict[str, list[tuple[float, float, float]]],
+) -> list[Row]:
+    """`--cross`: each routing's decisions, request by request, on the other cache model.
+    A policy's decisions on one shared cache (`oracle:as:NAME`) show what the shared cache
+    alone gives that routing; an oracle routing's decisions on the partitioned caches
+    (`partitioned:as:NAME`) show what its moves would cost if each paid its recompute."""
+    out: list[Row] = []
+    have = {r.policy for r in rows}
+    for name, _ in lineup:
+        shared = flags[name][1]
+        label = ("partitioned:as:" if shared else REPLAY) + name
+        if label in have:
+            continue
+        sim = Simulation(
+            run_reqs,
+            spec,
+            Replay(name, decisions[name]),
+            block_tokens=block,
+            engines=engines,
+            shared_cache=not shared,
+            fleet_stats=FleetStatsConfig(),
+            loop=loop,
+        )
+        row = summarize(label, scale, run_reqs, sim.run(), fl.tokens, 2.0, load, fl.work_s)
+        out.append(row)
+        figures.setdefault(label, []).append((row.ttft_mean_s, row.ttft_p99_s, row.floor_ratio))
+        print(
+            f"  {label:26s} mean {row.ttft_mean_s:.4f} p99 {row.ttft_p99_s:.3f} "
+            f"prefill/floor {row.floor_ratio:.3f}",
+            flush=True,
+        )
+    return out
+
+
+Runs = Sequence[tuple[float, float, float]]
+
+
+def goal_lines(policy: str, figures: Mapping[str, Runs], oracle: Runs, load: float) -> str:
+    """The goal table's rows for `policy` (mean over seeds of mean TTFT, p99, prefill /
+    floor): against the best peer by mean and by p99 in each knowledge mode
+    (`simulations.compare`'s peers), ÷ the oracle (each seed's best oracle routing), and
+    the oracle ÷ the best peer, the least ratio any router the oracle bounds can have."""
+    if policy not in figures:
+        raise ValueError(f"--goal {policy!r} is not in the lineup")
+
+    def avg(runs: Runs, i: int) -> float:
+        return statistics.mean(r[i] for r in runs)
+
+    mine = figures[policy]
+    lines = [
+        f"\ngoal, {policy}, load {load:g} (means over seeds):",
+        "| load | peers | best mean peer | mean ratio | best p99 peer | p99 ratio "
+        "| prefill / floor | ÷ oracle | oracle ÷ best peer (mean, p99) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("exact", "real"):
+        peers = {n: r for n, r in figures.items() if is_peer(n, mode) and ":as:" not in n}
+        if not peers:
+            continue
+        bm = min(peers, key=lambda n: avg(peers[n], 0))
+        bp = min(peers, key=lambda n: avg(peers[n], 1))
+        om, op = (avg(oracle, i) if oracle else math.nan for i in (0, 1))
+        lines.append(
+            f"| {load:.0%} | {mode} | {bm} | {avg(mine, 0) / avg(peers[bm], 0):.3f} | {bp} "
+            f"| {avg(mine, 1) / avg(peers[bp], 1):.3f} | {avg(mine, 2):.3f} "
+            f"| {avg(mine, 0) / om:.3f} | {om / avg(peers[bm], 0):.3f}, "
+            f"{op / avg(peers[bp], 1):.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m simulations.probes", description=__doc__)
     p.add_argument("--trace", required=True)
@@ -249,6 +357,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fanout", type=int, default=1)
     p.add_argument("--seeds", default="0,1,2,3")
     p.add_argument("--engines", type=int, default=2)
+    p.add_argument(
+        "--goal",
+        metavar="POLICY[,POLICY]",
+        help="print each POLICY against the best peer on the seeds' means (issue 17's goal): "
+        "mean and p99 ratios, prefill / floor, ÷ oracle, and the oracle ÷ the best peer",
+    )
+    p.add_argument(
+        "--cross",
+        action="store_true",
+        help="also replay each policy's decisions on one shared cache (oracle:as:NAME) and "
+        "each oracle routing's on the partitioned caches (partitioned:as:NAME)",
+    )
     a = p.parse_args(argv)
     try:
         seeds = [int(x) for x in a.seeds.split(",")]
@@ -270,11 +390,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{name!r} named twice")
             lineup.append((name, probe(name)))
             flags[name] = (ENTRANTS["tier_aware"].knowledge, False)
+        goals = [n.strip() for n in (a.goal or "").split(",") if n.strip()]
+        for name in goals:
+            if name not in flags:
+                raise ValueError(f"--goal {name!r} is not in the lineup")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     spec = engine_spec()
     problems: list[str] = []
+    oracle_runs: list[tuple[float, float, float]] = []
     figures: dict[str, list[tuple[float, float, float]]] = {n: [] for n, _ in lineup}
     for seed in seeds:
         try:
@@ -319,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"prefill/floor {row.floor_ratio:.3f}",
                 flush=True,
             )
+        if a.cross:
+            rows += cross_rows(
+                rows, lineup, flags, decisions, run_reqs, spec, block, a.engines, loop, fl,
+                scale, a.load, figures,
+            )  # fmt: skip
         rows += checked_rows(
             rows,
             scale,
@@ -333,13 +463,19 @@ def main(argv: list[str] | None = None) -> int:
             fleet_stats=FleetStatsConfig(),
             loop=loop,
         )
-        problems += [f"seed {seed}: {v}" for v in violations(with_oracle(rows))]
+        bounded = with_oracle(rows)
+        problems += [f"seed {seed}: {v}" for v in violations(bounded)]
+        best = next((r for r in bounded if r.policy == "oracle"), None)
+        if best is not None:  # the per-seed oracle: the best oracle routing or replay
+            oracle_runs.append((best.ttft_mean_s, best.ttft_p99_s, best.floor_ratio))
     base = figures.get("tier_aware")
     print(f"\nload {a.load:g}, mean over seeds {a.seeds}:")
     for name, runs in figures.items():
         mean, p99, fl_ratio = (statistics.mean(r[i] for r in runs) for i in range(3))
         rel = f"  {mean / statistics.mean(r[0] for r in base):.3f}x tier_aware" if base else ""
         print(f"{name:26s} mean {mean:.4f}  p99 {p99:.3f}  prefill/floor {fl_ratio:.3f}{rel}")
+    for name in goals:
+        print(goal_lines(name, figures, oracle_runs, a.load))
     if problems:  # as `simulations run`: a run where a policy beats a bound has failed
         print("FAILED: a policy beats the oracle or a strict bound:", file=sys.stderr)
         for line in problems:

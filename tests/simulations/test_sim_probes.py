@@ -130,3 +130,57 @@ def test_probe_runs_match_simulations_run_seed_by_seed(
     line = next(x for x in summary.splitlines() if x.startswith("tier_aware "))
     assert f"mean {sum(means) / 2:.4f}" in line
     assert line.endswith("1.000x tier_aware")
+
+
+def test_social_externality_prices_own_work_by_the_engines_own_arrivals() -> None:
+    """`ext:social:W`: (Δ + W·(work + fixed)) · λ_e · backlog / (1 − ρ_e), with λ_e the
+    requests this policy sent to e per second (EWMA), not the fleet's λ split evenly."""
+    p = probe("ext:social:0.5")(0, {})
+    assert isinstance(p, BusyPeriod) and p.own == 0.5
+    fleet = FleetStats(now_s=1.0, arrival_rate_per_s=20.0, mean_wait_s=0.2)
+    views = [engine("e0", hbm=4096, queued=4096), engine("e1", queued=1024)]
+    # nothing sent yet: no engine has arrivals, so nothing is delayed and the pick is selfish
+    d = p.pick(request(8192, session="a"), views, fleet)
+    assert all(c["externality_s"] == 0.0 for c in d.components.values())
+    assert p.lam == {d.engine: pytest.approx(1.0 / p.tau_s)}
+    prof = p.params.default_profile
+    fixed = prof.prefill_overhead_s + prof.decode_step_s
+    lam, rho = dict(p.lam), dict(p.rho)  # as the next pick (same instant: no decay) reads them
+    d = p.pick(request(8192, session="b"), views, FleetStats(now_s=1.0))
+    for e, c in d.components.items():
+        backlog = c["wait_s"] + c["work_s"] + fixed
+        priced = c["delta_s"] + 0.5 * (c["work_s"] + fixed)
+        want = priced * lam.get(e, 0.0) * backlog / (1 - rho.get(e, 0.0))
+        assert c["externality_s"] == pytest.approx(want)
+    assert max(c["externality_s"] for c in d.components.values()) > 0
+    with pytest.raises(ValueError, match="unknown probe"):
+        probe("ext:social:x")
+
+
+def test_cross_replays_and_the_goal_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--cross`: a policy's decisions on one shared cache prefill the floor (no fan-out),
+    an oracle routing's decisions on the partitioned caches pay for their moves. `--goal`
+    divides the seeds' means as printed."""
+    argv = ["--trace", str(TRACE), "--sessions", "12", "--load", "0.6", "--seeds", "0,1"]
+    argv += ["--policies", "tier_aware,session_hash,round_robin,oracle:tier_aware"]
+    assert probes.main([*argv, "--cross", "--goal", "tier_aware"]) == 0
+    out = capsys.readouterr().out
+    summary = out.split("mean over seeds", 1)[1]
+
+    def fig(name: str) -> tuple[float, float, float]:
+        line = next(x for x in summary.splitlines() if x.startswith(name + " "))
+        parts = line.split()
+        return float(parts[2]), float(parts[4]), float(parts[6])
+
+    assert fig("oracle:as:tier_aware")[2] == pytest.approx(1.0, abs=1e-3)
+    assert fig("oracle:as:session_hash")[2] == pytest.approx(1.0, abs=1e-3)
+    assert fig("partitioned:as:oracle:tier_aware")[2] > fig("oracle:tier_aware")[2] + 0.01
+    goal = next(x for x in out.splitlines() if x.startswith("| 60% | exact |"))
+    cells = [c.strip() for c in goal.strip("|").split("|")]
+    mine, peers = fig("tier_aware"), {n: fig(n) for n in ("session_hash", "round_robin")}
+    best = min(peers, key=lambda n: peers[n][0])
+    assert cells[2] == best
+    assert float(cells[3]) == pytest.approx(mine[0] / peers[best][0], abs=2e-3)
+    assert float(cells[6]) == pytest.approx(mine[2], abs=2e-3)
+    assert probes.main([*argv, "--goal", "nobody"]) == 2
+    assert "not in the lineup" in capsys.readouterr().err
