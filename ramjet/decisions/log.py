@@ -31,8 +31,9 @@ returns at once; a daemon thread builds the JSON line (encoded by msgspec, UTF-8
 9x faster than the standard library's encoder on these lines; a non-finite figure is
 written as null) and appends it, rotating when the
 file would pass `max_bytes` (`path` → `path.1` → ... → `path.<backups>`, the oldest
-dropped; `backups: 0` truncates). A full queue drops the record and counts it: the
-request path never waits for the disk.
+dropped; `backups: 0` truncates). With `queue_size` records accepted and not yet
+written, a new one is dropped and counted: the request path never waits for the disk. The
+queue is a C-level `queue.SimpleQueue` and `submit` takes no lock.
 """
 
 from __future__ import annotations
@@ -141,6 +142,11 @@ def parse_realized(tail: bytes) -> RealizedWork | None:
 
 
 def _round(v: float) -> float:
+    """`v` to 6 significant digits (as `float(f"{v:.6g}")`). A whole float under 10**6 is
+    already that, and about half of a line's figures are (token counts, flags): they skip
+    the formatting (0.07 us instead of 0.32)."""
+    if type(v) is float and -1e6 < v < 1e6 and v.is_integer():
+        return v
     return float(f"{v:.6g}")
 
 
@@ -278,29 +284,32 @@ class DecisionLog:
         self.file = RotatingFile(path, max_bytes, backups)
         self.dropped = 0
         self.written = 0
-        self._q: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        # C-level queue (no Python lock or condition per put); the bound is the count of
+        # records accepted and not yet written or given up (`_accepted - _done`).
+        self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._on_written = on_written
         self._on_dropped = on_dropped
         self._on_rotated = on_rotated
-        self._pending = 0
+        self._accepted = 0
+        """Records accepted by `submit` (changed on the submitting thread only)."""
+        self._done = 0
+        """Of those, written or lost to a write error (changed by the writer, under _cv)."""
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ramjet-decision-log", daemon=True)
         self._thread.start()
 
     def submit(self, record: DecisionRecord, realized: RealizedWork | None) -> bool:
-        """Queue one record; False (and counted) if the queue is full. Never blocks."""
-        with self._cv:
-            self._pending += 1
-        try:
-            self._q.put_nowait((record, realized))
-        except queue.Full:
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
+        """Queue one record; False (and counted) when `queue_size` records are already
+        accepted and not yet written. Never blocks, takes no lock. Called from one thread
+        (the router's event loop)."""
+        if self._accepted - self._done >= self.queue_size:
             self.dropped += 1
             if self._on_dropped is not None:
                 self._on_dropped()
             return False
+        self._accepted += 1
+        self._q.put((record, realized))
         return True
 
     def _write_batch(self, items: list[Item]) -> None:
@@ -337,7 +346,7 @@ class DecisionLog:
                 log.exception("decision log write failed; %d records lost", len(batch))
             finally:
                 with self._cv:
-                    self._pending -= len(batch)
+                    self._done += len(batch)
                     self._cv.notify_all()
         self.file.close()
 
@@ -350,14 +359,14 @@ class DecisionLog:
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every submitted record is written; False on timeout."""
+        target = self._accepted
         with self._cv:
-            return self._cv.wait_for(lambda: self._pending <= 0, timeout=timeout_s)
+            return self._cv.wait_for(lambda: self._done >= target, timeout=timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued, then stop the thread and close the file."""
         self.flush(timeout_s)
-        with contextlib.suppress(queue.Full):
-            self._q.put(_STOP, timeout=timeout_s)
+        self._q.put(_STOP)
         self._thread.join(timeout_s)
 
 
