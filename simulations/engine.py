@@ -47,7 +47,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from ramjet.policy.base import GlobalMatch
+from ramjet.policy.base import GlobalMatch, KeyedQueue
 from ramjet.policy.cost import prompt_work
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.types import EngineId, PrefixKey
@@ -153,6 +153,16 @@ class Engine:
     @property
     def waiting(self) -> int:
         return len(self.heap) if self.priority else len(self.fifo)
+
+    def keyed_queue(self) -> KeyedQueue:
+        """A priority engine's queue as the cost model's priority-aware wait reads it
+        (`FleetStats.keyed`): each job's key and predicted tokens left; the job in
+        prefill is the started one."""
+        entries = [(j.key, j.predicted_new, False) for _, _, j in self.heap]
+        cur = self.current
+        if cur is not None:
+            entries.append((cur.key, cur.predicted_new, True))
+        return KeyedQueue(self.spec.aging, self.spec.horizon_s, self.preempt, tuple(entries))
 
     def submit(self, job: Job, now: float) -> None:
         pending = self.pending

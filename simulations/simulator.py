@@ -11,8 +11,10 @@ HBM utilization; residency from the `Knowledge` in use; the engine's profile; tr
 EXACT), and `FleetStats` from `ramjet.policy.fleet_stats.FleetEstimators`, the router's
 own estimators with the router's time constants (`FleetStatsConfig`, the policy file's
 `fleet_stats:` section): λ from every arrival, W from every request's wait before its
-prefill started, sampled when it starts. Then it calls `policy.pick` and enqueues the
-request on the engine it names.
+prefill started, sampled when it starts. With `keyed_wait` on a priority scheduler,
+`FleetStats.keyed` also holds each engine's queue by key (`Engine.keyed_queue`), as the
+router's does for a pool in mode `on`, so the cost model prices waits as the engine will
+serve them. Then it calls `policy.pick` and enqueues the request on the engine it names.
 
 Knowledge (what residency the policy sees): "exact" (the caches), "hbm_only",
 "routed" (a `RoutedIndex` per engine fed by this run's decisions), or "none". The
@@ -30,7 +32,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -118,8 +120,12 @@ class Simulation:
         progress: Callable[[int], None] | None = None,
         fleet_stats: FleetStatsConfig = FleetStatsConfig(),
         loop: ClosedLoop | None = None,
+        keyed_wait: bool = False,
     ) -> None:
         self.requests = requests
+        self.keyed_wait = keyed_wait and spec.scheduler in ("priority", "vllm-priority")
+        """The policy is told that the engines serve by the hint's key (`FleetStats.keyed`,
+        as the router does for a pool in mode `on`): the cost model's priority-aware wait."""
         self.spec = spec
         self.policy = policy
         self.clock = Clock()
@@ -259,6 +265,8 @@ class Simulation:
     def _arrive(self, req: Request, now: float) -> None:
         self.estimators.arrive(now)
         fleet = self.estimators.stats(now)
+        if self.keyed_wait:
+            fleet = replace(fleet, keyed={e.id: e.keyed_queue() for e in self.engines})
         decision = self.policy.pick(request_view(req), self._views(now), fleet)
         idx = self.index_of[decision.engine]
         engine = self.engines[idx]

@@ -29,6 +29,12 @@ The body is rewritten only when a hint is sent, and then only by inserting
 `"priority":N,` after the opening brace (or replacing the value of an existing top-level
 `priority`): every other byte is the client's. Retries of the request carry the same body.
 
+Routing that knows the engine serves by key: for a pool in mode `on` (and a session
+inside its share), the policy's `FleetStats.keyed` holds each engine's hinted requests
+still without a first byte, with their keys (`KeyedQueues`; `track` at routing,
+`untrack` when the response ends), so the cost model prices a request's wait by the
+work queued there with a lower key (`ramjet.policy.cost.keyed_wait`).
+
 Every hint computed (sent or not) is counted in `ramjet_priority_hints_total{pool,
 outcome}` and its work in `ramjet_priority_hint_work_seconds{pool}`, and goes into the
 decision log's `priority` field (`ramjet explain` prints it).
@@ -45,10 +51,12 @@ from typing import Any
 from ramjet.app.modes import ModeOutcome, canary_share_of
 from ramjet.config import PriorityConfig
 from ramjet.metric_catalogue import counter, histogram
-from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
+from ramjet.policy.base import Decision, EngineView, FleetStats, KeyedQueue, RequestView
 from ramjet.policy.cost import estimate
+from ramjet.policy.fleet_stats import KeyedQueues
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.request.parse import ParsedRequest
+from ramjet.types import EngineId
 
 CLASS_STRIDE = 10**15
 """Key span of one client class under `combine`: more than any key until the year 2286
@@ -188,11 +196,47 @@ class PriorityHints:
             for e in p.engines:
                 self._by_engine[e] = p
         self._wall = wall
+        self.queues = KeyedQueues(
+            {
+                EngineId(e): (p.aging, p.horizon_s, p.convention != "vllm")
+                for p in pools
+                if p.mode == "on"
+                for e in p.engines
+            }
+        )
+        """The hinted requests queued per engine of a pool in mode `on`: the cost model's
+        priority-aware wait (`FleetStats.keyed`)."""
         self.hints = counter(registry, "ramjet_priority_hints_total")
         self.work = histogram(registry, "ramjet_priority_hint_work_seconds")
 
     def __bool__(self) -> bool:
         return bool(self._by_engine)
+
+    def keyed(self, views: Sequence[EngineView], session_key: str) -> dict[EngineId, KeyedQueue]:
+        """`FleetStats.keyed` for a request of `session_key`: the engines of pools in mode
+        `on` whose hint this session gets (its canary hash is inside the pool's share)."""
+        out: dict[EngineId, KeyedQueue] = {}
+        for v in views:
+            pool = self._by_engine.get(v.id)
+            if pool is None or pool.mode != "on":
+                continue
+            if pool.share < 1.0 and canary_share_of(session_key) >= pool.share:
+                continue
+            q = self.queues.queue(v.id, v.load.inflight_prompt_tokens)
+            if q is not None:
+                out[v.id] = q
+        return out
+
+    def track(self, hint: PriorityHint, request_id: str, now: float, tokens: int) -> None:
+        """A sent hint's request is queued on its engine with its key (in the clock of
+        `now`, the policy's) and its predicted uncached tokens, until `untrack`."""
+        pool = self._by_engine.get(hint.engine)
+        if pool is not None and hint.sent:
+            key = hint_key_s(hint.work_s, pool.aging, now, pool.horizon_s)
+            self.queues.add(EngineId(hint.engine), request_id, key, tokens)
+
+    def untrack(self, hint: PriorityHint, request_id: str) -> None:
+        self.queues.done(EngineId(hint.engine), request_id)
 
     def work_on(
         self,

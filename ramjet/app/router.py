@@ -39,6 +39,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -265,6 +266,8 @@ class Router:
         session_key = parsed.session or (
             str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
         )
+        if self.priority.queues:  # engines that serve by the hint's key (`ramjet.app.priority`)
+            fleet = replace(fleet, keyed=self.priority.keyed(views, session_key))
         outcome = self.modes.decide(rv, views, fleet, session_key)
         live = next((v for v in views if v.id == outcome.live.engine), None)
         new = uncached_prompt_tokens(rv, live) if live is not None else parsed.prompt_tokens
@@ -275,6 +278,8 @@ class Router:
         if self.priority:  # priority hints (`ramjet.app.priority`): the body changes if sent
             age = self.clock() - t0
             body, hint = self.priority.apply(parsed, rv, live, outcome, fleet, session_key, age)
+            if hint is not None and hint.sent:
+                self.priority.track(hint, request_id, t0, new)
         return await self._forward(
             request, parsed, outcome, request_id, t0, tuple(views), new, body, hint
         )
@@ -322,6 +327,8 @@ class Router:
             self._exchanges.discard(exchange)
             if not self._exchanges:
                 self._idle.set()
+            if hint is not None and hint.sent:
+                self.priority.untrack(hint, request_id)
             self._account(parsed, outcome, request_id, t0, res, views, hint)
 
     def _account(

@@ -133,6 +133,22 @@ class RequestView:
 
 
 @dataclass(frozen=True, slots=True)
+class KeyedQueue:
+    """An engine that serves by the priority hint's key (`ramjet.policy.priority_key`,
+    docs/priority.md): its key parameters and the requests queued there with a key. The
+    cost model's priority-aware wait reads it (`ramjet.policy.cost.wait_seconds`)."""
+
+    aging: float
+    horizon_s: float | None
+    preemptive: bool
+    """True: a better arrival takes the engine at the next chunk boundary (the reference
+    engine's `chunk` variant); False: a started prefill runs to its end (vLLM's)."""
+    entries: tuple[tuple[float, int, bool], ...] = ()
+    """(key_s, predicted uncached prompt tokens left, started) per request waiting or in
+    prefill; the key in the clock of `FleetStats.now_s`."""
+
+
+@dataclass(frozen=True, slots=True)
 class FleetStats:
     """Recent fleet-wide figures a policy may use (measured by the router or simulator)."""
 
@@ -144,6 +160,9 @@ class FleetStats:
     work_rate: Mapping[EngineId, float] = field(default_factory=dict)
     """Per engine: predicted prompt work routed to it per second (EWMA; s/s, so a
     utilisation): what a packing engine's next steps will also carry."""
+    keyed: Mapping[EngineId, KeyedQueue] = field(default_factory=dict)
+    """Engines that serve by the priority hint's key (a pool in mode `on`): the cost
+    model's wait counts only the work queued there with a lower key. Absent: FCFS."""
 
 
 @dataclass(frozen=True, slots=True)

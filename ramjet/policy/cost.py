@@ -37,6 +37,13 @@ For request r (n prompt tokens) on engine e, with profile P:
   ρ_e the predicted prompt work routed to the engine per second (`FleetStats.work_rate`,
   an EWMA, capped at 1). On real vLLM it took the median predicted-TTFT error from −29%
   to within ±20% (docs/real-engines.md). 0 for a one-job-per-step engine.
+- Priority: on an engine that serves by the priority hint's key (`FleetStats.keyed`: a
+  pool in mode `on`, docs/priority.md), wait_e counts only the queued work whose key is
+  lower than this request's key on e (min(work_e, aging·horizon) + aging·now), a started
+  prefill where the engine does not preempt it (vLLM) or its running chunk where it
+  does, and any outstanding work without a known key (`keyed_ahead`); on a one-job-per-
+  step engine, later arrivals with a lower key overtake it: + ρ_e · min(wait_e, h/aging,
+  horizon) (`keyed_wait`). Absent from `keyed`: the FCFS wait above.
 - TTFT_e = wait_e + work_e + packing_e.
 - Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
   requests queued behind it. By Little's law about λ·W of them wait at any time, where λ
@@ -68,8 +75,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ramjet.policy.base import EngineView, FleetStats, GlobalMatch, RequestView
+from ramjet.policy.base import (
+    EngineLoad,
+    EngineView,
+    FleetStats,
+    GlobalMatch,
+    KeyedQueue,
+    RequestView,
+)
 from ramjet.policy.candidates import outstanding_prompt_tokens
+from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 from ramjet.types import EngineId, TrustGrade
 
@@ -189,6 +204,7 @@ def wait_seconds(
     new_tokens: int,
     chunk_tokens: int,
     per_job: bool = True,
+    ahead: tuple[int, int] | None = None,
 ) -> float:
     """Time until the engine starts the request, plus decode interference on its prefill.
 
@@ -196,10 +212,15 @@ def wait_seconds(
     the simulator's engines), so each queued request pays its own fixed overhead and at
     least one chunk: one decode step each while requests decode, however short its
     prompt. False: the engine packs several prompts into a step's token budget (vLLM's
-    chunked prefill), so only tokens count."""
-    queued = outstanding_prompt_tokens(engine.load)
+    chunked prefill), so only tokens count. `ahead`: (prompt tokens, waiting requests)
+    that run before this request on an engine that serves by key (`keyed_ahead`), in
+    place of everything outstanding there (FCFS)."""
+    if ahead is None:
+        queued, waiting = outstanding_prompt_tokens(engine.load), engine.load.waiting_requests
+    else:
+        queued, waiting = ahead
     wait = profile.prefill_seconds(queued, 0)
-    waiting = (engine.load.waiting_requests or 0) if per_job else 0
+    waiting = (waiting or 0) if per_job else 0
     if waiting > 0:
         wait += waiting * profile.prefill_overhead_s
     running = engine.load.running_requests
@@ -209,6 +230,57 @@ def wait_seconds(
         if per_job:  # the waiting jobs, the one in prefill, and this one: a chunk each
             chunks = max(chunks, waiting + (1 if queued > 0 else 0) + 1)
         wait += chunks * profile.decode_step_s
+    return wait
+
+
+def keyed_ahead(
+    queue: KeyedQueue, key_s: float, load: EngineLoad, chunk_tokens: int
+) -> tuple[int, int]:
+    """On an engine that serves by key: (prompt tokens, waiting requests) that run before a
+    request of key `key_s` arriving now. Queued requests with a lower key (or an equal
+    one: they arrived first); a started prefill in full where it is not preempted
+    (vLLM), else only its running chunk; and outstanding tokens that carry no known key
+    (another router's, an un-hinted request's), as FCFS would."""
+    tokens = known = waiting = known_waiting = 0
+    for key, t, started in queue.entries:
+        known += t
+        known_waiting += 0 if started else 1
+        if key <= key_s or (started and not queue.preemptive):
+            tokens += t
+            waiting += 0 if started else 1
+        elif started:
+            tokens += min(t, chunk_tokens)
+    tokens += max(outstanding_prompt_tokens(load) - known, 0)
+    waiting += max((load.waiting_requests or 0) - known_waiting, 0)
+    return tokens, waiting
+
+
+def keyed_wait(
+    profile: EngineProfile,
+    engine: EngineView,
+    queue: KeyedQueue,
+    work_s: float,
+    new_tokens: int,
+    chunk_tokens: int,
+    per_job: bool,
+    fleet: FleetStats,
+) -> float:
+    """The wait on an engine that serves by key (module docstring, "Priority"): the work
+    ahead of this request's key, plus on a one-job-per-step engine what later arrivals
+    with a lower key add, rho_e · min(wait, window), window = min(h / aging, horizon)
+    the time within which an arrival may overtake it (a packing engine's packing term
+    already counts the arrivals during the wait)."""
+    key = hint_key_s(work_s, queue.aging, fleet.now_s, queue.horizon_s)
+    ahead = keyed_ahead(queue, key, engine.load, chunk_tokens)
+    wait = wait_seconds(profile, engine, new_tokens, chunk_tokens, per_job, ahead)
+    if per_job:
+        rho = min(max(fleet.work_rate.get(engine.id, 0.0), 0.0), 1.0)
+        window = wait
+        if queue.aging > 0:
+            window = min(window, max(work_s, 0.0) / queue.aging)
+            if queue.horizon_s is not None:
+                window = min(window, queue.horizon_s)
+        wait += rho * window
     return wait
 
 
@@ -319,7 +391,13 @@ def estimate(
             swa = e.residency.swa_match(request.boundary_keys) if request.boundary_keys else 0
         work = prompt_work(profile, n, match, swa, swa_reach(request, match))
         new_tokens = max(n - work.resume_tokens, 0)
-        wait = wait_seconds(profile, e, new_tokens, chunk_tokens, per_job)
+        queue = fleet.keyed.get(e.id) if fleet.keyed else None
+        if queue is None:
+            wait = wait_seconds(profile, e, new_tokens, chunk_tokens, per_job)
+        else:  # the engine serves by the priority hint's key
+            wait = keyed_wait(
+                profile, e, queue, work.work_s, new_tokens, chunk_tokens, per_job, fleet
+            )
         staged.append((e, work, match, swa, wait, use_default, degraded))
     least = min(s[1].work_s for s in staged)
     rate = externality_rate(fleet, externality_scale)

@@ -21,6 +21,9 @@ does, with the same time constants, taken from the policy file's `fleet_stats:` 
 - `FleetEstimators`: λ, W and the work rates, fed `arrive(now)` per request,
   `routed(now, engine, work_s)` per routed request and `wait(now, s)` per measured
   wait, read as a `FleetStats` snapshot by `stats(now)`.
+- `KeyedQueues`: per engine that serves by the priority hint's key, the router's
+  requests queued there with their keys (`FleetStats.keyed`, the cost model's
+  priority-aware wait).
 
 Where the samples come from differs only in what each side can observe: the router
 learns a request's wait from the engine's usage report when its response ends
@@ -31,8 +34,9 @@ starts (`simulations.simulator`). The arithmetic is this module's in both.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
-from ramjet.policy.base import FleetStats
+from ramjet.policy.base import FleetStats, KeyedQueue
 from ramjet.types import EngineId
 
 DEFAULT_ARRIVAL_TAU_S = 10.0
@@ -154,3 +158,54 @@ class FleetEstimators:
 
     def stats(self, now: float) -> FleetStats:
         return fleet_stats(now, self.arrivals, self.waits, self.work)
+
+
+class KeyedQueues:
+    """The router's side of `FleetStats.keyed`: per engine that serves by the priority
+    hint's key (a pool in mode `on`), the requests this router sent there with a key and
+    whose first byte has not come. The simulator reads its engines' queues instead
+    (`simulations.engine.Engine.keyed_queue`); the cost model reads both the same way.
+
+    The router learns of a first byte only through the engine's in-flight prompt tokens
+    (`EngineLoad.inflight_prompt_tokens`, released at the first byte). An engine that
+    serves the lowest key first starts the lowest keys first, so `queue` drops the
+    lowest-keyed entries while the entries hold more tokens than are in flight there;
+    `done` drops a request when its response ends (or fails). No entry is known to have
+    started (the router cannot tell), so each counts in full or not at all."""
+
+    __slots__ = ("_entries", "_params")
+
+    def __init__(self, params: Mapping[EngineId, tuple[float, float | None, bool]]) -> None:
+        self._params = dict(params)
+        """engine -> (aging, horizon_s, preemptive)"""
+        self._entries: dict[EngineId, dict[str, tuple[float, int]]] = {e: {} for e in params}
+
+    def __bool__(self) -> bool:
+        return bool(self._params)
+
+    def add(self, engine: EngineId, request: str, key_s: float, tokens: int) -> None:
+        entries = self._entries.get(engine)
+        if entries is not None:
+            entries[request] = (key_s, max(tokens, 0))
+
+    def done(self, engine: EngineId, request: str) -> None:
+        entries = self._entries.get(engine)
+        if entries is not None:
+            entries.pop(request, None)
+
+    def queue(self, engine: EngineId, inflight_tokens: int) -> KeyedQueue | None:
+        """The engine's `KeyedQueue` (None: it does not serve by key)."""
+        params = self._params.get(engine)
+        if params is None:
+            return None
+        entries = self._entries[engine]
+        held = sum(t for _, t in entries.values())
+        if held > inflight_tokens:  # the lowest keys have had their first byte
+            for rid, (_, t) in sorted(entries.items(), key=lambda kv: kv[1][0]):
+                if held <= inflight_tokens:
+                    break
+                del entries[rid]
+                held -= t
+        aging, horizon_s, preemptive = params
+        rows = tuple(sorted((k, t, False) for k, t in entries.values()))
+        return KeyedQueue(aging, horizon_s, preemptive, rows)

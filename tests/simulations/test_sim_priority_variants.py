@@ -117,3 +117,41 @@ def test_a_horizon_bounds_the_wait_under_a_small_aging(scheduler: str) -> None:
     # long one gets its first token before the long one does
     first_after = next(i for i, r in enumerate(reqs) if r.arrival_s > 0.06)
     assert capped_run[first_after] < capped_run[idx]
+
+
+class _Recording:
+    """tier_aware, recording each arrival's `FleetStats.keyed` and engines' queued tokens."""
+
+    def __init__(self) -> None:
+        self.inner = create_policy("tier_aware", {})
+        self.name = "tier_aware"
+        self.seen: list[tuple[dict[str, list[tuple[float, int, bool]]], dict[str, int]]] = []
+
+    def pick(self, request, engines, fleet):  # type: ignore[no-untyped-def]
+        self.seen.append(
+            (
+                {e: list(qu.entries) for e, qu in fleet.keyed.items()},
+                {e.id: e.load.queued_prompt_tokens or 0 for e in engines},
+            )
+        )
+        return self.inner.pick(request, engines, fleet)
+
+
+@pytest.mark.parametrize("scheduler", ["priority", "vllm-priority", "fcfs"])
+def test_keyed_wait_shows_the_policy_each_priority_engines_queue(scheduler: str) -> None:
+    # three long prompts then a short one, 10 ms apart, on two engines
+    reqs = workload(
+        [cold(0.01 * i, 3000, 10_000 * (i + 1)) for i in range(3)] + [cold(0.03, 100, 90_000)]
+    )
+    pol = _Recording()
+    simulate(reqs, spec(scheduler=scheduler), pol, block_tokens=BLOCK, engines=2, keyed_wait=True)
+    if scheduler == "fcfs":  # an FCFS engine serves by no key: nothing to tell
+        assert all(not keyed for keyed, _ in pol.seen)
+        return
+    keyed, queued = pol.seen[-1]
+    assert set(keyed) == {"e0", "e1"}
+    for e, entries in keyed.items():
+        # every job not yet at its first token, with its tokens left: the engine's queue
+        assert sum(t for _, t, _ in entries) == queued[e]
+        assert sum(started for _, _, started in entries) <= 1
+    assert any(entries for entries in keyed.values())

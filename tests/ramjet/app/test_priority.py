@@ -6,14 +6,20 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from ramjet.app.priority import (
     CLASS_STRIDE,
+    PriorityHint,
+    PriorityHints,
     hint_key_ms,
     priority_value,
     with_priority,
 )
 from ramjet.config import PolicyFileError, parse_policy
+from ramjet.policy.base import EngineLoad, EngineView, KeyedQueue
+from ramjet.policy.priority_key import hint_key_s
+from ramjet.types import EngineId
 
 
 def test_key_is_integer_ms_of_work_plus_aged_arrival() -> None:
@@ -184,3 +190,40 @@ def test_bad_priority_sections_name_the_field(priority: object, where: str, says
         parse_policy(_policy(priority), "p.yaml")
     [(path, msg)] = info.value.problems
     assert path == where and says in msg, (path, msg)
+
+
+def test_routing_is_told_which_engines_serve_by_key() -> None:
+    # e0 in a pool in mode on (vLLM: a started prefill is not preempted), e1 observed:
+    # only e0's hinted requests, with their keys, reach the policy's `FleetStats.keyed`
+    cfg = parse_policy(
+        _policy(
+            [
+                {"name": "v", "engines": ["e0"], "mode": "on"},
+                {"name": "o", "engines": ["e1"], "mode": "observe"},
+            ]
+        )
+    )
+    hints = PriorityHints(cfg.priority, CollectorRegistry())
+
+    class _NoResidency:
+        def global_match(self, keys: object, tokens: object) -> object:
+            raise AssertionError("not read")
+
+        def swa_match(self, keys: object) -> int:
+            return 0
+
+    def view(name: str, inflight_tokens: int) -> EngineView:
+        load = EngineLoad(inflight_requests=1, inflight_prompt_tokens=inflight_tokens)
+        return EngineView(EngineId(name), True, load, _NoResidency())  # type: ignore[arg-type]
+
+    def hint(engine: str, outcome: str) -> PriorityHint:
+        return PriorityHint("v", "on", outcome, engine, 0.3, 0, 0)
+
+    hints.track(hint("e0", "sent"), "r1", 10.0, 700)
+    hints.track(hint("e0", "canary_out"), "r2", 10.0, 900)  # not sent: not keyed
+    hints.track(hint("e1", "sent"), "r3", 10.0, 500)  # not a pool in mode on
+    keyed = hints.keyed([view("e0", 700), view("e1", 500)], "s1")
+    key = hint_key_s(0.3, 0.05, 10.0, 20.0)
+    assert keyed == {EngineId("e0"): KeyedQueue(0.05, 20.0, False, ((key, 700, False),))}
+    hints.untrack(hint("e0", "sent"), "r1")
+    assert hints.keyed([view("e0", 0)], "s1") == {EngineId("e0"): KeyedQueue(0.05, 20.0, False)}
