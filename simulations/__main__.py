@@ -15,19 +15,30 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 from ramjet.config import FleetStatsConfig, PolicyFileError, load_policy
+from ramjet.policy.base import RoutingPolicy
 from simulations import compare
 from simulations import plan as planner
 from simulations.bounds import Floor, floor, srpt_merged
 from simulations.breakdown import breakdown
-from simulations.checks import REPLAY, Replay, beaten, saturated, violations, with_oracle
+from simulations.checks import (
+    REPLAY,
+    SHARED,
+    Replay,
+    beaten,
+    saturated,
+    violations,
+    with_oracle,
+)
 from simulations.lineup import ENTRANTS, resolve, variant
 from simulations.preset import PRESETS, EngineSpec, engine_spec
 from simulations.report import markdown, plot, table, write_csv
 from simulations.sessions import ClosedLoop, SessionPlan, closed_loop_plan, scale_for_load, scaled
-from simulations.simulator import Simulation
+from simulations.simulator import Knowledge, Simulation
 from simulations.summary import Row, bound_row, summarize
 from simulations.workload import Request, TraceError, load_trace, replicate, scale_rate
 
@@ -103,15 +114,41 @@ def checked_rows(
     fleet_stats: FleetStatsConfig,
     loop: ClosedLoop | None,
     progress: Progress | None = None,
+    policies: Mapping[str, tuple[Callable[[], RoutingPolicy], Knowledge]] | None = None,
 ) -> list[Row]:
     """The rows that bound `rows` at `scale`: each policy that beats every oracle routing
-    replayed on one shared cache (its own decisions: the oracle must bound it too), then
-    `bound:alone`, and for open-loop arrivals `bound:srpt_merged_2x`. `decisions`: each
-    policy's chosen engine per request at this scale. With `with_oracle` and
-    `violations` this is the check every results table passes (`simulations run`,
-    `simulations.probes`)."""
+    replayed on one shared cache (its own decisions: the oracle must bound it too) and,
+    where `policies` can build it (a maker and the knowledge it runs with), also run
+    itself on the shared cache (`oracle:run:<policy>`: in closed loop the replay's
+    arrivals are not the policy's, and the policy reacting to the shared cache can be
+    faster); then `bound:alone`, and for open-loop arrivals `bound:srpt_merged_2x`.
+    `decisions`: each policy's chosen engine per request at this scale. With
+    `with_oracle` and `violations` this is the check every results table passes
+    (`simulations run`, `simulations.probes`)."""
     out: list[Row] = []
-    for name in beaten(rows, scale):  # a policy below every oracle: replay it shared
+    for name in beaten(rows, scale):  # a policy below every oracle: run it shared
+        if policies is not None and name in policies:
+            make, knowledge = policies[name]
+            if progress is not None:
+                progress.label = f"{SHARED}{name} x{scale:g}"
+            res = Simulation(
+                run_reqs,
+                spec,
+                make(),
+                block_tokens=block_tokens,
+                engines=engines,
+                knowledge=knowledge,
+                shared_cache=True,
+                progress=progress,
+                fleet_stats=fleet_stats,
+                loop=loop,
+            ).run()
+            out.append(
+                summarize(
+                    SHARED + name, scale, run_reqs, res, floor_.tokens, ttft_target_s, load,
+                    floor_.work_s,
+                )
+            )  # fmt: skip
         if progress is not None:
             progress.label = f"{REPLAY}{name} x{scale:g}"
         sim = Simulation(
@@ -264,6 +301,11 @@ def cmd_run(a: argparse.Namespace) -> int:
             fleet_stats=fleet_cfg,
             loop=plan.loop if plan is not None else None,
             progress=progress,
+            policies={
+                e.name: (partial(e.make, a.seed), e.knowledge)
+                for e in entrants
+                if not e.shared_cache
+            },
         )
     progress.close()
     rows = with_oracle(rows)

@@ -9,10 +9,12 @@ uncached tokens queued: on a shared cache that is the earliest free engine, cent
 FCFS), and `oracle:spread` (round robin); the `oracle` row at each load is the one of
 them with the lowest mean TTFT. Where a policy still beats all three, the runner adds
 that policy's own decisions replayed on the shared cache (`Replay`, rows
-`oracle:as:<policy>`) and takes the best again: without the partition no request of
-that routing finds less cache, so the oracle bounds it by construction in open-loop
-FCFS runs; where even that replay is slower (priority scheduling, closed loop) the run
-fails.
+`oracle:as:<policy>`) and the policy itself run on the shared cache (rows
+`oracle:run:<policy>`), and takes the best again: without the partition no request of
+that routing finds less cache, so the replay bounds it by construction in open-loop
+FCFS runs; in closed loop the replay's arrivals are not the policy's, and the policy
+run on the shared cache is the candidate that reacts as it does. Where both are slower
+(priority scheduling, closed loop) the run fails.
 
 `violations` lists every row that beats the oracle's mean TTFT or a strict bound's
 (`bound:alone` always, over the same requests the row counts; `bound:srpt_merged_2x` in
@@ -37,6 +39,10 @@ ORACLES = ("oracle:tier_aware", "oracle:least_work", "oracle:spread")
 REPLAY = "oracle:as:"
 """Prefix of a replay row: a policy's own decisions, request by request, on the shared
 cache (`Replay`)."""
+SHARED = "oracle:run:"
+"""Prefix of a row of a policy itself run on the shared cache (deciding as it would
+there), added where it beats every other oracle routing: in closed loop a replay's
+arrivals are not the policy's own, so the replay alone need not bound it."""
 
 
 class Replay:
@@ -77,7 +83,8 @@ def with_oracle(rows: Sequence[Row]) -> list[Row]:
         cands = [
             r
             for r in rows
-            if r.rate_scale == scale and (r.policy in ORACLES or r.policy.startswith(REPLAY))
+            if r.rate_scale == scale
+            and (r.policy in ORACLES or r.policy.startswith((REPLAY, SHARED)))
         ]
         if cands:
             best = min(cands, key=lambda r: r.ttft_mean_s)

@@ -52,6 +52,7 @@ import sys
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from ramjet.config import FleetStatsConfig
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, RoutingPolicy
@@ -462,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
             load=a.load,
             fleet_stats=FleetStatsConfig(),
             loop=loop,
+            policies={
+                name: (partial(make, seed, fut), flags[name][0])
+                for name, make in lineup
+                if not flags[name][1]
+            },
         )
         bounded = with_oracle(rows)
         problems += [f"seed {seed}: {v}" for v in violations(bounded)]

@@ -270,3 +270,39 @@ def test_the_priority_tables_respect_the_strict_bound() -> None:
     assert rows
     low = [r for r in rows if float(r["mean_s"]) < float(r["alone_mean_s"])]
     assert low == []
+
+
+def test_a_policy_below_every_oracle_routing_is_also_run_on_the_shared_cache() -> None:
+    """`checked_rows`: a policy that beats every oracle routing is replayed on the shared
+    cache (`oracle:as:`) and, given its maker, run there itself (`oracle:run:`): in closed
+    loop a replay's arrivals are not the policy's own. The oracle is the best of them."""
+    from ramjet.config import FleetStatsConfig
+    from simulations.lineup import ENTRANTS
+
+    plan = closed_loop_plan(agent_trace(sessions=8), BLOCK, sessions=24)
+    fl = floor(plan.requests, spec().profile)
+    scale = scale_for_load(plan, fl.work_s, 0.8, 2)
+    reqs = scaled(plan, scale)
+    rows, decisions = [], {}
+    for name in ("tier_aware", "oracle:tier_aware"):
+        out = run_entrant(reqs, name, loop=plan.loop)
+        decisions[name] = out.engine
+        rows.append(summarize(name, scale, reqs, out, fl.tokens, 2.0, alone_s=fl.work_s))
+    # pretend tier_aware came out below the oracle routing
+    rows[0] = replace(rows[0], ttft_mean_s=rows[1].ttft_mean_s / 2)
+    ent = ENTRANTS["tier_aware"]
+    args = dict(decisions=decisions, block_tokens=BLOCK, engines=2, floor_=fl, ttft_target_s=2.0,
+                load=0.8, fleet_stats=FleetStatsConfig(), loop=plan.loop)  # fmt: skip
+    added = cli.checked_rows(rows, scale, reqs, spec(), **args)  # type: ignore[arg-type]
+    assert [r.policy for r in added] == ["oracle:as:tier_aware", "bound:alone"]
+    added = cli.checked_rows(
+        rows, scale, reqs, spec(), policies={"tier_aware": (lambda: ent.make(0), ent.knowledge)},
+        **args,  # type: ignore[arg-type]
+    )  # fmt: skip
+    names = [r.policy for r in added]
+    assert names == ["oracle:run:tier_aware", "oracle:as:tier_aware", "bound:alone"]
+    # tier_aware run on the shared cache is the oracle routing oracle:tier_aware itself
+    run = added[0]
+    assert (run.ttft_mean_s, run.ttft_p99_s) == (rows[1].ttft_mean_s, rows[1].ttft_p99_s)
+    oracle = next(r for r in with_oracle([*rows, *added]) if r.policy == "oracle")
+    assert oracle.ttft_mean_s == min(r.ttft_mean_s for r in [rows[1], *added[:2]])
