@@ -178,12 +178,16 @@ def prompt_work(
     n = max(prompt_tokens, 0)
     hbm, host, ssd = _clip(match, n)
     g = hbm + host + ssd
-    best = Work("cold", 0, 0.0, 0.0, profile.prefill_seconds(n, 0))
+    # Only the winner becomes a `Work` (this runs per engine per decision); each point is
+    # compared by its sum restore + replay + prefill, as `Work.work_s` adds it.
+    resume, tokens, restore, replay = "cold", 0, 0.0, 0.0
+    prefill = profile.prefill_seconds(n, 0)
+    best = restore + replay + prefill
     if g > 0:
-        restore = _restore(profile, host, ssd)
-        glob = Work("global", g, restore, profile.replay_floor_s, profile.prefill_seconds(n - g, g))
-        if glob.work_s <= best.work_s:
-            best = glob
+        r, f = _restore(profile, host, ssd), profile.replay_floor_s
+        p = profile.prefill_seconds(n - g, g)
+        if r + f + p <= best:
+            resume, tokens, restore, replay, prefill, best = "global", g, r, f, p, r + f + p
     q = min(swa_tokens, g)
     if reach is not None and swa_tokens > g:
         # past g: resumable within the block after g (restore all of g, no replay), else
@@ -191,11 +195,11 @@ def prompt_work(
         q = swa_tokens if swa_tokens < min(reach, n) else 0
     if q > 0:
         share = min(q / g, 1.0) if g > 0 else 0.0
-        restore = _restore(profile, host * share, ssd * share)
-        swa = Work("swa", q, restore, 0.0, profile.prefill_seconds(n - q, q))
-        if swa.work_s <= best.work_s:
-            best = swa
-    return best
+        r = _restore(profile, host * share, ssd * share)
+        p = profile.prefill_seconds(n - q, q)
+        if r + 0.0 + p <= best:
+            resume, tokens, restore, replay, prefill = "swa", q, r, 0.0, p
+    return Work(resume, tokens, restore, replay, prefill)
 
 
 def wait_seconds(
@@ -316,26 +320,28 @@ class EngineEstimate:
         return self.ttft_s + self.externality_s + self.session_s
 
     def components(self) -> dict[str, float]:
-        w = self.work
+        w, m = self.work, self.match
+        work = w.restore_s + w.replay_s + w.prefill_s  # the properties' sums, in their order
+        ttft = self.wait_s + work + self.packing_s
         return {
-            "hbm_tokens": float(self.match.hbm),
-            "host_tokens": float(self.match.host),
-            "ssd_tokens": float(self.match.ssd),
-            "pending_tokens": float(self.match.pending),
+            "hbm_tokens": float(m.hbm),
+            "host_tokens": float(m.host),
+            "ssd_tokens": float(m.ssd),
+            "pending_tokens": float(m.pending),
             "swa_tokens": float(self.swa_tokens),
             "resume_tokens": float(w.resume_tokens),
             "resume_swa": 1.0 if w.resume == "swa" else 0.0,
             "restore_s": w.restore_s,
             "replay_s": w.replay_s,
             "prefill_s": w.prefill_s,
-            "work_s": w.work_s,
+            "work_s": work,
             "wait_s": self.wait_s,
             "packing_s": self.packing_s,
-            "ttft_s": self.ttft_s,
+            "ttft_s": ttft,
             "delta_s": self.delta_s,
             "externality_s": self.externality_s,
             "session_s": self.session_s,
-            "cost_s": self.cost_s,
+            "cost_s": ttft + self.externality_s + self.session_s,
             "default_profile": 1.0 if self.default_profile else 0.0,
         }
 

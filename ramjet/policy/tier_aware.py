@@ -94,16 +94,21 @@ class TierAware:
             self._ties += 1
         if self.params.session_scale > 0:
             self.sessions.routed(request.session, best.engine, best.work.work_s, fleet.now_s)
-        notes = [
-            f"default_profile:{s.engine}" for s in ests if s.default_profile and not s.degraded
-        ]
-        if self._builtin_default:  # the default is the hard-coded estimate, not a measurement
-            notes += [
-                f"estimate_profile:{s.engine}"
-                for s in ests
-                if s.default_profile and s.stand_in is None
-            ]
-        notes += [f"degraded:{s.engine}" for s in ests if s.degraded]
+        # default_profile, then estimate_profile (the default is the hard-coded estimate,
+        # not a measurement), then degraded notes, each in engine order; one pass
+        notes: list[str] = []
+        estimated: list[str] = []
+        degraded: list[str] = []
+        for s in ests:
+            if s.degraded:
+                degraded.append(f"degraded:{s.engine}")
+            if s.default_profile:
+                if not s.degraded:
+                    notes.append(f"default_profile:{s.engine}")
+                if s.stand_in is None and self._builtin_default:
+                    estimated.append(f"estimate_profile:{s.engine}")
+        notes += estimated
+        notes += degraded
         if fleet.arrival_rate_per_s <= 0 or fleet.mean_wait_s <= 0:
             notes.append("externality_off")
         return Decision(
