@@ -164,9 +164,24 @@ _COMPLETION_FIELDS: tuple[tuple[str, _Check, str, int | None], ...] = (
 )
 
 
-def _check_fields(
-    obj: Mapping[str, Any], fields: Sequence[tuple[str, _Check, str, int | None]]
-) -> None:
+_FieldSpec = tuple[str, _Check, str, int | None]
+_BY_NAME: dict[int, dict[str, _FieldSpec]] = {
+    id(t): {f[0]: f for f in t} for t in (_COMMON_FIELDS, _CHAT_FIELDS, _COMPLETION_FIELDS)
+}
+"""The module's field tables (alive for good, so their ids stay theirs): specs by name."""
+
+
+def _check_fields(obj: Mapping[str, Any], fields: Sequence[_FieldSpec]) -> None:
+    by_name = _BY_NAME.get(id(fields))
+    if by_name is not None and len(obj) < len(fields):  # visit the body's keys only
+        for k, v in obj.items():
+            spec = by_name.get(k)
+            if spec is not None and v is not None:
+                _, check, _, minimum = spec
+                if not check(v) or (minimum is not None and v < minimum):
+                    break  # a bad field: the loop below names the first in table order
+        else:
+            return
     for name, check, expected, minimum in fields:
         v = obj.get(name)
         if v is None:

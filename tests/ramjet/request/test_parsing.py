@@ -266,3 +266,19 @@ def test_unicode_prompt_round_trips() -> None:
 def test_error_json_is_utf8_and_escapes() -> None:
     e = RequestError(400, "invalid_request_error", "c", 'bad "é"', "p")
     assert json.loads(e.to_openai_json().decode("utf-8"))["error"]["message"] == 'bad "é"'
+
+
+def test_several_bad_fields_name_the_first_in_the_field_table() -> None:
+    """A body with several bad fields is refused for the first in the table's order
+    (common fields, then the route's), whatever the body's key order: the check that
+    visits only a small body's keys hands the error to the table-order check."""
+    for data in (
+        body(n=0, top_logprobs=-1, max_tokens="x", model="m", messages=MSGS),
+        body(top_logprobs=-1, model="m", messages=MSGS, n=0),
+    ):
+        with pytest.raises(RequestError) as e:
+            parse_request(CHAT, data, {}, LIMITS)
+        assert e.value.param == ("max_tokens" if b"max_tokens" in data else "n")
+    with pytest.raises(RequestError) as e:
+        parse_request(CHAT, body(top_logprobs=-1, model="m", messages=MSGS), {}, LIMITS)
+    assert (e.value.param, e.value.code) == ("top_logprobs", "invalid_value")
