@@ -13,6 +13,11 @@ Content-Length nor chunking runs to the connection's close). Nothing is decompre
   `keepalive_s` or as soon as the engine closes them.
 - Backpressure: past `read_high` buffered body bytes the socket stops being read
   until the reader takes them (`UpstreamResponse.read_nowait`/`readany`).
+- Direct relay: `UpstreamResponse.set_sink(sink)` offers each body piece to `sink` from
+  the connection's callback, before it is buffered; a piece the sink takes (it returns
+  True: written to the client) wakes no reader and moves the `readany` idle deadline as
+  a buffered one would. A piece it declines, any piece while others are buffered, and
+  the body's last piece are buffered and read as before. The sink must not raise.
 - `UpstreamResponse.close()` before the body ended closes the connection, which is how
   an engine's request is aborted (client gone, stream cut, shutdown); a reader waiting
   on it is woken with `UpstreamClosed`.
@@ -30,7 +35,7 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
@@ -56,6 +61,8 @@ class UpstreamResponse:
         "_deadline",
         "_eof",
         "_error",
+        "_idle_s",
+        "_sink",
         "_timer",
         "_waiter",
         "content_length",
@@ -84,10 +91,25 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._sink: Callable[[bytes], bool] | None = None
+        self._idle_s: float | None = None
+
+    def set_sink(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Offer each later body piece to `sink` first (module docstring, direct relay);
+        None: buffer every piece."""
+        self._sink = sink
 
     # -- fed by the connection --------------------------------------------------------
 
-    def _feed(self, data: bytes) -> None:
+    def _feed(self, data: bytes, last: bool = False) -> None:
+        """A body piece; `last`: the body ends with it (it is buffered: the reader ends
+        the client's body in the same write)."""
+        sink = self._sink
+        if sink is not None and not last and not self._buf and sink(data):
+            w = self._waiter
+            if w is not None and self._idle_s is not None:  # data came: not idle
+                self._deadline = w.get_loop().time() + self._idle_s
+            return
         self._buf.append(data)
         self._buffered += len(data)
         self._wake()
@@ -145,6 +167,7 @@ class UpstreamResponse:
             loop = asyncio.get_running_loop()
             w = loop.create_future()
             self._waiter = w
+            self._idle_s = idle_s
             if idle_s is not None:
                 self._deadline = loop.time() + idle_s
                 if self._timer is None:
@@ -169,6 +192,7 @@ class UpstreamResponse:
     def close(self) -> None:
         """Done with the response: a connection whose body has not ended is closed (the
         engine sees its request aborted); one that ended already went back to the pool."""
+        self._sink = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -352,7 +376,7 @@ class _Conn(asyncio.Protocol):
                 resp._feed(data)
             else:
                 if n:
-                    resp._feed(data if len(data) == n else data[:n])
+                    resp._feed(data if len(data) == n else data[:n], last=True)
                 self._remaining = 0
                 self._finish()
                 if len(data) > n:
@@ -405,7 +429,7 @@ class _Conn(asyncio.Protocol):
                         if eol == pos:
                             self._chunk_left = 0
                             if out:
-                                resp._feed(out[0] if len(out) == 1 else b"".join(out))
+                                resp._feed(out[0] if len(out) == 1 else b"".join(out), True)
                                 out = []
                             self._finish()
                             if eol + 2 < n:

@@ -30,14 +30,43 @@ from ramjet.fleet.engines import EngineState, Fleet, Outcome, classify_status
 from ramjet.metrics import RouterMetrics
 from ramjet.proxy.exchange import Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import client_response_headers
+from ramjet.proxy.http1 import UpstreamResponse
 from ramjet.proxy.retries import RETRY_STATUSES
 from ramjet.proxy.transport import EngineResponse
-from ramjet.request.client import ClientRequest, FastRequest, FastResponse
+from ramjet.request.client import FRAMING_BYTES, ClientRequest, FastRequest, FastResponse
 from ramjet.request.openai_errors import error_body
 from ramjet.types import EngineId
 
-_FRAMING_BYTES = 64
-"""Upper bound on what a write adds to a body piece (chunk size line, CRLFs, terminator)."""
+_FRAMING_BYTES = FRAMING_BYTES
+
+
+class _Relay:
+    """A `FastResponse`'s body pieces written from the engine connection's callback
+    (`UpstreamResponse.set_sink`) while the client takes them without waiting: no
+    reader wake-up, no coroutine step per piece. A piece that would wait (the client's
+    buffer is full or paused), the last piece, and every piece while any is buffered go
+    through the coroutine's loop as before, with its backpressure and send deadline."""
+
+    __slots__ = ("high", "res", "resp", "tail")
+
+    def __init__(self, resp: FastResponse, res: ForwardResult, high: int) -> None:
+        self.resp = resp
+        self.res = res
+        self.high = high
+        self.tail = b"\n\n"
+        """The body's last 2 bytes sent (a cut SSE stream's error event follows them)."""
+
+    def add(self, chunk: bytes) -> None:
+        res = self.res
+        res.bytes_out += len(chunk)
+        res.tail.add(chunk)
+        self.tail = chunk[-2:] if len(chunk) >= 2 else (self.tail + chunk)[-2:]
+
+    def take(self, chunk: bytes) -> bool:
+        if not self.resp.write_now(chunk, self.high):
+            return False
+        self.add(chunk)
+        return True
 
 
 class _Passthrough(web.StreamResponse):
@@ -88,6 +117,9 @@ class StreamWriter:
         # terminator); a length-framed body only once it is complete.
         length = upstream.content_length
         tail = b"\n\n"
+        high = self._cfg.limits.stream_buffer_bytes
+        relay = _Relay(resp, res, high) if isinstance(resp, FastResponse) else None
+        direct = upstream if relay is not None and isinstance(upstream, UpstreamResponse) else None
         try:
             if not isinstance(request, FastRequest):
                 await resp.prepare(request)
@@ -107,9 +139,14 @@ class StreamWriter:
                 extra = _FRAMING_BYTES
                 if res.ttft_s is None:
                     res.ttft_s = time.monotonic() - t0
-                res.bytes_out += len(chunk)
-                res.tail.add(chunk)
-                tail = chunk[-2:] if len(chunk) >= 2 else (tail + chunk)[-2:]
+                    if direct is not None and relay is not None and not last:
+                        direct.set_sink(relay.take)  # the head has gone (`_Relay`)
+                if relay is not None:
+                    relay.add(chunk)
+                else:
+                    res.bytes_out += len(chunk)
+                    res.tail.add(chunk)
+                    tail = chunk[-2:] if len(chunk) >= 2 else (tail + chunk)[-2:]
                 if last:
                     break
                 try:
@@ -135,6 +172,8 @@ class StreamWriter:
             if not exchange.shutdown:
                 self._fleet.record(engine, Outcome.FAILURE)
                 self._metrics.upstream_errors.labels(engine=engine.id, kind=exc.kind).inc()
+            if relay is not None:
+                tail = relay.tail
             await self._end_cut(request, resp, sse, tail, engine.id, reason)
             return resp
         except (ConnectionError, aiohttp.ClientConnectionResetError):

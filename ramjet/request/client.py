@@ -101,6 +101,8 @@ class FastRequest:
 ClientRequest: TypeAlias = web.Request | FastRequest
 
 _EMPTY_BODY = frozenset({204, 304})
+FRAMING_BYTES = 64
+"""Upper bound on what a write adds to a body piece (chunk size line, CRLFs, terminator)."""
 _date_cache: tuple[int, str] = (0, "")
 
 
@@ -222,6 +224,27 @@ class FastResponse(web.StreamResponse):
             transport.write(data)
         if conn.writing_paused:
             await conn.drain()
+
+    def write_now(self, data: bytes, high: int) -> bool:
+        """Write a body piece (not the first: the head has gone) at once, if that cannot
+        wait: the connection is open, not paused, and its buffer stays within `high`
+        bytes with it; else write nothing and return False (`write` would wait). For
+        `ramjet.proxy.stream`'s direct relay, called from the engine connection's
+        callback, so it never raises for a gone client (False: the caller's `write`
+        sees it)."""
+        conn = self._conn
+        transport = conn.transport
+        if (
+            self._eof_sent
+            or not self.started
+            or conn.writing_paused
+            or transport is None
+            or transport.is_closing()
+            or transport.get_write_buffer_size() + len(data) + FRAMING_BYTES > high
+        ):
+            return False
+        transport.write(self._frame(data, False))
+        return True
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._eof_sent:

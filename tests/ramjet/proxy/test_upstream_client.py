@@ -356,3 +356,52 @@ async def test_a_head_sent_a_byte_at_a_time_costs_linear_cpu() -> None:
     assert (resp.status, len(resp.headers["X-Pad"]), resp.read_nowait()) == (200, 60_000, b"ok")
     assert cpu_s < 0.4  # ~0.04 s; copying and scanning the whole head per byte: ~1 s
     await pool.close()
+
+
+async def test_a_sink_takes_pieces_from_the_callback_in_order(closing: list[object]) -> None:
+    """`set_sink`: a piece the sink takes is not buffered and wakes no reader; one it
+    declines, any piece after it while buffered, and the body's last piece are read as
+    before; the body arrives whole and in order either way, and the idle limit counts a
+    taken piece as data (pieces 0.15 s apart under a 0.25 s idle limit, 0.75 s in all)."""
+    pieces = [b"data: %d\n\n" % i for i in range(6)]
+    go = asyncio.Event()
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        w.write(b"%x\r\n%b\r\n" % (len(pieces[0]), pieces[0]))
+        await w.drain()
+        await go.wait()
+        for i, p in enumerate(pieces[1:], 1):
+            await asyncio.sleep(0.15)
+            end = b"0\r\n\r\n" if i == len(pieces) - 1 else b""  # the last ends the body
+            w.write(b"%x\r\n%b\r\n%b" % (len(p), p, end))
+            await w.drain()
+
+    srv, url, _ = await _serve(handler)
+    pool = EnginePool(url, limit=1, connect_s=1.0)
+    closing += [pool, srv]
+    resp = await pool.request("POST", "/p", [], b"x")
+    assert await resp.readany() == pieces[0]
+    taken: list[bytes] = []
+    declined: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        if len(taken) == 2 and not declined:  # the third piece is declined
+            declined.append(data)
+            return False
+        taken.append(data)
+        return True
+
+    resp.set_sink(sink)
+    go.set()
+    read: list[bytes] = []
+    while chunk := await resp.readany(0.25):
+        read.append(chunk)
+    resp.close()
+    # taken, in order; the declined one read; then (buffered ahead of it or not) the rest
+    assert taken[:2] == pieces[1:3] and declined == [pieces[3]]
+    assert read[0] == pieces[3]
+    assert b"".join(taken[:2] + read[:1] + taken[2:] + read[1:]) == b"".join(pieces[1:])
+    assert read[-1] == pieces[-1]  # the last piece is never given to the sink
+    assert pieces[-1] not in taken
