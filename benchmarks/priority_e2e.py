@@ -268,6 +268,11 @@ def router(policy: dict[str, Any], tmp: Path) -> Iterator[str]:
                 proc.wait()
 
 
+FCFS_WAIT = ":fcfs-wait"
+"""Mode suffix: the pool's `keyed_wait` off, so routing prices FCFS waits although the
+engines serve by key (the router before its priority-aware wait)."""
+
+
 def hints_sent(url: str) -> int:
     """Sum of ramjet_priority_hints_total{outcome="sent"} on the router's /metrics."""
     import urllib.request
@@ -283,7 +288,7 @@ def hints_sent(url: str) -> int:
 def run_mode(
     name: str, a: argparse.Namespace, wl: Workload, prof: dict[str, Any] | None
 ) -> tuple[ModeResult, dict[str, Any]]:
-    variant = name.partition(":")[2]
+    variant = name.split(":")[1] if ":" in name else ""
     flags: dict[str, Any] = {
         "prefill_chunk": a.chunk,
         "max_batch": 8,
@@ -329,6 +334,7 @@ def run_mode(
                     "convention": "reference",
                     "aging": a.aging,
                     "horizon_s": a.horizon,
+                    "keyed_wait": not name.endswith(FCFS_WAIT),
                 }
             ],
             "timeouts": {"first_byte_s": 600, "idle_s": 600},
@@ -402,6 +408,7 @@ def run_mode_vllm(
                 "convention": "vllm",
                 "aging": a.aging,
                 "horizon_s": a.horizon,
+                "keyed_wait": not name.endswith(FCFS_WAIT),
             }
         ],
         "timeouts": {"first_byte_s": 600, "idle_s": 600},
@@ -453,7 +460,20 @@ def summary(r: ModeResult) -> dict[str, float]:
         "long_wait_max": max(
             (q.queue_ms / 1e3 for q in r.reqs if q.kind == "long"), default=float("nan")
         ),
+        "moves": float(moves(r)),
     }
+
+
+def moves(r: ModeResult) -> int:
+    """Session turns served by another engine than the session's previous turn (each
+    recomputes the session's context there)."""
+    where = {q.label: q.engine for q in r.reqs}
+    n = 0
+    for label, eng in where.items():
+        m = re.fullmatch(r"(r\d+:s\d+t)(\d+)", label)
+        if m and int(m[2]) > 0 and where.get(f"{m[1]}{int(m[2]) - 1}") not in (None, eng):
+            n += 1
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds of all modes, interleaved")
     p.add_argument("--dump", default=None, help="write every request's figures here (JSON)")
     p.add_argument(
+        "--fcfs-wait",
+        action="store_true",
+        help="also run each priority mode with routing that prices FCFS waits (keyed_wait off)",
+    )
+    p.add_argument(
         "--engine",
         choices=["reference", "vllm"],
         default="reference",
@@ -489,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         modes = ["fcfs", "priority"]
     else:
         modes = ["fcfs"] + [f"priority:{v}" for v in a.variants.split(",") if v]
+    if a.fcfs_wait:
+        modes += [m + FCFS_WAIT for m in modes[1:]]
     results = [ModeResult(m) for m in modes]
     prof: dict[str, Any] | None = None
     t0 = time.perf_counter()
@@ -549,16 +576,18 @@ def main(argv: list[str] | None = None) -> int:
             "hints sent only with the pool on"
         )
     sums = [summary(r) for r in results]
-    cols = ("mean", "p50", "p99", "max", "turn_mean", "long_max", "long_wait_max")
+    cols = ("mean", "p50", "p99", "max", "turn_mean", "long_max", "long_wait_max", "moves")
     print(
-        "\nTTFT seconds (client side); long_*: the long cold prompts (worst TTFT, worst engine queue wait)"
+        "\nTTFT seconds (client side); long_*: the long cold prompts (worst TTFT, worst engine "
+        "queue wait); moves: session turns sent to another engine than their previous turn"
     )
-    print(f"{'mode':<16}" + "".join(f"{c:>14}" for c in cols))
+    w = max(16, max(len(r.name) for r in results) + 8)
+    print(f"{'mode':<{w}}" + "".join(f"{c:>14}" for c in cols))
     for r, s in zip(results, sums, strict=True):
-        print(f"{r.name:<16}" + "".join(f"{s[c]:>14.3f}" for c in cols))
+        print(f"{r.name:<{w}}" + "".join(f"{s[c]:>14.3f}" for c in cols))
     for r, s in zip(results[1:], sums[1:], strict=True):
         print(
-            f"{r.name + ' / fcfs':<16}"
+            f"{r.name + ' / fcfs':<{w}}"
             + "".join(f"{ratio(s[c], sums[0][c]):>13.2f}x" for c in cols)
         )
     print(f"\n{len(runs)} runs in {time.perf_counter() - t0:.0f} s")

@@ -215,6 +215,10 @@ class PriorityConfig(_Frozen):
     share: float = Field(default=1.0, ge=0.0, le=1.0)
     """mode on: the share of sessions (by the same session hash as routing's canary) whose
     requests carry the hint; the others are observed only."""
+    keyed_wait: bool = True
+    """mode on: routing knows these engines serve by the hint's key, so the cost model
+    prices a request's wait by the work queued there with a lower key
+    (`ramjet.policy.cost.keyed_wait`); false: it prices FCFS waits."""
 
     @model_validator(mode="after")
     def _horizon_needs_aging(self) -> PriorityConfig:

@@ -200,7 +200,7 @@ class PriorityHints:
             {
                 EngineId(e): (p.aging, p.horizon_s, p.convention != "vllm")
                 for p in pools
-                if p.mode == "on"
+                if p.mode == "on" and p.keyed_wait
                 for e in p.engines
             }
         )
@@ -218,7 +218,7 @@ class PriorityHints:
         out: dict[EngineId, KeyedQueue] = {}
         for v in views:
             pool = self._by_engine.get(v.id)
-            if pool is None or pool.mode != "on":
+            if pool is None or pool.mode != "on" or not pool.keyed_wait:
                 continue
             if pool.share < 1.0 and canary_share_of(session_key) >= pool.share:
                 continue

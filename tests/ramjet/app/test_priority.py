@@ -227,3 +227,14 @@ def test_routing_is_told_which_engines_serve_by_key() -> None:
     assert keyed == {EngineId("e0"): KeyedQueue(0.05, 20.0, False, ((key, 700, False),))}
     hints.untrack(hint("e0", "sent"), "r1")
     assert hints.keyed([view("e0", 0)], "s1") == {EngineId("e0"): KeyedQueue(0.05, 20.0, False)}
+    # keyed_wait false: the pool sends hints, but routing prices FCFS waits
+    off = parse_policy(
+        _policy([{"name": "v", "engines": ["e0"], "mode": "on", "keyed_wait": False}])
+    )
+    hints = PriorityHints(off.priority, CollectorRegistry())
+    hints.track(hint("e0", "sent"), "r1", 10.0, 700)
+    assert not hints.queues
+    assert hints.keyed([view("e0", 700)], "s1") == {}
+    # a session outside the pool's canary share gets no hint: FCFS waits for it
+    canary = parse_policy(_policy([{"name": "v", "engines": ["e0"], "mode": "on", "share": 0.0}]))
+    assert PriorityHints(canary.priority, CollectorRegistry()).keyed([view("e0", 0)], "s1") == {}
