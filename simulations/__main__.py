@@ -99,6 +99,41 @@ def closed_loop_wanted(mode: str, reqs: list[Request]) -> bool:
     return mode == "on"
 
 
+def run_row(
+    label: str,
+    policy: RoutingPolicy,
+    run_reqs: list[Request],
+    spec: EngineSpec,
+    *,
+    scale: float,
+    shared_cache: bool,
+    knowledge: Knowledge,
+    block_tokens: int,
+    engines: int,
+    floor_: Floor,
+    ttft_target_s: float,
+    load: float,
+    fleet_stats: FleetStatsConfig,
+    loop: ClosedLoop | None,
+    progress: Progress | None = None,
+) -> Row:
+    """One run of `policy` over `run_reqs`, summarised as row `label` (the bound and
+    replay rows of `checked_rows`, `simulations.probes --cross`)."""
+    res = Simulation(
+        run_reqs,
+        spec,
+        policy,
+        block_tokens=block_tokens,
+        engines=engines,
+        knowledge=knowledge,
+        shared_cache=shared_cache,
+        progress=progress,
+        fleet_stats=fleet_stats,
+        loop=loop,
+    ).run()
+    return summarize(label, scale, run_reqs, res, floor_.tokens, ttft_target_s, load, floor_.work_s)
+
+
 def checked_rows(
     rows: list[Row],
     scale: float,
@@ -126,49 +161,21 @@ def checked_rows(
     `with_oracle` and `violations` this is the check every results table passes
     (`simulations run`, `simulations.probes`)."""
     out: list[Row] = []
+
+    def shared_run(label: str, policy: RoutingPolicy, knowledge: Knowledge) -> Row:
+        if progress is not None:
+            progress.label = f"{label} x{scale:g}"
+        return run_row(
+            label, policy, run_reqs, spec, scale=scale, shared_cache=True, knowledge=knowledge,
+            block_tokens=block_tokens, engines=engines, floor_=floor_, ttft_target_s=ttft_target_s,
+            load=load, fleet_stats=fleet_stats, loop=loop, progress=progress,
+        )  # fmt: skip
+
     for name in beaten(rows, scale):  # a policy below every oracle: run it shared
         if policies is not None and name in policies:
             make, knowledge = policies[name]
-            if progress is not None:
-                progress.label = f"{SHARED}{name} x{scale:g}"
-            res = Simulation(
-                run_reqs,
-                spec,
-                make(),
-                block_tokens=block_tokens,
-                engines=engines,
-                knowledge=knowledge,
-                shared_cache=True,
-                progress=progress,
-                fleet_stats=fleet_stats,
-                loop=loop,
-            ).run()
-            out.append(
-                summarize(
-                    SHARED + name, scale, run_reqs, res, floor_.tokens, ttft_target_s, load,
-                    floor_.work_s,
-                )
-            )  # fmt: skip
-        if progress is not None:
-            progress.label = f"{REPLAY}{name} x{scale:g}"
-        sim = Simulation(
-            run_reqs,
-            spec,
-            Replay(name, decisions[name]),
-            block_tokens=block_tokens,
-            engines=engines,
-            shared_cache=True,
-            progress=progress,
-            fleet_stats=fleet_stats,
-            loop=loop,
-        )
-        res = sim.run()
-        out.append(
-            summarize(
-                REPLAY + name, scale, run_reqs, res, floor_.tokens, ttft_target_s, load,
-                floor_.work_s,
-            )
-        )  # fmt: skip
+            out.append(shared_run(SHARED + name, make(), knowledge))
+        out.append(shared_run(REPLAY + name, Replay(name, decisions[name]), Knowledge()))
     out.append(bound_row("bound:alone", scale, floor_.work_s, floor_.tokens, ttft_target_s, load))
     if loop is None:  # SRPT over fixed arrivals: no bound when arrivals depend on service
         srpt = srpt_merged(run_reqs, floor_.work_s)

@@ -59,7 +59,7 @@ from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, Ro
 from ramjet.policy.cost import EngineEstimate
 from ramjet.policy.tier_aware import TierAware
 from ramjet.types import EngineId
-from simulations.__main__ import checked_rows, closed_loop_wanted
+from simulations.__main__ import checked_rows, closed_loop_wanted, run_row
 from simulations.bounds import Floor, floor
 from simulations.checks import REPLAY, Replay, violations, with_oracle
 from simulations.compare import is_peer
@@ -287,17 +287,11 @@ def cross_rows(
         label = ("partitioned:as:" if shared else REPLAY) + name
         if label in have:
             continue
-        sim = Simulation(
-            run_reqs,
-            spec,
-            Replay(name, decisions[name]),
-            block_tokens=block,
-            engines=engines,
-            shared_cache=not shared,
-            fleet_stats=FleetStatsConfig(),
-            loop=loop,
-        )
-        row = summarize(label, scale, run_reqs, sim.run(), fl.tokens, 2.0, load, fl.work_s)
+        row = run_row(
+            label, Replay(name, decisions[name]), run_reqs, spec, scale=scale,
+            shared_cache=not shared, knowledge=Knowledge(), block_tokens=block, engines=engines,
+            floor_=fl, ttft_target_s=2.0, load=load, fleet_stats=FleetStatsConfig(), loop=loop,
+        )  # fmt: skip
         out.append(row)
         figures.setdefault(label, []).append((row.ttft_mean_s, row.ttft_p99_s, row.floor_ratio))
         print(
