@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import aiohttp
 import pytest
-from fake_upstream import FakeUpstream
+from fake_upstream import Behavior, FakeUpstream
+from proxy_client import CHAT
 from router_rig import RouterFactory, router_config
 
 from ramjet.app.fast_server import FastServer
@@ -266,3 +268,59 @@ async def test_idle_keepalive_connections_close_and_busy_ones_stay(
         writer.close()
     assert rest == b"" and 0.05 <= took < 0.6
     assert _fast(router).served == 6
+
+
+async def test_a_stream_read_in_fits_and_starts_arrives_whole_and_in_order(
+    upstreams: list[FakeUpstream], make_router: RouterFactory
+) -> None:
+    """The SSE relay from the engine's callback (`ramjet.proxy.stream._Relay`) end to end:
+    600 pieces of 4 KiB, the client stopping twice for 0.2 s (within the rig's send
+    deadline). The pieces go by the engine connection's callback, and by the coroutine
+    whenever the client's buffer is full (the unit test and the slow-reader test force
+    that path). Every byte arrives, in the engine's order, ending with [DONE], and the
+    connection carries the next request."""
+    router = await make_router(limits={"stream_buffer_bytes": 16 * 1024})
+    for u in upstreams:
+        u.behavior = Behavior(chunks=600, chunk_bytes=4096, chunk_delay_s=0.0002)
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port, limit=1 << 20)
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    post_ = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+    writer.write(post_)
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    data, reads = bytearray(), 0
+    while not data.endswith(b"0\r\n\r\n"):
+        piece = await asyncio.wait_for(reader.read(65536), 5.0)
+        assert piece, f"the router ended the stream after {len(data)} bytes"
+        data += piece
+        reads += 1
+        if reads in (5, 60):  # stop reading for a while (within the rig's 0.3 s send_s)
+            await asyncio.sleep(0.2)
+    # de-chunk, then check every event in order
+    out, pos = bytearray(), 0
+    while True:
+        eol = data.index(b"\r\n", pos)
+        size = int(data[pos:eol], 16)
+        if size == 0:
+            break
+        out += data[eol + 2 : eol + 2 + size]
+        pos = eol + 2 + size + 2
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and len(events) == 600 + 2
+    tokens = [json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events[:-2]]
+    assert [t.split(" ", 1)[0] for t in tokens] == [f"tok{i}" for i in range(600)]
+    plain = json.dumps(CHAT).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + b"Content-Length: %d\r\n\r\n" % len(plain)
+        + plain
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+    assert head.startswith(b"HTTP/1.1 200")  # the same connection carries the next one
+    writer.close()
