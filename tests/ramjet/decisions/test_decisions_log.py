@@ -4,16 +4,22 @@ the JSON line, the size-rotating log with its bounded queue, and the proxy's tai
 from __future__ import annotations
 
 import json
+import math
+import random
+import struct
 import threading
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from ramjet.decisions.log import (
     DecisionLog,
     RealizedWork,
     RotatingFile,
+    _components,
+    _round,
     decision_entry,
     find_usage,
     parse_realized,
@@ -150,6 +156,54 @@ def test_entry_holds_picks_predictions_and_realized() -> None:
     s = decision_entry(_record(stream=True), None)
     assert s["ttft_source"] == "router" and s["realized_ttft_s"] == 0.2
     assert decision_entry(_record(ttft=None), None)["realized_ttft_s"] is None
+
+
+def _old_round(v: float) -> float:
+    """The line's rounding before the fast paths (commit 6d46593), kept as the reference."""
+    if type(v) is float and -1e6 < v < 1e6 and v.is_integer():
+        return v
+    return float(f"{v:.6g}")
+
+
+def _figures(n: int, seed: int) -> list[Any]:
+    """Edge cases, then random bit patterns (every exponent: subnormals, huge, tiny, inf,
+    nan), then figures of the sizes a line holds (seconds, milliseconds, token counts),
+    rounding ties and near-ties, and ints and bools (formatted into floats)."""
+    rng = random.Random(seed)
+    edge: list[Any] = [0.0, -0.0, 5e-324, -5e-324, 2.2250738585072014e-308, 1.7976931348623157e308]
+    edge += [math.inf, -math.inf, math.nan, -math.nan, 1e6, -1e6, 999999.0, 999999.5, 1e6 - 1e-10]
+    edge += [999999.4999999999, 9999995.0, 0.1, 0.5, 1.5, 2.5, 0.0000125, 1.234565, 1.2345650001]
+    edge += [123456.5, 1234565.0, 1e22, 1e23, 1e-5, 1e-300, 3.0, 1e300, 12345678.0, -2.5e-7]
+    edge += [0, 1, -3, 10**7, 2**53 + 1, 10**400 // 10**100, True, False]
+    out = edge + [-v for v in edge if isinstance(v, float)]
+    for _ in range(n):
+        out.append(struct.unpack("<d", rng.getrandbits(64).to_bytes(8, "little"))[0])
+        out.append(rng.uniform(-1, 1) * 10.0 ** rng.randint(-12, 12))
+        out.append(float(rng.randint(0, 10**9)))
+        digits = rng.randint(1, 999999)  # a 6-digit figure and a tie or near-tie after it
+        tail = rng.choice([0.5, 0.49999999, 0.50000001, 0.25, 0.75])
+        out.append((digits + tail) * 10.0 ** rng.randint(-10, 10))
+    return out
+
+
+def test_rounding_writes_the_same_bytes_as_the_old_formatting() -> None:
+    figures = _figures(40_000, seed=19)
+    enc = msgspec.json.Encoder()
+    for v in figures:  # nan and inf are written as null, as before
+        assert enc.encode(_round(v)) == enc.encode(_old_round(v)), v
+    # the per-line path: dicts of figures, repeats and equal numbers of another type
+    # (1e7 and 10**7, 1.0 and True) through one shared memo, -0.0 next to 0.0
+    rng = random.Random(7)
+    pool = [*figures[:200], 0.0, -0.0, 1e7, 10**7, 1.0, True, 0, 0.125, 0.125, -0.0]
+    for _ in range(2000):
+        comps = {
+            EngineId(f"e{i}"): {f"k{j}": rng.choice(pool) for j in range(rng.randint(0, 20))}
+            for i in range(rng.randint(0, 3))
+        }
+        d = Decision(EngineId("e0"), "p", components=comps)
+        old = {e: {k: _old_round(v) for k, v in c.items()} for e, c in comps.items()}
+        assert enc.encode(_components(d, {})) == enc.encode(old)
+    assert _components(None, {}) == {}
 
 
 def test_rotating_file_rotates_and_keeps_n_backups(tmp_path: Path) -> None:
