@@ -85,6 +85,64 @@ class AccountingMetrics:
         self.reloads = counter(r, "ramjet_policy_reloads_total")
 
 
+class _ModeSeries:
+    """One mode's label children, made group by group on first use, as the accounting has
+    always made them (a series appears when first touched: the comparison's four at the
+    first comparison, the TTFT error's at the first prediction with a realized TTFT, ...):
+    a request finds them with one dict hit instead of a cached `labels()` per metric."""
+
+    __slots__ = ("cached", "compare", "gain", "m", "mode", "relative", "ttft")
+
+    def __init__(self, m: AccountingMetrics, mode: str) -> None:
+        self.m, self.mode = m, mode
+        self.compare: tuple[Counter, Counter, Counter, Counter] | None = None
+        self.gain: Histogram | None = None
+        self.ttft: tuple[Histogram, Histogram, Histogram, Histogram] | None = None
+        self.relative: Histogram | None = None
+        self.cached: tuple[Histogram, Counter, Counter] | None = None
+
+    def make_compare(self) -> tuple[Counter, Counter, Counter, Counter]:
+        """(compared, agreed, gain_total, loss_total): all four exist from the first
+        comparison (agreed at 0 until the first agreement: rate 0)."""
+        m, mode = self.m, self.mode
+        self.compare = (
+            m.compared.labels(mode),
+            m.agreed.labels(mode),
+            m.gain_total.labels(mode),
+            m.loss_total.labels(mode),
+        )
+        return self.compare
+
+    def make_gain(self) -> Histogram:
+        self.gain = self.m.gain.labels(self.mode)
+        return self.gain
+
+    def make_ttft(self) -> tuple[Histogram, Histogram, Histogram, Histogram]:
+        """(error, abs error, predicted, realized)."""
+        m, mode = self.m, self.mode
+        self.ttft = (
+            m.ttft_error.labels(mode),
+            m.ttft_abs_error.labels(mode),
+            m.ttft_predicted.labels(mode),
+            m.ttft_realized.labels(mode),
+        )
+        return self.ttft
+
+    def make_relative(self) -> Histogram:
+        self.relative = self.m.ttft_relative_error.labels(self.mode)
+        return self.relative
+
+    def make_cached(self) -> tuple[Histogram, Counter, Counter]:
+        """(error, predicted total, realized total)."""
+        m, mode = self.m, self.mode
+        self.cached = (
+            m.cached_error.labels(mode),
+            m.cached_predicted.labels(mode),
+            m.cached_realized.labels(mode),
+        )
+        return self.cached
+
+
 class Accounting:
     """The router's decision sink (see module docstring). `log` may be None (no file);
     `downstream` receives every record afterwards (tests, other consumers)."""
@@ -106,6 +164,7 @@ class Accounting:
         self.clock = clock
         self.waits = MeanWait(wait_tau_s)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+        self._modes: dict[str, _ModeSeries] = {}
         m = self.metrics
         self.log: DecisionLog | None = None
         if log_path is not None:
@@ -142,25 +201,29 @@ class Accounting:
             child = self._children[key] = metric.labels(*values)
         return child  # type: ignore[return-value]
 
+    def _mode(self, mode: str) -> _ModeSeries:
+        s = self._modes.get(mode)
+        if s is None:
+            s = self._modes[mode] = _ModeSeries(self.metrics, mode)
+        return s
+
     def _measure(self, record: DecisionRecord, realized: RealizedWork | None) -> None:
-        m, mode = self.metrics, record.mode
+        m, s = self.metrics, self._mode(record.mode)
         inc, cand = record.incumbent, record.candidate
         if inc is not None and cand is not None and record.status and record.status < 500:
-            self._of(m.compared, mode).inc()
-            self._of(m.gain_total, mode)  # both series exist from the first comparison
-            self._of(m.loss_total, mode)
-            agreed = self._of(m.agreed, mode)  # at 0 until the first agreement: rate 0
+            compared, agreed, gain_total, loss_total = s.compare or s.make_compare()
+            compared.inc()
             if inc.engine == cand.engine:
                 agreed.inc()
             on_inc = predicted_for(cand, inc.engine, "ttft_s")
             on_cand = predicted_for(cand, cand.engine, "ttft_s")
             if on_inc is not None and on_cand is not None:
                 gain = on_inc - on_cand
-                self._of(m.gain, mode).observe(gain)
+                (s.gain or s.make_gain()).observe(gain)
                 if gain > 0:
-                    self._of(m.gain_total, mode).inc(gain)
+                    gain_total.inc(gain)
                 elif gain < 0:
-                    self._of(m.loss_total, mode).inc(-gain)
+                    loss_total.inc(-gain)
         if record.engine is None or record.status >= 400:
             return
         if realized is None:
@@ -181,17 +244,19 @@ class Accounting:
         predicted = predicted_for(cand, record.engine, "ttft_s")
         real, _ = realized_ttft(record, realized)
         if predicted is not None and real is not None:
-            self._of(m.ttft_error, mode).observe(predicted - real)
-            self._of(m.ttft_abs_error, mode).observe(abs(predicted - real))
-            self._of(m.ttft_predicted, mode).observe(predicted)
-            self._of(m.ttft_realized, mode).observe(real)
+            error, abs_error, on_predicted, on_realized = s.ttft or s.make_ttft()
+            error.observe(predicted - real)
+            abs_error.observe(abs(predicted - real))
+            on_predicted.observe(predicted)
+            on_realized.observe(real)
             if real > 0:
-                self._of(m.ttft_relative_error, mode).observe((predicted - real) / real)
+                (s.relative or s.make_relative()).observe((predicted - real) / real)
         resume = predicted_for(cand, record.engine, "resume_tokens")
         if resume is not None and realized is not None:
-            self._of(m.cached_error, mode).observe(resume - realized.cached_tokens)
-            self._of(m.cached_predicted, mode).inc(max(resume, 0))
-            self._of(m.cached_realized, mode).inc(realized.cached_tokens)
+            cached_error, cached_predicted, cached_realized = s.cached or s.make_cached()
+            cached_error.observe(resume - realized.cached_tokens)
+            cached_predicted.inc(max(resume, 0))
+            cached_realized.inc(realized.cached_tokens)
 
     def start(self) -> None:
         return None

@@ -17,9 +17,12 @@ from ramjet.proxy.exchange import Attempt
 from ramjet.types import EngineId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecisionRecord:
-    """One routed request: both picks, what happened, and the engine's own account."""
+    """One routed request: both picks, what happened, and the engine's own account. Built
+    once per request and never changed afterwards (the log's writer thread reads it); not
+    `frozen`, because a frozen init sets each field through `object.__setattr__`: 2.2 us
+    for these 23 fields against 0.6."""
 
     request_id: str
     time_unix: float

@@ -181,3 +181,108 @@ def test_accounting_feeds_mean_wait_and_downstream(tmp_path: Path) -> None:
     assert value(reg, "ramjet_decision_log_lines_total") == 2
     lines = (tmp_path / "d.jsonl").read_text().splitlines()
     assert [json.loads(line)["realized"]["queue_ms"] for line in lines] == [200.0, 10.0]
+
+
+class _OldAccounting(Accounting):
+    """`_measure` as it was before the per-mode children (commit 6d46593): the reference
+    the rendered metrics are compared against."""
+
+    def _measure(self, record: DecisionRecord, realized: Any) -> None:
+        from ramjet.decisions.log import predicted_for, realized_ttft
+
+        m, mode = self.metrics, record.mode
+        inc, cand = record.incumbent, record.candidate
+        if inc is not None and cand is not None and record.status and record.status < 500:
+            self._of(m.compared, mode).inc()
+            self._of(m.gain_total, mode)
+            self._of(m.loss_total, mode)
+            agreed = self._of(m.agreed, mode)
+            if inc.engine == cand.engine:
+                agreed.inc()
+            on_inc = predicted_for(cand, inc.engine, "ttft_s")
+            on_cand = predicted_for(cand, cand.engine, "ttft_s")
+            if on_inc is not None and on_cand is not None:
+                gain = on_inc - on_cand
+                self._of(m.gain, mode).observe(gain)
+                if gain > 0:
+                    self._of(m.gain_total, mode).inc(gain)
+                elif gain < 0:
+                    self._of(m.loss_total, mode).inc(-gain)
+        if record.engine is None or record.status >= 400:
+            return
+        if realized is None:
+            self._of(m.usage_missing, record.engine).inc()
+        else:
+            self.waits.add(self.clock(), realized.queue_ms / 1e3)
+            m.mean_wait.set(self.waits.mean())
+            for source, n in (
+                ("hbm", realized.hbm_tokens),
+                ("host", realized.host_tokens),
+                ("ssd", realized.ssd_tokens),
+                ("swa", realized.swa_tokens),
+                ("replayed", realized.replayed_tokens),
+                ("prefilled", realized.prefilled_tokens),
+            ):
+                if n:
+                    self._of(m.realized_tokens, record.engine, source).inc(n)
+        predicted = predicted_for(cand, record.engine, "ttft_s")
+        real, _ = realized_ttft(record, realized)
+        if predicted is not None and real is not None:
+            self._of(m.ttft_error, mode).observe(predicted - real)
+            self._of(m.ttft_abs_error, mode).observe(abs(predicted - real))
+            self._of(m.ttft_predicted, mode).observe(predicted)
+            self._of(m.ttft_realized, mode).observe(real)
+            if real > 0:
+                self._of(m.ttft_relative_error, mode).observe((predicted - real) / real)
+        resume = predicted_for(cand, record.engine, "resume_tokens")
+        if resume is not None and realized is not None:
+            self._of(m.cached_error, mode).observe(resume - realized.cached_tokens)
+            self._of(m.cached_predicted, mode).inc(max(resume, 0))
+            self._of(m.cached_realized, mode).inc(realized.cached_tokens)
+
+
+def test_metrics_render_the_same_as_before_the_per_mode_children() -> None:
+    """The same 600 varied records (three modes, with and without a candidate, agreeing or
+        not, 2xx/4xx/5xx, stream or not, usage missing, a zero TTFT, no resume prediction)
+        through today's accounting and the old one: /metrics is byte-identical after each (but
+    for the series' creation times)."""
+    import dataclasses
+    import random
+
+    from prometheus_client import generate_latest
+
+    def rendered(reg: CollectorRegistry) -> bytes:  # less `_created`: wall-clock stamps
+        lines = generate_latest(reg).splitlines(keepends=True)
+        return b"".join(ln for ln in lines if b"_created{" not in ln and b"_created " not in ln)
+
+    rng = random.Random(19)
+    new_reg, old_reg = CollectorRegistry(), CollectorRegistry()
+    t = [0.0]
+    new = Accounting(new_reg, clock=lambda: t[0])
+    old = _OldAccounting(old_reg, clock=lambda: t[0])
+    series = 0
+    for i in range(600):
+        t[0] += rng.uniform(0.0, 2.0)
+        r = record(
+            mode=rng.choice(["observe", "canary", "enforce"]),
+            inc=rng.choice(["e0", "e1"]),
+            cand=rng.choice(["e0", "e1", None]),
+            engine=rng.choice(["e0", "e1"]),
+            queue_ms=rng.uniform(0.0, 200.0),
+            status=rng.choice([200, 200, 200, 429, 503]),
+            stream=rng.random() < 0.5,
+            ttft=rng.choice([0.0, rng.uniform(0.0, 1.0)]),
+        )
+        if i % 7 == 0:
+            r = dataclasses.replace(r, response_tail=b"")  # no usage: usage_missing
+        if i % 11 == 0 and r.candidate is not None:  # no resume_tokens, no ttft_s for e0
+            comps = {E0: {"cost_s": 0.2}, E1: {"ttft_s": 0.3}}
+            r = dataclasses.replace(r, candidate=Decision(r.candidate.engine, "x", comps))
+        new.on_decision(r)
+        old.on_decision(r)
+        got, want = rendered(new_reg), rendered(old_reg)
+        assert got == want, i
+        series = got.count(b"\n")
+    assert series > 200  # the sequence reached every group of series
+    assert value(new_reg, "ramjet_policy_compared_total", mode="canary") > 0
+    assert value(new_reg, "ramjet_ttft_prediction_relative_error_ratio_count", mode="enforce")
