@@ -23,18 +23,20 @@ import csv
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ramjet.config import PriorityConfig
+from ramjet.policy.base import RoutingPolicy
 from simulations.bounds import floor
 from simulations.checks import violations
 from simulations.lineup import resolve
-from simulations.preset import engine_spec
+from simulations.preset import EngineSpec, engine_spec
 from simulations.sessions import closed_loop_plan, scale_for_load, scaled
-from simulations.simulator import Simulation
+from simulations.simulator import Outcome, Simulation
 from simulations.summary import summarize
 from simulations.workload import Request, load_trace, scale_rate
 
@@ -120,9 +122,10 @@ def _pct(sorted_vals: list[float], q: float) -> float:
 
 
 class Workload:
-    """One trace prepared once: requests (or the closed-loop plan) and per-load scales."""
+    """One trace prepared once: requests (or the closed-loop plan) and per-load scales.
+    `seed`: the closed-loop plan's (which sessions start when); open-loop traces have none."""
 
-    def __init__(self, case: TraceCase, quick: bool) -> None:
+    def __init__(self, case: TraceCase, quick: bool, seed: int = 0) -> None:
         reqs, self.block = load_trace(case.path)
         self.case = case
         spec = engine_spec()
@@ -130,7 +133,7 @@ class Workload:
         if case.sessions_x:
             copies = max(1, case.sessions_x // (4 if quick else 1))
             sessions = len({r.session for r in reqs}) * copies
-            self.plan = closed_loop_plan(reqs, self.block, sessions=sessions, seed=0)
+            self.plan = closed_loop_plan(reqs, self.block, sessions=sessions, seed=seed)
             reqs = self.plan.requests
         elif quick:
             reqs = reqs[: len(reqs) // 2]
@@ -158,6 +161,38 @@ model's priority scheduler with aging 0 (least predicted work first; on the chun
 preemptive engine, shortest remaining work first at chunk granularity)."""
 
 
+def simulate(
+    w: Workload,
+    load: float,
+    policy: str,
+    scheduler: str,
+    aging: float,
+    horizon: float | None = None,
+    wrap: Callable[[RoutingPolicy], RoutingPolicy] | None = None,
+) -> tuple[list[Request], EngineSpec, Outcome]:
+    """One run of `policy` (a lineup name, `KEYED` for the keyed wait) on two engines;
+    `wrap`: what routes, given the lineup's policy (benchmarks/priority_tail.py records
+    its decisions)."""
+    keyed = policy.endswith(KEYED)
+    [ent] = resolve(policy.removesuffix(KEYED))
+    # replace(): engine_spec drops None overrides, and None here means "no horizon"
+    spec = replace(engine_spec(scheduler=scheduler, aging=aging), horizon_s=horizon)
+    reqs = w.at(load)
+    routing = ent.make(0)
+    sim = Simulation(
+        reqs,
+        spec,
+        wrap(routing) if wrap is not None else routing,
+        block_tokens=w.block,
+        engines=2,
+        knowledge=ent.knowledge,
+        shared_cache=ent.shared_cache,
+        loop=w.plan.loop if w.plan is not None else None,
+        keyed_wait=keyed,
+    )
+    return reqs, spec, sim.run()
+
+
 def run_one(
     w: Workload,
     load: float,
@@ -166,23 +201,7 @@ def run_one(
     aging: float,
     horizon: float | None = None,
 ) -> Result:
-    keyed = policy.endswith(KEYED)
-    [ent] = resolve(policy.removesuffix(KEYED))
-    # replace(): engine_spec drops None overrides, and None here means "no horizon"
-    spec = replace(engine_spec(scheduler=scheduler, aging=aging), horizon_s=horizon)
-    reqs = w.at(load)
-    sim = Simulation(
-        reqs,
-        spec,
-        ent.make(0),
-        block_tokens=w.block,
-        engines=2,
-        knowledge=ent.knowledge,
-        shared_cache=ent.shared_cache,
-        loop=w.plan.loop if w.plan is not None else None,
-        keyed_wait=keyed,
-    )
-    out = sim.run()
+    reqs, spec, out = simulate(w, load, policy, scheduler, aging, horizon)
     row = summarize(policy, w.scales[load], reqs, out, w.fl.tokens, 2.0, load, w.fl.work_s)
     win = out.window
     counted = [i for i, t in enumerate(out.arrival) if win is None or win[0] <= t <= win[1]]
