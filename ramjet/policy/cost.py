@@ -237,6 +237,12 @@ def wait_seconds(
     return wait
 
 
+def _work_rate(fleet: FleetStats, engine: EngineId) -> float:
+    """ρ_e: the predicted prompt work routed to `engine` per second (`FleetStats.work_rate`),
+    clipped to [0, 1] (a utilisation): the packing term's and the keyed wait's."""
+    return min(max(fleet.work_rate.get(engine, 0.0), 0.0), 1.0)
+
+
 def keyed_ahead(
     queue: KeyedQueue, key_s: float, load: EngineLoad, chunk_tokens: int
 ) -> tuple[int, int]:
@@ -278,7 +284,7 @@ def keyed_wait(
     ahead = keyed_ahead(queue, key, engine.load, chunk_tokens)
     wait = wait_seconds(profile, engine, new_tokens, chunk_tokens, per_job, ahead)
     if per_job:
-        rho = min(max(fleet.work_rate.get(engine.id, 0.0), 0.0), 1.0)
+        rho = _work_rate(fleet, engine.id)
         window = wait
         if queue.aging > 0:
             window = min(window, max(work_s, 0.0) / queue.aging)
@@ -413,8 +419,7 @@ def estimate(
         extra = session_s.get(e.id, 0.0) if session_s else 0.0
         packing = 0.0
         if not per_job:  # later arrivals join this request's step (vLLM's packing)
-            rho = min(max(fleet.work_rate.get(e.id, 0.0), 0.0), 1.0)
-            packing = rho * (wait + work.work_s)
+            packing = _work_rate(fleet, e.id) * (wait + work.work_s)
         out.append(
             EngineEstimate(
                 e.id,
