@@ -216,12 +216,16 @@ class PriorityHints:
         """`FleetStats.keyed` for a request of `session_key`: the engines of pools in mode
         `on` whose hint this session gets (its canary hash is inside the pool's share)."""
         out: dict[EngineId, KeyedQueue] = {}
+        share: float | None = None  # the session's canary hash, once per request
         for v in views:
             pool = self._by_engine.get(v.id)
             if pool is None or pool.mode != "on" or not pool.keyed_wait:
                 continue
-            if pool.share < 1.0 and canary_share_of(session_key) >= pool.share:
-                continue
+            if pool.share < 1.0:
+                if share is None:
+                    share = canary_share_of(session_key)
+                if share >= pool.share:
+                    continue
             q = self.queues.queue(v.id, v.load.inflight_prompt_tokens)
             if q is not None:
                 out[v.id] = q

@@ -8,6 +8,7 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
+from ramjet.app.modes import canary_share_of
 from ramjet.app.priority import (
     CLASS_STRIDE,
     PriorityHint,
@@ -238,3 +239,28 @@ def test_routing_is_told_which_engines_serve_by_key() -> None:
     # a session outside the pool's canary share gets no hint: FCFS waits for it
     canary = parse_policy(_policy([{"name": "v", "engines": ["e0"], "mode": "on", "share": 0.0}]))
     assert PriorityHints(canary.priority, CollectorRegistry()).keyed([view("e0", 0)], "s1") == {}
+
+
+def test_keyed_engines_follow_each_pools_canary_share() -> None:
+    # two pools in mode on, shares 0.3 and 0.8: a session whose canary hash lies between
+    # them is keyed on the second pool's engine only; one below both on both; above, none
+    cfg = parse_policy(
+        _policy(
+            [
+                {"name": "a", "engines": ["e0"], "mode": "on", "share": 0.3},
+                {"name": "b", "engines": ["e1"], "mode": "on", "share": 0.8},
+            ]
+        )
+    )
+    hints = PriorityHints(cfg.priority, CollectorRegistry())
+
+    def view(name: str) -> EngineView:
+        return EngineView(EngineId(name), True, EngineLoad(), None)  # type: ignore[arg-type]
+
+    def session(lo: float, hi: float) -> str:
+        return next(f"s{i}" for i in range(10_000) if lo <= canary_share_of(f"s{i}") < hi)
+
+    views = [view("e0"), view("e1")]
+    assert set(hints.keyed(views, session(0.0, 0.3))) == {EngineId("e0"), EngineId("e1")}
+    assert set(hints.keyed(views, session(0.3, 0.8))) == {EngineId("e1")}
+    assert hints.keyed(views, session(0.8, 1.0)) == {}
