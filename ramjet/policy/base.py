@@ -136,7 +136,7 @@ class RequestView:
 class KeyedQueue:
     """An engine that serves by the priority hint's key (`ramjet.policy.priority_key`,
     docs/priority.md): its key parameters and the requests queued there with a key. The
-    cost model's priority-aware wait reads it (`ramjet.policy.cost.wait_seconds`)."""
+    cost model's priority-aware wait reads it (`ramjet.policy.cost.keyed_wait`)."""
 
     aging: float
     horizon_s: float | None
