@@ -9,8 +9,9 @@ and SGLang's `python/sglang/srt/disaggregation/kv_events.py` sends it:
   seq is `0xFF` x 8 (`(-1).to_bytes(8, "big", signed=True)`) with an empty payload.
   vLLM (0.32.0, seen) answers `[b"", topic, seq, payload]` and ends with
   `[b"", b"", END, b""]`, and so does SGLang 0.5.23 (seen from its own publisher); older
-  vLLM and SGLang `[b"", seq, payload]`: both are accepted (`parse_replay`). A first replayed seq above the one asked for means the engine's
-  buffer (`buffer_steps` batches) no longer holds it (history truncated).
+  vLLM and SGLang `[b"", seq, payload]`: both are accepted (`parse_replay`). A first
+  replayed seq above the one asked for means the engine's buffer (`buffer_steps`
+  batches) no longer holds it (history truncated).
 
 Payload: msgpack of the batch, an **array** `[ts, events, dp_rank]` (msgspec
 `array_like`): vLLM 0.32.0's `KVEventBatch` and SGLang's (`attn_dp_rank`) alike, seen on
@@ -18,8 +19,9 @@ the wire and in `tests/vectors/vllm_recorded.json`; a map `{ts, events,
 data_parallel_rank}` is accepted too. Each event is a tagged map (`{"type":
 "BlockStored", "block_hashes": [...], ...}`, msgspec `tag=True`, as vLLM 0.32.0 sends
 it, and SGLang 0.5.23 too: `tests/vectors/sglang_events.json`) or a tag-first array
-(`["BlockStored", block_hashes, parent_block_hash, ...]`, older builds); msgspec's `omit_defaults` leaves out default fields, so
-shorter arrays (and maps without the optional keys) are legal. Field order of the arrays:
+(`["BlockStored", block_hashes, parent_block_hash, ...]`, older builds); msgspec's
+`omit_defaults` leaves out default fields, so shorter arrays (and maps without the
+optional keys) are legal. Field order of the arrays:
 
     BlockStored      block_hashes, parent_block_hash, token_ids, block_size, lora_id,
                      medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
