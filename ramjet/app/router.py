@@ -6,8 +6,8 @@
    Retry-After; a queued one waits at most `limits.queue_timeout_s`.
 2. The body is read up to `limits.max_body_bytes` (a declared Content-Length over it is
    refused before reading anything; a chunked body is cut off as soon as it passes it),
-   then parsed once (`ramjet.request.parse`). Steps 1-2 are `ramjet.request.admission`. Every refusal is an OpenAI error object; nothing
-   is forwarded.
+   then parsed once (`ramjet.request.parse`). Steps 1-2 are `ramjet.request.admission`.
+   Every refusal is an OpenAI error object; nothing is forwarded.
 3. Views: `RequestView` from the parse; one `EngineView` per engine serving the model,
    `healthy` meaning routable now (probe ok, not ejected, not backing off; all engines
    in panic), load from the router's in-flight counters merged with the engine's signed
