@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from simulations.lineup import ENTRANTS, resolve, variant
 from simulations.preset import PRESETS, EngineSpec, engine_spec
 from simulations.report import markdown, plot, table, write_csv
 from simulations.sessions import ClosedLoop, SessionPlan, closed_loop_plan, scale_for_load, scaled
-from simulations.simulator import Knowledge, Simulation
+from simulations.simulator import Knowledge, Outcome, Simulation
 from simulations.summary import Row, bound_row, summarize
 from simulations.workload import Request, TraceError, load_trace, replicate, scale_rate
 
@@ -99,89 +100,103 @@ def closed_loop_wanted(mode: str, reqs: list[Request]) -> bool:
     return mode == "on"
 
 
+@dataclass(frozen=True, slots=True)
+class RunSetup:
+    """What every run at one load shares: the requests (scaled), the engines, the floor,
+    the TTFT target and the router's time constants (`run_row`, `checked_rows`,
+    `simulations.probes`)."""
+
+    requests: list[Request]
+    spec: EngineSpec
+    scale: float
+    block_tokens: int
+    engines: int
+    floor_: Floor
+    ttft_target_s: float
+    load: float
+    fleet_stats: FleetStatsConfig
+    loop: ClosedLoop | None
+
+    def simulation(
+        self,
+        policy: RoutingPolicy,
+        knowledge: Knowledge,
+        shared_cache: bool,
+        progress: Progress | None = None,
+    ) -> Simulation:
+        return Simulation(
+            self.requests,
+            self.spec,
+            policy,
+            block_tokens=self.block_tokens,
+            engines=self.engines,
+            knowledge=knowledge,
+            shared_cache=shared_cache,
+            progress=progress,
+            fleet_stats=self.fleet_stats,
+            loop=self.loop,
+        )
+
+    def row(self, label: str, out: Outcome) -> Row:
+        """`out` summarised as row `label`."""
+        fl = self.floor_
+        return summarize(
+            label, self.scale, self.requests, out, fl.tokens, self.ttft_target_s, self.load,
+            fl.work_s,
+        )  # fmt: skip
+
+
 def run_row(
     label: str,
     policy: RoutingPolicy,
-    run_reqs: list[Request],
-    spec: EngineSpec,
+    setup: RunSetup,
     *,
-    scale: float,
     shared_cache: bool,
     knowledge: Knowledge,
-    block_tokens: int,
-    engines: int,
-    floor_: Floor,
-    ttft_target_s: float,
-    load: float,
-    fleet_stats: FleetStatsConfig,
-    loop: ClosedLoop | None,
     progress: Progress | None = None,
 ) -> Row:
-    """One run of `policy` over `run_reqs`, summarised as row `label` (the bound and
-    replay rows of `checked_rows`, `simulations.probes --cross`)."""
-    res = Simulation(
-        run_reqs,
-        spec,
-        policy,
-        block_tokens=block_tokens,
-        engines=engines,
-        knowledge=knowledge,
-        shared_cache=shared_cache,
-        progress=progress,
-        fleet_stats=fleet_stats,
-        loop=loop,
-    ).run()
-    return summarize(label, scale, run_reqs, res, floor_.tokens, ttft_target_s, load, floor_.work_s)
+    """One run of `policy` over `setup`'s requests, summarised as row `label` (the bound
+    and replay rows of `checked_rows`, `simulations.probes --cross`)."""
+    return setup.row(label, setup.simulation(policy, knowledge, shared_cache, progress).run())
 
 
 def checked_rows(
     rows: list[Row],
-    scale: float,
-    run_reqs: list[Request],
-    spec: EngineSpec,
+    setup: RunSetup,
     *,
     decisions: dict[str, list[int]],
-    block_tokens: int,
-    engines: int,
-    floor_: Floor,
-    ttft_target_s: float,
-    load: float,
-    fleet_stats: FleetStatsConfig,
-    loop: ClosedLoop | None,
     progress: Progress | None = None,
     policies: Mapping[str, tuple[Callable[[], RoutingPolicy], Knowledge]] | None = None,
 ) -> list[Row]:
-    """The rows that bound `rows` at `scale`: each policy that beats every oracle routing
-    replayed on one shared cache (its own decisions: the oracle must bound it too) and,
-    where `policies` can build it (a maker and the knowledge it runs with), also run
-    itself on the shared cache (`oracle:run:<policy>`: in closed loop the replay's
-    arrivals are not the policy's, and the policy reacting to the shared cache can be
-    faster); then `bound:alone`, and for open-loop arrivals `bound:srpt_merged_2x`.
+    """The rows that bound `rows` at `setup.scale`: each policy that beats every oracle
+    routing replayed on one shared cache (its own decisions: the oracle must bound it
+    too) and, where `policies` can build it (a maker and the knowledge it runs with),
+    also run itself on the shared cache (`oracle:run:<policy>`: in closed loop the
+    replay's arrivals are not the policy's, and the policy reacting to the shared cache
+    can be faster); then `bound:alone`, and for open-loop arrivals `bound:srpt_merged_2x`.
     `decisions`: each policy's chosen engine per request at this scale. With
     `with_oracle` and `violations` this is the check every results table passes
     (`simulations run`, `simulations.probes`)."""
     out: list[Row] = []
+    scale, fl = setup.scale, setup.floor_
 
     def shared_run(label: str, policy: RoutingPolicy, knowledge: Knowledge) -> Row:
         if progress is not None:
             progress.label = f"{label} x{scale:g}"
         return run_row(
-            label, policy, run_reqs, spec, scale=scale, shared_cache=True, knowledge=knowledge,
-            block_tokens=block_tokens, engines=engines, floor_=floor_, ttft_target_s=ttft_target_s,
-            load=load, fleet_stats=fleet_stats, loop=loop, progress=progress,
-        )  # fmt: skip
+            label, policy, setup, shared_cache=True, knowledge=knowledge, progress=progress
+        )
 
     for name in beaten(rows, scale):  # a policy below every oracle: run it shared
         if policies is not None and name in policies:
             make, knowledge = policies[name]
             out.append(shared_run(SHARED + name, make(), knowledge))
         out.append(shared_run(REPLAY + name, Replay(name, decisions[name]), Knowledge()))
-    out.append(bound_row("bound:alone", scale, floor_.work_s, floor_.tokens, ttft_target_s, load))
-    if loop is None:  # SRPT over fixed arrivals: no bound when arrivals depend on service
-        srpt = srpt_merged(run_reqs, floor_.work_s)
-        out.append(
-            bound_row("bound:srpt_merged_2x", scale, srpt, floor_.tokens, ttft_target_s, load)
-        )
+    target, load = setup.ttft_target_s, setup.load
+    out.append(bound_row("bound:alone", scale, fl.work_s, fl.tokens, target, load))
+    if setup.loop is None:  # SRPT over fixed arrivals: no bound when arrivals depend on service
+        srpt = srpt_merged(setup.requests, fl.work_s)
+        out.append(bound_row("bound:srpt_merged_2x", scale, srpt, fl.tokens, target, load))
     return out
 
 
@@ -271,42 +286,22 @@ def cmd_run(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     for scale, load in zip(scales, loads, strict=True):
         run_reqs = scaled(plan, scale) if plan is not None else scale_rate(reqs, scale)
+        setup = RunSetup(
+            run_reqs, spec, scale, block, a.engines, fl, a.ttft_target_s, load, fleet_cfg,
+            plan.loop if plan is not None else None,
+        )  # fmt: skip
         for ent in entrants:
             progress.label = f"{ent.name} x{scale:g}"
-            sim = Simulation(
-                run_reqs,
-                spec,
-                ent.make(a.seed),
-                block_tokens=block,
-                engines=a.engines,
-                knowledge=ent.knowledge,
-                shared_cache=ent.shared_cache,
-                progress=progress,
-                fleet_stats=fleet_cfg,
-                loop=plan.loop if plan is not None else None,
-            )
+            sim = setup.simulation(ent.make(a.seed), ent.knowledge, ent.shared_cache, progress)
             out = sim.run()
             decisions[(ent.name, scale)] = out.engine
             if a.breakdown:
                 print(f"\n{ent.name} x{scale:g}: {breakdown(out, sim.loop).line()}", flush=True)
-            rows.append(
-                summarize(
-                    ent.name, scale, run_reqs, out, fl.tokens, a.ttft_target_s, load, fl.work_s
-                )
-            )
+            rows.append(setup.row(ent.name, out))
         rows += checked_rows(
             rows,
-            scale,
-            run_reqs,
-            spec,
+            setup,
             decisions={n: d for (n, x), d in decisions.items() if x == scale},
-            block_tokens=block,
-            engines=a.engines,
-            floor_=fl,
-            ttft_target_s=a.ttft_target_s,
-            load=load,
-            fleet_stats=fleet_cfg,
-            loop=plan.loop if plan is not None else None,
             progress=progress,
             policies={
                 e.name: (partial(e.make, a.seed), e.knowledge)

@@ -59,15 +59,15 @@ from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, Ro
 from ramjet.policy.cost import EngineEstimate
 from ramjet.policy.tier_aware import TierAware
 from ramjet.types import EngineId
-from simulations.__main__ import checked_rows, closed_loop_wanted, run_row
-from simulations.bounds import Floor, floor
+from simulations.__main__ import RunSetup, checked_rows, closed_loop_wanted, run_row
+from simulations.bounds import floor
 from simulations.checks import REPLAY, Replay, violations, with_oracle
 from simulations.compare import is_peer
 from simulations.lineup import ENTRANTS, Entrant, variant
-from simulations.preset import EngineSpec, engine_spec
-from simulations.sessions import ClosedLoop, closed_loop_plan, scale_for_load, scaled
-from simulations.simulator import Knowledge, Simulation
-from simulations.summary import Row, summarize
+from simulations.preset import engine_spec
+from simulations.sessions import closed_loop_plan, scale_for_load, scaled
+from simulations.simulator import Knowledge
+from simulations.summary import Row
 from simulations.workload import Request, TraceError, load_trace, scale_rate
 
 IDLE_CYCLES = 3.0
@@ -266,14 +266,7 @@ def cross_rows(
     lineup: Sequence[tuple[str, Maker]],
     flags: Mapping[str, tuple[Knowledge, bool]],
     decisions: Mapping[str, list[int]],
-    run_reqs: list[Request],
-    spec: EngineSpec,
-    block: int,
-    engines: int,
-    loop: ClosedLoop | None,
-    fl: Floor,
-    scale: float,
-    load: float,
+    setup: RunSetup,
     figures: dict[str, list[tuple[float, float, float]]],
 ) -> list[Row]:
     """`--cross`: each routing's decisions, request by request, on the other cache model.
@@ -288,9 +281,8 @@ def cross_rows(
         if label in have:
             continue
         row = run_row(
-            label, Replay(name, decisions[name]), run_reqs, spec, scale=scale,
-            shared_cache=not shared, knowledge=Knowledge(), block_tokens=block, engines=engines,
-            floor_=fl, ttft_target_s=2.0, load=load, fleet_stats=FleetStatsConfig(), loop=loop,
+            label, Replay(name, decisions[name]), setup, shared_cache=not shared,
+            knowledge=Knowledge(),
         )  # fmt: skip
         out.append(row)
         figures.setdefault(label, []).append((row.ttft_mean_s, row.ttft_p99_s, row.floor_ratio))
@@ -416,22 +408,14 @@ def main(argv: list[str] | None = None) -> int:
         fut = future_work(run_reqs, fl.work_s)
         rows: list[Row] = []
         decisions: dict[str, list[int]] = {}
+        setup = RunSetup(
+            run_reqs, spec, scale, block, a.engines, fl, 2.0, a.load, FleetStatsConfig(), loop
+        )
         for name, make in lineup:
             knowledge, shared = flags[name]
-            sim = Simulation(
-                run_reqs,
-                spec,
-                make(seed, fut),
-                block_tokens=block,
-                engines=a.engines,
-                knowledge=knowledge,
-                shared_cache=shared,
-                fleet_stats=FleetStatsConfig(),
-                loop=loop,
-            )
-            out = sim.run()
+            out = setup.simulation(make(seed, fut), knowledge, shared).run()
             decisions[name] = out.engine
-            row = summarize(name, scale, run_reqs, out, fl.tokens, 2.0, a.load, fl.work_s)
+            row = setup.row(name, out)
             rows.append(row)
             figures[name].append((row.ttft_mean_s, row.ttft_p99_s, row.floor_ratio))
             print(
@@ -440,23 +424,11 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         if a.cross:
-            rows += cross_rows(
-                rows, lineup, flags, decisions, run_reqs, spec, block, a.engines, loop, fl,
-                scale, a.load, figures,
-            )  # fmt: skip
+            rows += cross_rows(rows, lineup, flags, decisions, setup, figures)
         rows += checked_rows(
             rows,
-            scale,
-            run_reqs,
-            spec,
+            setup,
             decisions=decisions,
-            block_tokens=block,
-            engines=a.engines,
-            floor_=fl,
-            ttft_target_s=2.0,
-            load=a.load,
-            fleet_stats=FleetStatsConfig(),
-            loop=loop,
             policies={
                 name: (partial(make, seed, fut), flags[name][0])
                 for name, make in lineup

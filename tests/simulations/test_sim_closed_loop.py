@@ -291,13 +291,12 @@ def test_a_policy_below_every_oracle_routing_is_also_run_on_the_shared_cache() -
     # pretend tier_aware came out below the oracle routing
     rows[0] = replace(rows[0], ttft_mean_s=rows[1].ttft_mean_s / 2)
     ent = ENTRANTS["tier_aware"]
-    args = dict(decisions=decisions, block_tokens=BLOCK, engines=2, floor_=fl, ttft_target_s=2.0,
-                load=0.8, fleet_stats=FleetStatsConfig(), loop=plan.loop)  # fmt: skip
-    added = cli.checked_rows(rows, scale, reqs, spec(), **args)  # type: ignore[arg-type]
+    setup = cli.RunSetup(reqs, spec(), scale, BLOCK, 2, fl, 2.0, 0.8, FleetStatsConfig(), plan.loop)
+    added = cli.checked_rows(rows, setup, decisions=decisions)
     assert [r.policy for r in added] == ["oracle:as:tier_aware", "bound:alone"]
     added = cli.checked_rows(
-        rows, scale, reqs, spec(), policies={"tier_aware": (lambda: ent.make(0), ent.knowledge)},
-        **args,  # type: ignore[arg-type]
+        rows, setup, decisions=decisions,
+        policies={"tier_aware": (lambda: ent.make(0), ent.knowledge)},
     )  # fmt: skip
     names = [r.policy for r in added]
     assert names == ["oracle:run:tier_aware", "oracle:as:tier_aware", "bound:alone"]
