@@ -263,15 +263,18 @@ class PriorityHints:
         fleet: FleetStats,
         session_key: str,
         age_s: float = 0.0,
+        work_s: float | None = None,
     ) -> tuple[bytes, PriorityHint | None]:
         """The body to forward and the hint (None: the engine is in no active pool).
-        `age_s`: seconds since the request arrived (the key uses the arrival time)."""
+        `age_s`: seconds since the request arrived (the key uses the arrival time).
+        `work_s`: the predicted work on `view`'s engine where the caller already read it
+        (`decided_work`); None: `work_on` finds it."""
         if view is None:
             return parsed.body, None
         pool = self._by_engine.get(view.id)
         if pool is None:
             return parsed.body, None
-        work = self.work_on(rv, view, outcome, fleet)
+        work = work_s if work_s is not None else self.work_on(rv, view, outcome, fleet)
         key = hint_key_ms(work, pool.aging, self._wall() - age_s, pool.horizon_s)
         has_client = "priority" in parsed.json
         client = parsed.json.get("priority") if has_client else None

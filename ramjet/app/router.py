@@ -277,7 +277,9 @@ class Router:
         body, hint = parsed.body, None
         if self.priority:  # priority hints (`ramjet.app.priority`): the body changes if sent
             age = self.clock() - t0
-            body, hint = self.priority.apply(parsed, rv, live, outcome, fleet, session_key, age)
+            body, hint = self.priority.apply(
+                parsed, rv, live, outcome, fleet, session_key, age, routed_work
+            )
             if hint is not None and hint.sent:
                 self.priority.track(hint, request_id, t0, new)
         return await self._forward(
