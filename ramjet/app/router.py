@@ -39,7 +39,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -262,12 +261,12 @@ class Router:
                     status=exc.status, body=exc.to_openai_json(), content_type="application/json"
                 )
         rv = to_request_view(parsed, request_id)
-        fleet = fleet_stats(t0, self.arrivals, self.accounting.waits, self.work_rates)
         session_key = parsed.session or (
             str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
         )
-        if self.priority.queues:  # engines that serve by the hint's key (`ramjet.app.priority`)
-            fleet = replace(fleet, keyed=self.priority.keyed(views, session_key))
+        # engines that serve by the hint's key (`ramjet.app.priority`), where any pool does
+        keyed = self.priority.keyed(views, session_key) if self.priority.queues else None
+        fleet = fleet_stats(t0, self.arrivals, self.accounting.waits, self.work_rates, keyed)
         outcome = self.modes.decide(rv, views, fleet, session_key)
         live = next((v for v in views if v.id == outcome.live.engine), None)
         new = uncached_prompt_tokens(rv, live) if live is not None else parsed.prompt_tokens

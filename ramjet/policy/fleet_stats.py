@@ -121,14 +121,20 @@ class WorkRates:
 
 
 def fleet_stats(
-    now: float, arrivals: ArrivalRate, waits: MeanWait, work: WorkRates | None = None
+    now: float,
+    arrivals: ArrivalRate,
+    waits: MeanWait,
+    work: WorkRates | None = None,
+    keyed: Mapping[EngineId, KeyedQueue] | None = None,
 ) -> FleetStats:
-    """The snapshot a policy is given: λ, W and the engines' work rates as of `now`."""
+    """The snapshot a policy is given: λ, W and the engines' work rates as of `now`, and
+    the engines that serve by key (`FleetStats.keyed`) where the caller has them."""
     return FleetStats(
         now_s=now,
         arrival_rate_per_s=arrivals.rate(now),
         mean_wait_s=waits.mean(),
         work_rate=work.rates(now) if work is not None else {},
+        keyed=keyed if keyed is not None else {},
     )
 
 
