@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, Ro
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.tier_aware import TierAware
 from simulations.simulator import Outcome
+from simulations.summary import percentile
 
 
 @dataclass
@@ -129,7 +129,7 @@ def run(trace: str, scheduler: str, seed: int, keyed: bool) -> list[str]:
     for i in sorted(range(len(reqs)), key=lambda i: out.arrival[i]):
         by_engine.setdefault(out.engine[i], []).append(i)
     tt = sorted(out.ttft[i] for i in measured)
-    p99 = tt[min(len(tt) - 1, math.ceil(0.99 * len(tt)) - 1)]
+    p99 = percentile(tt, 99)
     pred = dict(zip(measured, (c.wait_s for c in choice), strict=True))
     mean = statistics.fmean
     label = "keyed wait" if keyed else "FCFS wait "
