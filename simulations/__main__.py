@@ -15,7 +15,7 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -98,6 +98,15 @@ def closed_loop_wanted(mode: str, reqs: list[Request]) -> bool:
     if mode == "auto":
         return bool(reqs) and all(r.session is not None and r.turn is not None for r in reqs)
     return mode == "on"
+
+
+def open_loop_scale(
+    reqs: list[Request], work_s: Sequence[float], load: float, engines: int
+) -> float:
+    """The rate scale (4 decimals) at which open-loop arrivals offer `load` relative to
+    the floor's work: floor seconds / (engines · span / scale)."""
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    return round(load * engines * span / sum(work_s), 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,11 +257,9 @@ def cmd_run(a: argparse.Namespace) -> int:
                 else a.rate_scale
             )
         else:
-            span = reqs[-1].arrival_s - reqs[0].arrival_s
             loads = a.load or [math.nan] * len(a.rate_scale)
-            # offered load relative to the floor's work: floor seconds / (engines · span / scale)
             scales = (
-                [round(x * a.engines * span / sum(fl.work_s), 4) for x in a.load]
+                [open_loop_scale(reqs, fl.work_s, x, a.engines) for x in a.load]
                 if a.load
                 else a.rate_scale
             )

@@ -59,7 +59,13 @@ from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, Ro
 from ramjet.policy.cost import EngineEstimate
 from ramjet.policy.tier_aware import TierAware
 from ramjet.types import EngineId
-from simulations.__main__ import RunSetup, checked_rows, closed_loop_wanted, run_row
+from simulations.__main__ import (
+    RunSetup,
+    checked_rows,
+    closed_loop_wanted,
+    open_loop_scale,
+    run_row,
+)
 from simulations.bounds import floor
 from simulations.checks import REPLAY, Replay, violations, with_oracle
 from simulations.compare import is_peer
@@ -402,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             run_reqs, loop = scaled(plan, scale), plan.loop
         else:  # open loop (no sessions with turns), as `simulations run` replays it
             fl = floor(reqs, spec.profile)
-            span = reqs[-1].arrival_s - reqs[0].arrival_s
-            scale = round(a.load * a.engines * span / sum(fl.work_s), 4)
+            scale = open_loop_scale(reqs, fl.work_s, a.load, a.engines)
             run_reqs = scale_rate(reqs, scale)
         fut = future_work(run_reqs, fl.work_s)
         rows: list[Row] = []
