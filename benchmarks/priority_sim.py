@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ramjet.config import PriorityConfig
 from ramjet.policy.base import RoutingPolicy
+from simulations.__main__ import open_loop_scale
 from simulations.bounds import floor
 from simulations.checks import violations
 from simulations.lineup import resolve
@@ -139,13 +140,12 @@ class Workload:
             reqs = reqs[: len(reqs) // 2]
         self.reqs: list[Request] = reqs
         self.fl = floor(reqs, spec.profile)
-        span = reqs[-1].arrival_s - reqs[0].arrival_s
         self.scales: dict[float, float] = {}
         for x in case.loads:
             if self.plan is not None:
                 self.scales[x] = round(scale_for_load(self.plan, self.fl.work_s, x, 2), 4)
             else:
-                self.scales[x] = round(x * 2 * span / sum(self.fl.work_s), 4)
+                self.scales[x] = open_loop_scale(reqs, self.fl.work_s, x, 2)
 
     def at(self, load: float) -> list[Request]:
         s = self.scales[load]
