@@ -18,7 +18,7 @@ from ramjet.policy.cost import (
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 from ramjet.policy.registry import create_policy
 from ramjet.policy.tier_aware import TierAware, TierAwareParams
-from ramjet.types import TrustGrade
+from ramjet.types import EngineId, TrustGrade
 
 # Round figures: 10k tokens/s flat, 20 ms replay floor, 1000 bytes/token,
 # host 1 GB/s + 1 ms, SSD 100 MB/s + 5 ms.
@@ -430,3 +430,25 @@ def test_a_packing_engine_adds_the_prompts_routed_there_meanwhile() -> None:
     assert {c["packing_s"] for c in per_job.values()} == {0.0}
     none = packed.pick(request(100), [a, b], FleetStats()).components
     assert {c["packing_s"] for c in none.values()} == {0.0}
+
+
+def test_components_are_the_estimates_own_sums_exactly() -> None:
+    # `components()` adds work, TTFT and cost inline (once per engine per decision): its
+    # figures must be the properties' to the last bit, with every term non-zero
+    a = engine("a", hbm=1024, host=1024, ssd=512, queued=3000, inflight=3)
+    b = engine("b", hbm=256, queued=500, inflight=1)
+    fleet = FleetStats(
+        now_s=5.0,
+        arrival_rate_per_s=4.0,
+        mean_wait_s=0.3,
+        work_rate={EngineId("a"): 0.4, EngineId("b"): 0.7},
+    )
+    sess = {EngineId("a"): 0.05, EngineId("b"): 0.02}
+    ests = estimate(request(4096), [a, b], fleet, per_job=False, session_s=sess)
+    for e in ests:
+        c = e.components()
+        assert e.packing_s > 0 and e.session_s > 0 and e.work.restore_s + e.work.replay_s > 0
+        assert c["work_s"] == e.work.work_s
+        assert c["ttft_s"] == e.ttft_s
+        assert c["cost_s"] == e.cost_s
+    assert any(e.externality_s > 0 for e in ests)
