@@ -185,7 +185,10 @@ def test_accounting_feeds_mean_wait_and_downstream(tmp_path: Path) -> None:
 
 class _OldAccounting(Accounting):
     """`_measure` as it was before the per-mode children (commit 6d46593): the reference
-    the rendered metrics are compared against."""
+    the rendered metrics are compared against, step by step (which series exist after each
+    record, every bucket). Its engine-side part (usage, waits, realized tokens) is today's
+    code unchanged, copied so the method stays whole. A deliberate change to `_measure`'s
+    series changes this reference with it."""
 
     def _measure(self, record: DecisionRecord, realized: Any) -> None:
         from ramjet.decisions.log import predicted_for, realized_ttft
@@ -243,8 +246,8 @@ class _OldAccounting(Accounting):
 
 def test_metrics_render_the_same_as_before_the_per_mode_children() -> None:
     """The same 600 varied records (three modes, with and without a candidate, agreeing or
-        not, 2xx/4xx/5xx, stream or not, usage missing, a zero TTFT, no resume prediction)
-        through today's accounting and the old one: /metrics is byte-identical after each (but
+    not, 2xx/4xx/5xx, stream or not, usage missing, a zero TTFT, no resume prediction)
+    through today's accounting and the old one: /metrics is byte-identical after each (but
     for the series' creation times)."""
     import dataclasses
     import random
