@@ -165,15 +165,18 @@ _COMPLETION_FIELDS: tuple[tuple[str, _Check, str, int | None], ...] = (
 
 
 _FieldSpec = tuple[str, _Check, str, int | None]
-_BY_NAME: dict[int, dict[str, _FieldSpec]] = {
-    id(t): {f[0]: f for f in t} for t in (_COMMON_FIELDS, _CHAT_FIELDS, _COMPLETION_FIELDS)
-}
-"""The module's field tables (alive for good, so their ids stay theirs): specs by name."""
+# Each table's specs by name, for a body with fewer keys than the table has fields.
+_COMMON_BY_NAME = {f[0]: f for f in _COMMON_FIELDS}
+_CHAT_BY_NAME = {f[0]: f for f in _CHAT_FIELDS}
+_COMPLETION_BY_NAME = {f[0]: f for f in _COMPLETION_FIELDS}
 
 
-def _check_fields(obj: Mapping[str, Any], fields: Sequence[_FieldSpec]) -> None:
-    by_name = _BY_NAME.get(id(fields))
-    if by_name is not None and len(obj) < len(fields):  # visit the body's keys only
+def _check_fields(
+    obj: Mapping[str, Any], fields: Sequence[_FieldSpec], by_name: Mapping[str, _FieldSpec]
+) -> None:
+    """Raise for the first of `fields` (in table order) that `obj` sets badly; `by_name`:
+    the same specs by name."""
+    if len(obj) < len(fields):  # visit the body's keys only
         for k, v in obj.items():
             spec = by_name.get(k)
             if spec is not None and v is not None:
@@ -304,11 +307,11 @@ def parse_request(
         raise _bad("invalid_type", f"'model' must be a string, got {_type_name(model)}", "model")
     if not model:
         raise _bad("invalid_value", "'model' must not be empty", "model")
-    _check_fields(obj, _COMMON_FIELDS)
+    _check_fields(obj, _COMMON_FIELDS, _COMMON_BY_NAME)
 
     try:
         if kind == "chat":
-            _check_fields(obj, _CHAT_FIELDS)
+            _check_fields(obj, _CHAT_FIELDS, _CHAT_BY_NAME)
             messages = obj.get("messages")
             if messages is None:
                 raise _bad("missing_required_parameter", "'messages' is required", "messages")
@@ -323,7 +326,7 @@ def parse_request(
             if max_tokens is None:
                 max_tokens = obj.get("max_tokens")
         else:
-            _check_fields(obj, _COMPLETION_FIELDS)
+            _check_fields(obj, _COMPLETION_FIELDS, _COMPLETION_BY_NAME)
             if "prompt" not in obj or obj["prompt"] is None:
                 raise _bad("missing_required_parameter", "'prompt' is required", "prompt")
             rendered = render_completion(obj["prompt"])
