@@ -37,19 +37,19 @@ from ramjet.request.client import FRAMING_BYTES, ClientRequest, FastRequest, Fas
 from ramjet.request.openai_errors import error_body
 from ramjet.types import EngineId
 
-_FRAMING_BYTES = FRAMING_BYTES
-
 
 class _Relay:
-    """A `FastResponse`'s body pieces written from the engine connection's callback
-    (`UpstreamResponse.set_sink`) while the client takes them without waiting: no
-    reader wake-up, no coroutine step per piece. A piece that would wait (the client's
-    buffer is full or paused), the last piece, and every piece while any is buffered go
-    through the coroutine's loop as before, with its backpressure and send deadline."""
+    """What a response's body has sent (`add`: bytes out, the response tail, the last 2
+    bytes), and for a `FastResponse` its body pieces written from the engine
+    connection's callback (`take`, given to `UpstreamResponse.set_sink`) while the client
+    takes them without waiting: no reader wake-up, no coroutine step per piece. A piece
+    that would wait (the client's buffer is full or paused), the last piece, and every
+    piece while any is buffered go through the coroutine's loop as before, with its
+    backpressure and send deadline."""
 
     __slots__ = ("high", "res", "resp", "tail")
 
-    def __init__(self, resp: FastResponse, res: ForwardResult, high: int) -> None:
+    def __init__(self, resp: FastResponse | None, res: ForwardResult, high: int) -> None:
         self.resp = resp
         self.res = res
         self.high = high
@@ -63,7 +63,8 @@ class _Relay:
         self.tail = chunk[-2:] if len(chunk) >= 2 else (self.tail + chunk)[-2:]
 
     def take(self, chunk: bytes) -> bool:
-        if not self.resp.write_now(chunk, self.high):
+        resp = self.resp
+        if resp is None or not resp.write_now(chunk, self.high):
             return False
         self.add(chunk)
         return True
@@ -116,17 +117,16 @@ class StreamWriter:
         # The last piece ends the body in the same write (for a chunked body, with the
         # terminator); a length-framed body only once it is complete.
         length = upstream.content_length
-        tail = b"\n\n"
-        high = self._cfg.limits.stream_buffer_bytes
-        relay = _Relay(resp, res, high) if isinstance(resp, FastResponse) else None
-        direct = upstream if relay is not None and isinstance(upstream, UpstreamResponse) else None
+        fast = resp if isinstance(resp, FastResponse) else None
+        relay = _Relay(fast, res, self._cfg.limits.stream_buffer_bytes)
+        direct = upstream if fast is not None and isinstance(upstream, UpstreamResponse) else None
         try:
             if not isinstance(request, FastRequest):
                 await resp.prepare(request)
             chunk = first
             # Headers leave with the first piece (`_Passthrough`): count them against
             # the write buffer once.
-            extra = _FRAMING_BYTES + sum(len(k) + len(v) + 4 for k, v in out_headers.items())
+            extra = FRAMING_BYTES + sum(len(k) + len(v) + 4 for k, v in out_headers.items())
             while chunk:
                 last = content.at_eof() and (length is None or res.bytes_out + len(chunk) >= length)
                 if not await self._send(request, resp, chunk, last, extra):
@@ -136,17 +136,12 @@ class StreamWriter:
                     if request.transport is not None:
                         request.transport.abort()
                     return resp
-                extra = _FRAMING_BYTES
+                extra = FRAMING_BYTES
                 if res.ttft_s is None:
                     res.ttft_s = time.monotonic() - t0
-                    if direct is not None and relay is not None and not last:
+                    if direct is not None and not last:
                         direct.set_sink(relay.take)  # the head has gone (`_Relay`)
-                if relay is not None:
-                    relay.add(chunk)
-                else:
-                    res.bytes_out += len(chunk)
-                    res.tail.add(chunk)
-                    tail = chunk[-2:] if len(chunk) >= 2 else (tail + chunk)[-2:]
+                relay.add(chunk)
                 if last:
                     break
                 try:
@@ -172,9 +167,7 @@ class StreamWriter:
             if not exchange.shutdown:
                 self._fleet.record(engine, Outcome.FAILURE)
                 self._metrics.upstream_errors.labels(engine=engine.id, kind=exc.kind).inc()
-            if relay is not None:
-                tail = relay.tail
-            await self._end_cut(request, resp, sse, tail, engine.id, reason)
+            await self._end_cut(request, resp, sse, relay.tail, engine.id, reason)
             return resp
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             res.end = "client_gone"
