@@ -20,7 +20,9 @@ engines' prefill speed measured at start, so the hint is in the engines' seconds
 - `fcfs`: engines `--scheduling-policy fcfs`, the router's priority pool in `observe`
   (hints computed and logged, never sent);
 - `priority:chunk` / `priority:vllm`: engines `--scheduling-policy priority
-  --priority-variant chunk|vllm`, the pool `on` (convention reference, aging --aging).
+  --priority-variant chunk|vllm`, the pool `on` (convention reference, aging --aging);
+  with `--fcfs-wait` each again with the pool's `keyed_wait: false` (`:fcfs-wait`), with
+  `--free-jumps` with `charge_jumps: false` (`:free-jumps`).
 
 The workload (seeded, the same in every mode): `--sessions` chat sessions of `--turns`
 turns each (a session's system prompt, then short user turns; turn k+1 is sent
@@ -271,6 +273,9 @@ def router(policy: dict[str, Any], tmp: Path) -> Iterator[str]:
 FCFS_WAIT = ":fcfs-wait"
 """Mode suffix: the pool's `keyed_wait` off, so routing prices FCFS waits although the
 engines serve by key (the router before its priority-aware wait)."""
+FREE_JUMPS = ":free-jumps"
+"""Mode suffix: the keyed wait with the pool's `charge_jumps` off (a request's cost does
+not carry what the requests it overtakes wait longer)."""
 
 
 def hints_sent(url: str) -> int:
@@ -335,6 +340,7 @@ def run_mode(
                     "aging": a.aging,
                     "horizon_s": a.horizon,
                     "keyed_wait": not name.endswith(FCFS_WAIT),
+                    "charge_jumps": not name.endswith(FREE_JUMPS),
                 }
             ],
             "timeouts": {"first_byte_s": 600, "idle_s": 600},
@@ -409,6 +415,7 @@ def run_mode_vllm(
                 "aging": a.aging,
                 "horizon_s": a.horizon,
                 "keyed_wait": not name.endswith(FCFS_WAIT),
+                "charge_jumps": not name.endswith(FREE_JUMPS),
             }
         ],
         "timeouts": {"first_byte_s": 600, "idle_s": 600},
@@ -502,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also run each priority mode with routing that prices FCFS waits (keyed_wait off)",
     )
     p.add_argument(
+        "--free-jumps",
+        action="store_true",
+        help="also run each priority mode with the keyed wait but jumps free (charge_jumps off)",
+    )
+    p.add_argument(
         "--engine",
         choices=["reference", "vllm"],
         default="reference",
@@ -514,8 +526,11 @@ def main(argv: list[str] | None = None) -> int:
         modes = ["fcfs", "priority"]
     else:
         modes = ["fcfs"] + [f"priority:{v}" for v in a.variants.split(",") if v]
+    prio = modes[1:]
     if a.fcfs_wait:
-        modes += [m + FCFS_WAIT for m in modes[1:]]
+        modes += [m + FCFS_WAIT for m in prio]
+    if a.free_jumps:
+        modes += [m + FREE_JUMPS for m in prio]
     results = [ModeResult(m) for m in modes]
     prof: dict[str, Any] | None = None
     t0 = time.perf_counter()

@@ -154,11 +154,28 @@ class Workload:
 
 KEYED = "+keyed"
 """Suffix of a policy run with the cost model's priority-aware wait (`FleetStats.keyed`:
-the router's view of a pool in mode `on`); without it the policy prices FCFS waits."""
+the router's view of a pool in mode `on`) and jumps free (`charge_jumps: false`);
+without it the policy prices FCFS waits."""
+JUMPS = "+keyed+jumps"
+"""Suffix of a policy run with the keyed wait and each jump charged to the cost
+(`KeyedQueue.charge_jumps`, `ramjet.policy.cost.jump_seconds`)."""
+WAITS = ("", KEYED, JUMPS)
+"""tier_aware's routing variants on a priority engine: FCFS wait, keyed wait, keyed wait
+with the jump charge."""
 LWF_REFERENCE = "oracle:tier_aware"
 """The perfect-knowledge reference: the shared-cache oracle's routing, on each engine
 model's priority scheduler with aging 0 (least predicted work first; on the chunk-
 preemptive engine, shortest remaining work first at chunk granularity)."""
+
+
+def trace_names(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """`--traces`' comma-separated names, each a `CASES` name (else a usage error)."""
+    names = {c.name for c in CASES}
+    traces = text.split(",")
+    bad = [t for t in traces if t not in names]
+    if bad:
+        ap.error(f"unknown trace(s) {bad}; known: {sorted(names)}")
+    return traces
 
 
 def simulate(
@@ -170,11 +187,13 @@ def simulate(
     horizon: float | None = None,
     wrap: Callable[[RoutingPolicy], RoutingPolicy] | None = None,
 ) -> tuple[list[Request], EngineSpec, Outcome]:
-    """One run of `policy` (a lineup name, `KEYED` for the keyed wait) on two engines;
-    `wrap`: what routes, given the lineup's policy (benchmarks/priority_tail.py records
-    its decisions)."""
-    keyed = policy.endswith(KEYED)
-    [ent] = resolve(policy.removesuffix(KEYED))
+    """One run of `policy` (a lineup name, + `KEYED` or `JUMPS` for the keyed wait) on two
+    engines; `wrap`: what routes, given the lineup's policy (benchmarks/priority_tail.py
+    records its decisions)."""
+    charged = policy.endswith(JUMPS)
+    name = policy.removesuffix(JUMPS) if charged else policy
+    keyed = charged or name.endswith(KEYED)
+    [ent] = resolve(name.removesuffix(KEYED))
     # replace(): engine_spec drops None overrides, and None here means "no horizon"
     spec = replace(engine_spec(scheduler=scheduler, aging=aging), horizon_s=horizon)
     reqs = w.at(load)
@@ -189,6 +208,7 @@ def simulate(
         shared_cache=ent.shared_cache,
         loop=w.plan.loop if w.plan is not None else None,
         keyed_wait=keyed,
+        charge_jumps=charged,
     )
     return reqs, spec, sim.run()
 
@@ -272,7 +292,7 @@ def verdicts(rows: list[Result], load: float) -> list[str]:
         if ta_fcfs is None or not peers:
             continue
         best = min(peers, key=lambda r: r.mean_s)
-        for pol in ("tier_aware", "tier_aware" + KEYED):
+        for pol in ("tier_aware" + v for v in WAITS):
             ta = _find(rows, load, pol, prio)
             if ta is None:
                 continue
@@ -550,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                 plan.append((case, x, "tier_aware", sch, DEFAULT_AGING, DEFAULT_HORIZON))
             for sch in ("priority", "vllm-priority"):
                 plan.append((case, x, "prefix_affinity", sch, DEFAULT_AGING, DEFAULT_HORIZON))
-                plan.append((case, x, "tier_aware" + KEYED, sch, DEFAULT_AGING, DEFAULT_HORIZON))
+                for v in (KEYED, JUMPS):
+                    plan.append((case, x, "tier_aware" + v, sch, DEFAULT_AGING, DEFAULT_HORIZON))
                 if x == case.loads[1]:
                     plan.append((case, x, LWF_REFERENCE, sch, 0.0, None))
         if not a.no_sweep:

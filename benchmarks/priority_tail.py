@@ -1,7 +1,8 @@
 """Why routing with the keyed wait raises the agent traces' p99 (docs/priority.md, "Why the
 keyed wait costs the agent traces' tail"): tier_aware routed with FCFS waits against the
-keyed wait (`Simulation(keyed_wait=True)`), both on the same priority engine, at each
-trace's middle load, per closed-loop seed.
+keyed wait (`Simulation(keyed_wait=True, charge_jumps=False)`) and the keyed wait with
+each jump charged (`charge_jumps=True`, `ramjet.policy.cost.jump_seconds`), all on the
+same priority engine, at each trace's middle load, per closed-loop seed.
 
     .venv/bin/python benchmarks/priority_tail.py [--traces taubench,miniswe] [--seeds 0,1]
 
@@ -13,7 +14,8 @@ router's predicted wait against the wait before the first prefill chunk. With th
 wait, each decision is also priced with FCFS waits (the same policy's `estimates` with
 `FleetStats.keyed` empty) to count the decisions the keyed wait changes: how often its
 choice is the engine with more queued prompt tokens, and how many queued requests it
-jumps there (queued, not started, with a higher key). Simulated time; everything is the
+jumps there (`ramjet.policy.cost.keyed_jumped`: queued with a higher key, or a started
+prefill with a higher key where the engine preempts). Simulated time; everything is the
 repository's simulator and cost model.
 """
 
@@ -29,8 +31,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.priority_sim import CASES, DEFAULT_AGING, DEFAULT_HORIZON, KEYED, Workload, simulate
+from benchmarks.priority_sim import (
+    CASES,
+    DEFAULT_AGING,
+    DEFAULT_HORIZON,
+    JUMPS,
+    KEYED,
+    WAITS,
+    Workload,
+    simulate,
+    trace_names,
+)
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView, RoutingPolicy
+from ramjet.policy.cost import keyed_jumped
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.tier_aware import TierAware
 from simulations.simulator import Outcome
@@ -49,7 +62,7 @@ class Choice:
     busier: bool = False
     """The chosen engine had more queued prompt tokens than the other."""
     jumped: int = 0
-    """Queued (not started) requests with a higher key on the chosen engine."""
+    """Requests the choice overtakes on its engine (`keyed_jumped`)."""
 
 
 @dataclass
@@ -74,7 +87,7 @@ class Recorder:
             q = fleet.keyed[d.engine]
             key = hint_key_s(comp["work_s"], q.aging, fleet.now_s, q.horizon_s)
             c.differs = fcfs != d.engine
-            c.jumped = sum(1 for k, _, started in q.entries if not started and k > key)
+            c.jumped = keyed_jumped(q, key)
             queued = {e.id: e.load.queued_prompt_tokens or 0 for e in engines}
             mine = queued.pop(d.engine)
             c.busier = mine > max(queued.values(), default=0)
@@ -97,7 +110,11 @@ def _overtaken(out: Outcome, i: int, by_engine: dict[int, list[int]]) -> tuple[i
     return n, tokens
 
 
-def run(trace: str, scheduler: str, seed: int, keyed: bool) -> list[str]:
+LABELS = {"": "FCFS wait       ", KEYED: "keyed wait      ", JUMPS: "keyed+jump charge"}
+
+
+def run(trace: str, scheduler: str, seed: int, variant: str) -> list[str]:
+    """One run; `variant`: one of `WAITS` ("" FCFS wait, `KEYED`, `JUMPS`)."""
     [case] = [c for c in CASES if c.name == trace]
     w = Workload(case, False, seed)
     load = case.loads[1]
@@ -108,7 +125,7 @@ def run(trace: str, scheduler: str, seed: int, keyed: bool) -> list[str]:
         recs.append(Recorder(policy))
         return recs[-1]
 
-    name = "tier_aware" + (KEYED if keyed else "")
+    name = "tier_aware" + variant
     reqs, _, out = simulate(w, load, name, scheduler, DEFAULT_AGING, DEFAULT_HORIZON, wrap)
     [rec] = recs
     if len(rec.choices) != len(reqs):
@@ -132,7 +149,7 @@ def run(trace: str, scheduler: str, seed: int, keyed: bool) -> list[str]:
     p99 = percentile(tt, 99)
     pred = dict(zip(measured, (c.wait_s for c in choice), strict=True))
     mean = statistics.fmean
-    label = "keyed wait" if keyed else "FCFS wait "
+    label = LABELS[variant]
     lines = [
         f"{trace} seed {seed} {scheduler} {label}: mean {mean(tt):.4f} p99 {p99:.4f} "
         f"moves {sum(moved.get(i, False) for i in measured)} of {len(measured)}"
@@ -147,7 +164,7 @@ def run(trace: str, scheduler: str, seed: int, keyed: bool) -> list[str]:
             f"predicted wait {mean(pred[i] for i in sel):.4f} s, "
             f"wait {mean(out.wait[i] for i in sel):.4f} s, ttft {mean(out.ttft[i] for i in sel):.4f} s"
         )
-    if keyed:
+    if variant:
         diff = [c for c in choice if c.differs]
         if diff:
             lines.append(
@@ -166,11 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--schedulers", default="priority,vllm-priority")
     args = ap.parse_args(argv)
-    names = {c.name for c in CASES}
-    traces = args.traces.split(",")
-    bad = [t for t in traces if t not in names]
-    if bad:
-        ap.error(f"unknown trace(s) {bad}; known: {sorted(names)}")
+    traces = trace_names(ap, args.traces)
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
@@ -178,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     for trace in traces:
         for seed in seeds:
             for scheduler in args.schedulers.split(","):
-                for keyed in (False, True):
-                    print("\n".join(run(trace, scheduler, seed, keyed)), flush=True)
+                for variant in WAITS:
+                    print("\n".join(run(trace, scheduler, seed, variant)), flush=True)
     return 0
 
 

@@ -219,6 +219,10 @@ class PriorityConfig(_Frozen):
     """mode on: routing knows these engines serve by the hint's key, so the cost model
     prices a request's wait by the work queued there with a lower key
     (`ramjet.policy.cost.keyed_wait`); false: it prices FCFS waits."""
+    charge_jumps: bool = True
+    """With keyed_wait: a request's cost also carries what each queued request it would
+    overtake waits longer, its service time (`ramjet.policy.cost.jump_seconds`, part of
+    the externality); false: jumps are free (docs/priority.md)."""
 
     @model_validator(mode="after")
     def _horizon_needs_aging(self) -> PriorityConfig:

@@ -34,13 +34,21 @@ class Floor:
         return sum(self.new_tokens)
 
 
-def floor(requests: Sequence[Request], profile: EngineProfile) -> Floor:
+def floor(requests: Sequence[Request], profile: EngineProfile, any_order: bool = False) -> Floor:
+    """Bound 1 per request. `any_order`: a block counts as cached when any *other* request
+    holds it, earlier or later in the list (a closed loop's list order is not the order
+    every schedule runs it in), so the bound holds whatever order requests start in."""
     seen: set[PrefixKey] = set()
+    others: dict[PrefixKey, int] = {}
+    if any_order:
+        for r in requests:
+            for k in set(r.block_keys):
+                others[k] = others.get(k, 0) + 1
     work, new = [], []
     for r in requests:
         g = 0
         for i, k in enumerate(r.block_keys):
-            if k not in seen:
+            if (others.get(k, 0) < 2) if any_order else (k not in seen):
                 break
             g += r.block_tokens[i]
         g = min(g, r.prompt_tokens)

@@ -154,15 +154,17 @@ class Engine:
     def waiting(self) -> int:
         return len(self.heap) if self.priority else len(self.fifo)
 
-    def keyed_queue(self) -> KeyedQueue:
+    def keyed_queue(self, charge_jumps: bool = True) -> KeyedQueue:
         """A priority engine's queue as the cost model's priority-aware wait reads it
         (`FleetStats.keyed`): each job's key and predicted tokens left; the job in
-        prefill is the started one."""
+        prefill is the started one. `charge_jumps`: `KeyedQueue.charge_jumps`."""
         entries = [(j.key, j.predicted_new, False) for _, _, j in self.heap]
         cur = self.current
         if cur is not None:
             entries.append((cur.key, cur.predicted_new, True))
-        return KeyedQueue(self.spec.aging, self.spec.horizon_s, self.preempt, tuple(entries))
+        return KeyedQueue(
+            self.spec.aging, self.spec.horizon_s, self.preempt, tuple(entries), charge_jumps
+        )
 
     def submit(self, job: Job, now: float) -> None:
         pending = self.pending

@@ -14,7 +14,7 @@ own estimators with the router's time constants (`FleetStatsConfig`, the policy 
 prefill started, sampled when it starts. With `keyed_wait` on a priority scheduler,
 `FleetStats.keyed` also holds each engine's queue by key (`Engine.keyed_queue`), as the
 router's does for a pool in mode `on`, so the cost model prices waits as the engine will
-serve them. Then it calls `policy.pick` and enqueues the request on the engine it names.
+serve them (and, with `charge_jumps`, charges the jumps; `KeyedQueue.charge_jumps`). Then it calls `policy.pick` and enqueues the request on the engine it names.
 
 Knowledge (what residency the policy sees): "exact" (the caches), "hbm_only",
 "routed" (a `RoutedIndex` per engine fed by this run's decisions), or "none". The
@@ -121,11 +121,15 @@ class Simulation:
         fleet_stats: FleetStatsConfig = FleetStatsConfig(),
         loop: ClosedLoop | None = None,
         keyed_wait: bool = False,
+        charge_jumps: bool = True,
     ) -> None:
         self.requests = requests
         self.keyed_wait = keyed_wait and spec.scheduler in ("priority", "vllm-priority")
         """The policy is told that the engines serve by the hint's key (`FleetStats.keyed`,
         as the router does for a pool in mode `on`): the cost model's priority-aware wait."""
+        self.charge_jumps = charge_jumps
+        """With `keyed_wait`: the cost charges each jump (`KeyedQueue.charge_jumps`), as the
+        router does for a pool with `charge_jumps: true`."""
         self.spec = spec
         self.policy = policy
         self.clock = Clock()
@@ -266,7 +270,8 @@ class Simulation:
         self.estimators.arrive(now)
         fleet = self.estimators.stats(now)
         if self.keyed_wait:
-            fleet = replace(fleet, keyed={e.id: e.keyed_queue() for e in self.engines})
+            charge = self.charge_jumps
+            fleet = replace(fleet, keyed={e.id: e.keyed_queue(charge) for e in self.engines})
         decision = self.policy.pick(request_view(req), self._views(now), fleet)
         idx = self.index_of[decision.engine]
         engine = self.engines[idx]

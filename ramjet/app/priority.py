@@ -198,7 +198,7 @@ class PriorityHints:
         self._wall = wall
         self.queues = KeyedQueues(
             {
-                EngineId(e): (p.aging, p.horizon_s, p.convention != "vllm")
+                EngineId(e): (p.aging, p.horizon_s, p.convention != "vllm", p.charge_jumps)
                 for p in pools
                 if p.mode == "on" and p.keyed_wait
                 for e in p.engines

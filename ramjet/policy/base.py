@@ -146,6 +146,9 @@ class KeyedQueue:
     entries: tuple[tuple[float, int, bool], ...] = ()
     """(key_s, predicted uncached prompt tokens left, started) per request waiting or in
     prefill; the key in the clock of `FleetStats.now_s`."""
+    charge_jumps: bool = True
+    """The cost charges each request this one would overtake here its service time
+    (`ramjet.policy.cost.jump_seconds`, part of the externality); False: jumps are free."""
 
 
 @dataclass(frozen=True, slots=True)

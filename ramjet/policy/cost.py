@@ -44,13 +44,20 @@ For request r (n prompt tokens) on engine e, with profile P:
   does, and any outstanding work without a known key (`keyed_ahead`); on a one-job-per-
   step engine, later arrivals with a lower key overtake it: + ρ_e · min(wait_e, h/aging,
   horizon) (`keyed_wait`). Absent from `keyed`: the FCFS wait above.
+- Jumps: on such an engine r overtakes the queued requests with a higher key (and, where
+  the engine preempts, a started prefill with a higher key), and each of them waits r's
+  service time longer: work_e plus the decode steps r's chunks carry (`service_seconds`).
+  Nothing in r's own TTFT says so, so the externality charges it (`jump_seconds`, with
+  the queue's `charge_jumps`): jump_e = scale · n_jumped_e · service_e. Under FCFS
+  nothing queued can be jumped and the term is 0.
 - TTFT_e = wait_e + work_e + packing_e.
 - Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
   requests queued behind it. By Little's law about λ·W of them wait at any time, where λ
   is the fleet's measured arrival rate and W its measured mean wait (both from
   `FleetStats`, both EWMAs the router or simulator measures; not tuned constants):
 
-      cost_e = wait_e + work_e + scale · λ · W · Δ_e  [+ session_e]  (scale defaults to 1)
+      cost_e = wait_e + work_e + scale · λ · W · Δ_e  [+ jump_e]  [+ session_e]
+                                                        (scale defaults to 1)
 
   session_e, given by `tier_aware` for requests of a session (`ramjet.policy.session_load`):
   R · W · (C_e / C_fair - 1), the extra wait the session's R expected later turns meet on
@@ -227,14 +234,19 @@ def wait_seconds(
     waiting = (waiting or 0) if per_job else 0
     if waiting > 0:
         wait += waiting * profile.prefill_overhead_s
-    running = engine.load.running_requests
-    decoding = running if running is not None else engine.load.inflight_requests
-    if decoding > 0 and profile.decode_step_s > 0:
+    if _decoding(engine.load) > 0 and profile.decode_step_s > 0:
         chunks = math.ceil((queued + new_tokens) / chunk_tokens)
         if per_job:  # the waiting jobs, the one in prefill, and this one: a chunk each
             chunks = max(chunks, waiting + (1 if queued > 0 else 0) + 1)
         wait += chunks * profile.decode_step_s
     return wait
+
+
+def _decoding(load: EngineLoad) -> int:
+    """Requests decoding on the engine (running, else in flight): while any does, each
+    prefill chunk carries one decode step."""
+    running = load.running_requests
+    return running if running is not None else load.inflight_requests
 
 
 def _work_rate(fleet: FleetStats, engine: EngineId) -> float:
@@ -294,6 +306,59 @@ def keyed_wait(
     return wait
 
 
+def service_seconds(
+    profile: EngineProfile,
+    engine: EngineView,
+    work_s: float,
+    new_tokens: int,
+    chunk_tokens: int,
+    per_job: bool,
+) -> float:
+    """What the engine spends on a request's prompt, and so what each request it overtakes
+    waits longer: its work plus, while the engine decodes, one decode step per chunk of
+    its new tokens (`wait_seconds`' interference: at least one on a one-job-per-step
+    engine; on a packing engine its share of the steps, by tokens)."""
+    if _decoding(engine.load) <= 0 or profile.decode_step_s <= 0:
+        return work_s
+    if per_job:
+        chunks: float = max(math.ceil(new_tokens / chunk_tokens), 1)
+    else:
+        chunks = max(new_tokens, 0) / chunk_tokens
+    return work_s + chunks * profile.decode_step_s
+
+
+def keyed_jumped(queue: KeyedQueue, key_s: float) -> int:
+    """The requests a request of key `key_s` arriving now overtakes on an engine that
+    serves by key: those queued with a higher key (an equal key arrived first), and a
+    started prefill with a higher key where the engine preempts it."""
+    return sum(
+        1 for key, _, started in queue.entries if key > key_s and (queue.preemptive or not started)
+    )
+
+
+def jump_seconds(
+    profile: EngineProfile,
+    engine: EngineView,
+    queue: KeyedQueue,
+    work_s: float,
+    new_tokens: int,
+    chunk_tokens: int,
+    per_job: bool,
+    fleet: FleetStats,
+    scale: float = 1.0,
+) -> float:
+    """The jump term of the externality (module docstring, "Jumps"): scale · n_jumped ·
+    service, the wait the requests this one overtakes on `engine` add; 0 where the
+    queue does not charge jumps."""
+    if not queue.charge_jumps or scale <= 0:
+        return 0.0
+    key = hint_key_s(work_s, queue.aging, fleet.now_s, queue.horizon_s)
+    n = keyed_jumped(queue, key)
+    if n == 0:
+        return 0.0
+    return scale * n * service_seconds(profile, engine, work_s, new_tokens, chunk_tokens, per_job)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineEstimate:
     """Every figure the candidate weighs for one engine (seconds unless named tokens)."""
@@ -316,6 +381,10 @@ class EngineEstimate:
     packing_s: float = 0.0
     """A packing engine (`per_job=False`): what the prompts that arrive while this one
     waits add to its step, ρ_e · (wait + work) (module docstring)."""
+    jump_s: float | None = None
+    """On an engine that serves by key (`FleetStats.keyed`): the jump term, what the
+    requests this one overtakes wait longer (`jump_seconds`); already in
+    `externality_s`. None elsewhere."""
 
     @property
     def ttft_s(self) -> float:
@@ -349,7 +418,7 @@ class EngineEstimate:
             "session_s": self.session_s,
             "cost_s": ttft + self.externality_s + self.session_s,
             "default_profile": 1.0 if self.default_profile else 0.0,
-        }
+        } | ({} if self.jump_s is None else {"jump_s": self.jump_s})
 
 
 def externality_rate(fleet: FleetStats, scale: float = 1.0) -> float:
@@ -389,7 +458,7 @@ def estimate(
     `session_s`: the session term per engine, added to the cost (absent: 0)."""
     n = request.prompt_tokens
     stand_in, stand_in_id = _stand_in(engines, default_profile, n)
-    staged: list[tuple[EngineView, Work, GlobalMatch, int, float, bool, bool]] = []
+    staged: list[tuple[EngineView, Work, GlobalMatch, int, float, float | None, bool, bool]] = []
     for e in engines:
         degraded = e.trust == TrustGrade.DEGRADED
         use_default = e.profile is None or degraded
@@ -404,18 +473,22 @@ def estimate(
         work = prompt_work(profile, n, match, swa, swa_reach(request, match))
         new_tokens = max(n - work.resume_tokens, 0)
         queue = fleet.keyed.get(e.id) if fleet.keyed else None
+        jump: float | None = None
         if queue is None:
             wait = wait_seconds(profile, e, new_tokens, chunk_tokens, per_job)
         else:  # the engine serves by the priority hint's key
-            wait = keyed_wait(
-                profile, e, queue, work.work_s, new_tokens, chunk_tokens, per_job, fleet
-            )
-        staged.append((e, work, match, swa, wait, use_default, degraded))
+            args = (profile, e, queue, work.work_s, new_tokens, chunk_tokens, per_job, fleet)
+            wait = keyed_wait(*args)
+            jump = jump_seconds(*args, externality_scale)
+        staged.append((e, work, match, swa, wait, jump, use_default, degraded))
     least = min(s[1].work_s for s in staged)
     rate = externality_rate(fleet, externality_scale)
     out: list[EngineEstimate] = []
-    for e, work, match, swa, wait, use_default, degraded in staged:
+    for e, work, match, swa, wait, jump, use_default, degraded in staged:
         delta = work.work_s - least
+        externality = rate * delta
+        if jump:
+            externality += jump
         extra = session_s.get(e.id, 0.0) if session_s else 0.0
         packing = 0.0
         if not per_job:  # later arrivals join this request's step (vLLM's packing)
@@ -428,12 +501,13 @@ def estimate(
                 swa,
                 wait,
                 delta,
-                rate * delta,
+                externality,
                 use_default,
                 degraded,
                 extra,
                 stand_in=stand_in_id if use_default else None,
                 packing_s=packing,
+                jump_s=jump,
             )
         )
     return out

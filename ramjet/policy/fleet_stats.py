@@ -181,9 +181,9 @@ class KeyedQueues:
 
     __slots__ = ("_entries", "_params")
 
-    def __init__(self, params: Mapping[EngineId, tuple[float, float | None, bool]]) -> None:
+    def __init__(self, params: Mapping[EngineId, tuple[float, float | None, bool, bool]]) -> None:
         self._params = dict(params)
-        """engine -> (aging, horizon_s, preemptive)"""
+        """engine -> (aging, horizon_s, preemptive, charge_jumps)"""
         self._entries: dict[EngineId, dict[str, tuple[float, int]]] = {e: {} for e in params}
 
     def __bool__(self) -> bool:
@@ -212,6 +212,6 @@ class KeyedQueues:
                     break
                 del entries[rid]
                 held -= t
-        aging, horizon_s, preemptive = params
+        aging, horizon_s, preemptive, charge_jumps = params
         rows = tuple(sorted((k, t, False) for k, t in entries.values()))
-        return KeyedQueue(aging, horizon_s, preemptive, rows)
+        return KeyedQueue(aging, horizon_s, preemptive, rows, charge_jumps)

@@ -6,10 +6,17 @@ wait. Closed forms on one engine with the test profile."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+from prometheus_client import CollectorRegistry
 from sim_helpers import BLOCK, PROFILE, req, spec, workload
 
+from ramjet.app.priority import PriorityHints
+from ramjet.config import parse_policy
+from ramjet.policy.base import KeyedQueue
 from ramjet.policy.registry import create_policy
+from ramjet.types import EngineId
 from simulations.simulator import simulate
 from simulations.workload import Request
 
@@ -155,3 +162,69 @@ def test_keyed_wait_shows_the_policy_each_priority_engines_queue(scheduler: str)
         assert sum(t for _, t, _ in entries) == queued[e]
         assert sum(started for _, _, started in entries) <= 1
     assert any(entries for entries in keyed.values())
+
+
+@pytest.mark.parametrize("charge", [True, False])
+@pytest.mark.parametrize(
+    ("scheduler", "convention"), [("priority", "reference"), ("vllm-priority", "vllm")]
+)
+def test_router_and_simulator_give_the_cost_model_the_same_keyed_queue(
+    scheduler: str, convention: str, charge: bool
+) -> None:
+    # the simulator's queue at the last arrival, and the router's queue fed the same
+    # requests (keys, tokens) from a pool file with the same aging, horizon and
+    # charge_jumps: the same KeyedQueue but for what the router cannot see (a started
+    # prefill: it learns of a start only at the first byte)
+    reqs = workload(
+        [cold(0.01 * i, 3000, 10_000 * (i + 1)) for i in range(3)] + [cold(0.03, 100, 90_000)]
+    )
+    pol = _Queues()
+    simulate(
+        reqs,
+        spec(scheduler=scheduler, aging=0.05, horizon_s=20.0),
+        pol,
+        block_tokens=BLOCK,
+        engines=2,
+        keyed_wait=True,
+        charge_jumps=charge,
+    )
+    cfg = parse_policy(
+        {
+            "engines": [{"id": e, "url": "http://127.0.0.1:1"} for e in ("e0", "e1")],
+            "incumbent": {"name": "tier_aware"},
+            "priority": [
+                {
+                    "name": "p",
+                    "engines": ["e0", "e1"],
+                    "mode": "on",
+                    "convention": convention,
+                    "aging": 0.05,
+                    "horizon_s": 20.0,
+                    "charge_jumps": charge,
+                }
+            ],
+        }
+    )
+    hints = PriorityHints(cfg.priority, CollectorRegistry())
+    assert pol.last
+    for e, sim_q in pol.last.items():
+        waiting = [(k, t) for k, t, started in sim_q.entries if not started]
+        for i, (k, t) in enumerate(waiting):
+            hints.queues.add(e, f"r{i}", k, t)
+        got = hints.queues.queue(e, sum(t for _, t in waiting))
+        want = replace(sim_q, entries=tuple(sorted((k, t, False) for k, t in waiting)))
+        assert got == want
+        assert got is not None and got.charge_jumps is charge
+
+
+class _Queues:
+    """tier_aware, keeping the last arrival's `FleetStats.keyed`."""
+
+    def __init__(self) -> None:
+        self.inner = create_policy("tier_aware", {})
+        self.name = "tier_aware"
+        self.last: dict[EngineId, KeyedQueue] = {}
+
+    def pick(self, request, engines, fleet):  # type: ignore[no-untyped-def]
+        self.last = dict(fleet.keyed)
+        return self.inner.pick(request, engines, fleet)

@@ -175,3 +175,14 @@ def test_replicate_keeps_sessions_and_gaps() -> None:
             assert group[1].arrival_s - group[0].arrival_s == pytest.approx(1.0)
             assert group[1].block_keys[:4] == group[0].block_keys
     assert len({r.block_keys[0] for r in rep}) == 6
+
+
+def test_floor_in_any_order_credits_blocks_a_later_request_holds() -> None:
+    # request 1 holds request 0's first 10 blocks but is listed after it: in list order
+    # request 0 is cold; a schedule may run request 1 first, so in any order it is not
+    a = list(range(1, 11))
+    reqs = workload([req(0.0, [*a, 20]), req(0.0, a), req(0.5, [30, 31])])
+    assert floor(reqs, PROFILE).new_tokens == [704, 0, 128]
+    fl = floor(reqs, PROFILE, any_order=True)
+    assert fl.new_tokens == [64, 0, 128]
+    assert all(x <= y for x, y in zip(fl.work_s, floor(reqs, PROFILE).work_s, strict=True))

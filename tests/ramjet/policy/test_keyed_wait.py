@@ -1,14 +1,23 @@
 """The cost model's priority-aware wait (`ramjet.policy.cost.keyed_wait`): on an engine
 that serves by the priority hint's key, a request waits only for the work queued there
-with a lower key; and the router's `KeyedQueues`, which feeds it."""
+with a lower key; the jump charge (`jump_seconds`): each request it overtakes there waits
+its service time longer; and the router's `KeyedQueues`, which feeds both."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from policy_fakes import engine, request
 
-from ramjet.policy.base import FleetStats, KeyedQueue
-from ramjet.policy.cost import estimate, keyed_ahead, wait_seconds
+from ramjet.policy.base import EngineView, FleetStats, KeyedQueue
+from ramjet.policy.cost import (
+    estimate,
+    keyed_ahead,
+    keyed_jumped,
+    service_seconds,
+    wait_seconds,
+)
 from ramjet.policy.fleet_stats import KeyedQueues
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.profile import CurvePoint, EngineProfile
@@ -26,8 +35,10 @@ NOW = 100.0
 A = EngineId("a")
 
 
-def q(*entries: tuple[float, int, bool], preemptive: bool = True) -> KeyedQueue:
-    return KeyedQueue(0.05, 20.0, preemptive, entries)
+def q(
+    *entries: tuple[float, int, bool], preemptive: bool = True, charge: bool = False
+) -> KeyedQueue:
+    return KeyedQueue(0.05, 20.0, preemptive, entries, charge)
 
 
 def test_only_lower_keys_are_ahead() -> None:
@@ -101,13 +112,13 @@ def test_later_arrivals_with_a_lower_key_add_to_the_wait_within_the_window() -> 
 
 
 def test_router_queues_drop_the_lowest_keys_as_first_bytes_come() -> None:
-    kq = KeyedQueues({A: (0.05, 20.0, False)})
+    kq = KeyedQueues({A: (0.05, 20.0, False, True)})
     assert kq.queue(EngineId("b"), 0) is None
     kq.add(A, "r1", 10.0, 1000)
     kq.add(A, "r2", 5.0, 2000)
     kq.add(A, "r3", 20.0, 4000)
     assert kq.queue(A, 7000) == KeyedQueue(
-        0.05, 20.0, False, ((5.0, 2000, False), (10.0, 1000, False), (20.0, 4000, False))
+        0.05, 20.0, False, ((5.0, 2000, False), (10.0, 1000, False), (20.0, 4000, False)), True
     )
     # 5000 tokens left in flight: the lowest key (r2) has started answering
     assert [k for k, _, _ in kq.queue(A, 5000).entries] == [10.0, 20.0]  # type: ignore[union-attr]
@@ -115,4 +126,91 @@ def test_router_queues_drop_the_lowest_keys_as_first_bytes_come() -> None:
     assert [k for k, _, _ in kq.queue(A, 5000).entries] == [10.0]  # type: ignore[union-attr]
     kq.done(A, "r1")
     kq.done(A, "r1")  # idempotent
-    assert kq.queue(A, 0) == KeyedQueue(0.05, 20.0, False, ())
+    assert kq.queue(A, 0) == KeyedQueue(0.05, 20.0, False, (), True)
+
+
+def test_jumped_are_the_higher_keys_and_a_preempted_started_prefill() -> None:
+    entries = ((1.0, 100, False), (3.0, 100, False), (3.0, 100, True), (2.0, 100, False))
+    assert keyed_jumped(q(*entries, preemptive=True), 2.0) == 2  # the started one resumes later
+    assert keyed_jumped(q(*entries, preemptive=False), 2.0) == 1  # vLLM: it runs on
+    assert keyed_jumped(q(*entries), 3.0) == 0  # an equal key arrived first
+
+
+def test_service_is_the_work_plus_the_decode_steps_its_chunks_carry() -> None:
+    stepping = P.model_copy(update={"decode_step_s": 0.025})
+    idle, decoding = engine("a"), engine("a", inflight=2)
+    assert service_seconds(stepping, idle, 0.3, 3000, 2048, True) == 0.3
+    assert service_seconds(stepping, decoding, 0.3, 3000, 2048, True) == pytest.approx(0.35)
+    # one chunk at least on a one-job-per-step engine; a packing engine shares its steps
+    assert service_seconds(stepping, decoding, 0.01, 10, 2048, True) == pytest.approx(0.035)
+    assert service_seconds(stepping, decoding, 0.01, 1024, 2048, False) == pytest.approx(0.0225)
+
+
+def _jump_case() -> tuple[list[EngineView], KeyedQueue, float]:
+    # a holds half the turn's prefix and three medium prompts queued there, each with a
+    # higher key than the turn's (0.3 s of work, 0.1 s earlier); b is idle and cold
+    views = [engine("a", hbm=N // 2, queued=9_000, profile=P), engine("b", profile=P)]
+    theirs = hint_key_s(0.3, 0.05, NOW - 0.1, 20.0)
+    return views, q(*[(theirs, 3_000, False)] * 3, charge=True), theirs
+
+
+def test_the_jump_charge_sends_a_turn_where_the_fleet_waits_less() -> None:
+    views, queue, theirs = _jump_case()
+    policy = TierAware(TierAwareParams(default_profile=P))
+    free = policy.pick(
+        request(N), views, FleetStats(now_s=NOW, keyed={A: replace(queue, charge_jumps=False)})
+    )
+    # jumps free: the turn jumps the three (its key is lower) and waits for nothing on a
+    work_a = free.components["a"]["work_s"]  # replay + 2048 tokens: 0.2248 s
+    assert hint_key_s(work_a, 0.05, NOW, 20.0) < theirs
+    assert free.components["a"]["wait_s"] == 0.0
+    assert free.engine == "a"
+    assert "jump_s" in free.components["a"] and free.components["a"]["jump_s"] == 0.0
+    # but each of the three then waits work_a longer: the fleet's added TTFT on a is
+    # 4 x 0.2248 s, against b's 0.41 s cold prefill that delays no one
+    ttft_b = free.components["b"]["ttft_s"]
+    assert work_a + 3 * work_a > ttft_b
+    charged = policy.pick(request(N), views, FleetStats(now_s=NOW, keyed={A: queue}))
+    assert charged.engine == "b"
+    ca = charged.components["a"]
+    assert ca["jump_s"] == pytest.approx(3 * work_a)
+    assert ca["externality_s"] == pytest.approx(3 * work_a)  # part of the externality
+    assert ca["cost_s"] == pytest.approx(ca["ttft_s"] + 3 * work_a)
+    assert "jump_s" not in charged.components["b"]  # b serves by no key: priced as before
+
+
+def test_the_jump_charge_scales_with_the_externality_and_is_zero_with_nothing_to_jump() -> None:
+    views, queue, _ = _jump_case()
+    selfish = TierAware(TierAwareParams(default_profile=P, externality_scale=0.0))
+    assert selfish.pick(request(N), views, FleetStats(now_s=NOW, keyed={A: queue})).engine == "a"
+    half = estimate(
+        request(N),
+        views,
+        FleetStats(now_s=NOW, keyed={A: queue}),
+        externality_scale=0.5,
+        default_profile=P,
+    )
+    assert half[0].jump_s == pytest.approx(0.5 * 3 * half[0].work.work_s)
+    # only lower keys queued: nothing to jump, the charge is 0 and the estimate is the
+    # uncharged one to the bit
+    low = hint_key_s(0.0, 0.05, NOW - 10.0, 20.0)
+    lower = q((low, 9_000, False), charge=True)
+    fleet = FleetStats(now_s=NOW, keyed={A: lower})
+    [a, b] = estimate(request(N), views, fleet, default_profile=P)
+    [fa, fb] = estimate(
+        request(N),
+        views,
+        replace(fleet, keyed={A: replace(lower, charge_jumps=False)}),
+        default_profile=P,
+    )
+    assert a.jump_s == 0.0 and (a.cost_s, a.externality_s, b) == (fa.cost_s, fa.externality_s, fb)
+
+
+def test_an_engine_of_no_keyed_pool_is_priced_as_before_with_charged_queues_elsewhere() -> None:
+    views, queue, _ = _jump_case()
+    plain = estimate(request(N), views, FleetStats(now_s=NOW), default_profile=P)
+    other = estimate(
+        request(N), views, FleetStats(now_s=NOW, keyed={EngineId("c"): queue}), default_profile=P
+    )
+    assert plain == other
+    assert all(s.jump_s is None and "jump_s" not in s.components() for s in plain)

@@ -1,0 +1,151 @@
+"""How far down mean TTFT can go on the simulator's engine models: lower bounds for every
+routing and every ordering, against the issue's goal of 0.6x the best FCFS peer's mean
+(docs/priority.md, "Is 0.6x reachable on the agent traces?").
+
+    .venv/bin/python benchmarks/priority_bound.py [--traces taubench,miniswe,mooncake]
+
+Per trace at its middle load (`benchmarks.priority_sim.CASES`), for the set S of requests
+a run measures (the closed loop's steady-state window; open loop: all):
+
+- **alone** (every engine model): each request's TTFT is at least its own prompt work on
+  the best cache any schedule could give it: every block that any *other* request of the
+  trace holds resident in HBM, live SWA state at its last boundary within that prefix
+  (`simulations.bounds.floor(any_order=True)`). No queueing, no decode interference.
+- **alone + steps** (the one-job-per-step engines, `fcfs` and `priority`): those engines
+  add one decode step (`decode_step_s`) to every prefill chunk that starts while a
+  request decodes on the engine (`simulations.engine.Engine._chunk`; nothing skips it on
+  them). A request escapes every step only if nothing decodes on its engine whenever its
+  chunks start. For two such requests i, j on one engine with i's first token first,
+  j's last chunk starts after i's first token and after i's decode has ended, so their
+  first tokens are at least D_i apart (D = ceil(output / tokens per step) x step, the
+  engine's fixed decode time). Every request whose first token comes later than
+  tau = max work + step after the window's last arrival has TTFT > tau anyway. So at
+  most 2 + K requests of S escape the step, K the largest k whose k smallest D sum to
+  at most 2 x (window span + tau), and every other request pays at least its work plus
+  one step.
+
+Both hold for every routing and every order of the requests in S (any scheduler on that
+engine model, any cache sharing, with perfect knowledge). In the closed loop, S itself
+(which turns arrive inside the window) depends on the run: the bounds are computed over
+the measured set of each run below and hold for every schedule of that set. The script
+checks every run's mean against its bounds (and fails otherwise) and prints, per engine
+model, the best FCFS peer's mean, 0.6x it, and the bounds over that peer's requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.priority_sim import (
+    CASES,
+    DEFAULT_AGING,
+    DEFAULT_HORIZON,
+    JUMPS,
+    LWF_REFERENCE,
+    PEERS,
+    Workload,
+    simulate,
+    trace_names,
+)
+from simulations.bounds import floor
+from simulations.preset import engine_spec
+from simulations.simulator import Outcome
+
+GOAL = 0.6
+PER_JOB = ("fcfs", "priority")
+"""Engine models whose every prefill chunk carries a decode step while the engine decodes."""
+
+
+def measured(out: Outcome) -> list[int]:
+    win = out.window
+    return [i for i, t in enumerate(out.arrival) if win is None or win[0] <= t <= win[1]]
+
+
+def bounds(w: Workload, out: Outcome, work: list[float], steps: bool) -> tuple[float, float]:
+    """(alone, alone + steps) means over the run's measured requests; the second is the
+    first where `steps` is False (see the module docstring)."""
+    spec = engine_spec()
+    step, per_step = spec.profile.decode_step_s, spec.profile.spec_tokens_per_step
+    reqs = w.reqs
+    s = measured(out)
+    alone = statistics.fmean(work[i] for i in s)
+    if not steps or step <= 0:
+        return alone, alone
+    arr = [out.arrival[i] for i in s]
+    tau = max(work[i] for i in s) + step
+    span = max(arr) - min(arr) + tau
+    decode = sorted(math.ceil(reqs[i].output_tokens / per_step) * step for i in s)
+    budget, k = 2 * span, 0
+    for d in decode:
+        if budget < d:
+            break
+        budget -= d
+        k += 1
+    escape = min(len(s), 2 + k)
+    return alone, alone + step * (len(s) - escape) / len(s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--traces", default="taubench,miniswe,mooncake")
+    args = ap.parse_args(argv)
+    traces = trace_names(ap, args.traces)
+    problems: list[str] = []
+    for case in (c for c in CASES if c.name in traces):
+        w = Workload(case, False)
+        load = case.loads[1]
+        work = floor(w.reqs, engine_spec().profile, any_order=True).work_s
+        for prio, base in (("priority", "fcfs"), ("vllm-priority", "vllm-fcfs")):
+            steps = base in PER_JOB
+            runs: dict[str, tuple[float, float, float]] = {}
+            for pol, sch, aging, hz in [
+                (p, base, DEFAULT_AGING, DEFAULT_HORIZON) for p in PEERS
+            ] + [
+                ("tier_aware", base, DEFAULT_AGING, DEFAULT_HORIZON),
+                ("tier_aware" + JUMPS, prio, DEFAULT_AGING, DEFAULT_HORIZON),
+                (LWF_REFERENCE, prio, 0.0, None),
+            ]:
+                _, _, out = simulate(w, load, pol, sch, aging, hz)
+                s = measured(out)
+                mean = statistics.fmean(out.ttft[i] for i in s)
+                lo, lo_steps = bounds(w, out, work, steps and sch in PER_JOB)
+                runs[f"{pol} on {sch}"] = (mean, lo, lo_steps)
+                if mean < max(lo, lo_steps) - 1e-12:
+                    problems.append(
+                        f"{case.name} {pol} on {sch}: mean {mean:.4f} s under its bound "
+                        f"{max(lo, lo_steps):.4f} s"
+                    )
+            peers = {k: v for k, v in runs.items() if k.split(" on ")[0] in PEERS}
+            best = min(peers, key=lambda k: peers[k][0])
+            m, lo, lo_steps = peers[best]
+            print(f"\n{case.name} load {load:g}, engine model {base}/{prio}:")
+            for name, (mean, a, b) in runs.items():
+                extra = f", alone + steps {b:.4f} s" if b != a else ""
+                print(f"  {name:<40} mean {mean:.4f} s  bounds: alone {a:.4f} s{extra}")
+            bound = max(lo, lo_steps)
+            what = "alone + steps" if lo_steps > lo else "alone"
+            verdict = (
+                "0.6x is UNREACHABLE for every routing and ordering of these requests"
+                if bound > GOAL * m
+                else "the bound does not rule 0.6x out"
+            )
+            print(
+                f"  best {base} peer {best.split(' on ')[0]} mean {m:.4f} s; {GOAL:g}x = "
+                f"{GOAL * m:.4f} s; bound ({what}, over its requests) {bound:.4f} s = "
+                f"{bound / m:.2f}x the peer: {verdict}"
+            )
+    for p in problems:
+        print(f"FAIL: {p}")
+    if not problems:
+        print("\nself-check: every run's mean is at or above its bounds")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
