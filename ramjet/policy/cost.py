@@ -44,11 +44,13 @@ For request r (n prompt tokens) on engine e, with profile P:
   does, and any outstanding work without a known key (`keyed_ahead`); on a one-job-per-
   step engine, later arrivals with a lower key overtake it: + ρ_e · min(wait_e, h/aging,
   horizon) (`keyed_wait`). Absent from `keyed`: the FCFS wait above.
-- Jumps: on such an engine r overtakes the queued requests with a higher key (and, where
-  the engine preempts, a started prefill with a higher key), and each of them waits r's
-  service time longer: work_e plus the decode steps r's chunks carry (`service_seconds`).
-  Nothing in r's own TTFT says so, so the externality charges it (`jump_seconds`, with
-  the queue's `charge_jumps`): jump_e = scale · n_jumped_e · service_e. Under FCFS
+- Jumps: on such an engine r overtakes the waiting requests with a higher key, and each
+  of them waits r's service time longer, priced as `wait_seconds` prices one more job
+  ahead: work_e, plus on a one-job-per-step engine its fixed overhead and at least one
+  decode step per chunk while the engine decodes (on a packing engine its token share of
+  the steps) (`service_seconds`). Nothing in r's own TTFT says so, so the externality
+  charges it (`jump_seconds`, with the queue's `charge_jumps`): jump_e = scale ·
+  n_jumped_e · service_e. A started prefill is not counted (`keyed_jumped`). Under FCFS
   nothing queued can be jumped and the term is 0.
 - TTFT_e = wait_e + work_e + packing_e.
 - Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
@@ -314,26 +316,28 @@ def service_seconds(
     chunk_tokens: int,
     per_job: bool,
 ) -> float:
-    """What the engine spends on a request's prompt, and so what each request it overtakes
-    waits longer: its work plus, while the engine decodes, one decode step per chunk of
-    its new tokens (`wait_seconds`' interference: at least one on a one-job-per-step
-    engine; on a packing engine its share of the steps, by tokens)."""
+    """What each request a request overtakes waits longer, as `wait_seconds` prices one
+    more job ahead of it: its work; on a one-job-per-step engine its own fixed overhead
+    (`prefill_overhead_s`, per waiting job) and, while the engine decodes, a decode step
+    per chunk of its new tokens, at least one; on a packing engine its token share of
+    the steps."""
+    service = work_s + (profile.prefill_overhead_s if per_job else 0.0)
     if _decoding(engine.load) <= 0 or profile.decode_step_s <= 0:
-        return work_s
+        return service
     if per_job:
         chunks: float = max(math.ceil(new_tokens / chunk_tokens), 1)
     else:
         chunks = max(new_tokens, 0) / chunk_tokens
-    return work_s + chunks * profile.decode_step_s
+    return service + chunks * profile.decode_step_s
 
 
 def keyed_jumped(queue: KeyedQueue, key_s: float) -> int:
     """The requests a request of key `key_s` arriving now overtakes on an engine that
-    serves by key: those queued with a higher key (an equal key arrived first), and a
-    started prefill with a higher key where the engine preempts it."""
-    return sum(
-        1 for key, _, started in queue.entries if key > key_s and (queue.preemptive or not started)
-    )
+    serves by key: those waiting with a higher key (an equal key arrived first). A
+    started prefill is not counted, even where the engine preempts it: counting it
+    (the literal reading) pushed short turns off engines running a long prefill, and
+    doubled the moves and raised p99 on mini-SWE (docs/priority.md)."""
+    return sum(1 for key, _, started in queue.entries if key > key_s and not started)
 
 
 def jump_seconds(

@@ -129,21 +129,27 @@ def test_router_queues_drop_the_lowest_keys_as_first_bytes_come() -> None:
     assert kq.queue(A, 0) == KeyedQueue(0.05, 20.0, False, (), True)
 
 
-def test_jumped_are_the_higher_keys_and_a_preempted_started_prefill() -> None:
+def test_jumped_are_the_waiting_requests_with_a_higher_key() -> None:
     entries = ((1.0, 100, False), (3.0, 100, False), (3.0, 100, True), (2.0, 100, False))
-    assert keyed_jumped(q(*entries, preemptive=True), 2.0) == 2  # the started one resumes later
-    assert keyed_jumped(q(*entries, preemptive=False), 2.0) == 1  # vLLM: it runs on
+    # a started prefill is not counted, preempted (chunk) or not (vLLM)
+    assert keyed_jumped(q(*entries, preemptive=True), 2.0) == 1
+    assert keyed_jumped(q(*entries, preemptive=False), 2.0) == 1
+    assert keyed_jumped(q(*entries), 0.5) == 3
     assert keyed_jumped(q(*entries), 3.0) == 0  # an equal key arrived first
 
 
-def test_service_is_the_work_plus_the_decode_steps_its_chunks_carry() -> None:
-    stepping = P.model_copy(update={"decode_step_s": 0.025})
+def test_service_is_priced_as_one_more_job_ahead() -> None:
+    # work, the job's fixed overhead (one-job-per-step), a decode step per chunk while
+    # the engine decodes
+    stepping = P.model_copy(update={"decode_step_s": 0.025, "prefill_overhead_s": 0.004})
     idle, decoding = engine("a"), engine("a", inflight=2)
-    assert service_seconds(stepping, idle, 0.3, 3000, 2048, True) == 0.3
-    assert service_seconds(stepping, decoding, 0.3, 3000, 2048, True) == pytest.approx(0.35)
+    assert service_seconds(stepping, idle, 0.3, 3000, 2048, True) == pytest.approx(0.304)
+    assert service_seconds(stepping, decoding, 0.3, 3000, 2048, True) == pytest.approx(0.354)
     # one chunk at least on a one-job-per-step engine; a packing engine shares its steps
-    assert service_seconds(stepping, decoding, 0.01, 10, 2048, True) == pytest.approx(0.035)
+    # and has no per-job overhead in its wait (`wait_seconds`)
+    assert service_seconds(stepping, decoding, 0.01, 10, 2048, True) == pytest.approx(0.039)
     assert service_seconds(stepping, decoding, 0.01, 1024, 2048, False) == pytest.approx(0.0225)
+    assert service_seconds(stepping, idle, 0.01, 1024, 2048, False) == 0.01
 
 
 def _jump_case() -> tuple[list[EngineView], KeyedQueue, float]:
