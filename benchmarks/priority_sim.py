@@ -317,7 +317,8 @@ def verdicts(rows: list[Result], load: float) -> list[str]:
                 f"{what}: perfect-knowledge least-work-first ({LWF_REFERENCE}, shared cache, "
                 f"{prio} at aging 0) mean {ref.mean_s:.3g} s = {m:.2f}x the best {base} peer: "
                 + (
-                    "0.6x is out of reach of routing plus ordering on this engine model"
+                    "0.6x is out of this reference's reach (one schedule, not a bound: "
+                    "benchmarks/priority_bound.py)"
                     if m > 0.6
                     else "0.6x is within reach"
                 )
