@@ -31,6 +31,9 @@ def _run(args: argparse.Namespace) -> int:
     import uvloop
 
     from ramjet.app.server import serve
+    from ramjet.native import install_ramjet
+
+    logging.getLogger("ramjet.native").info("%s", install_ramjet().line())
 
     try:
         uvloop.run(serve(config, args.host, args.port, policy_path=args.policy))

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from mypy_extensions import mypyc_attr
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ramjet.decisions.log import (
@@ -143,6 +144,7 @@ class _ModeSeries:
         return self.cached
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (ramjet/native.py); a test subclasses it
 class Accounting:
     """The router's decision sink (see module docstring). `log` may be None (no file);
     `downstream` receives every record afterwards (tests, other consumers)."""

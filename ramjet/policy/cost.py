@@ -325,7 +325,7 @@ def service_seconds(
     if _decoding(engine.load) <= 0 or profile.decode_step_s <= 0:
         return service
     if per_job:
-        chunks: float = max(math.ceil(new_tokens / chunk_tokens), 1)
+        chunks = float(max(math.ceil(new_tokens / chunk_tokens), 1))  # float() for mypyc
     else:
         chunks = max(new_tokens, 0) / chunk_tokens
     return service + chunks * profile.decode_step_s
