@@ -23,7 +23,7 @@ $(VLLM_STAMP): scripts/vllm_env.sh scripts/build_tiny_model.py
 vllm-env: $(VLLM_STAMP)
 TEST_ENVS += $(VLLM_STAMP)
 
-.PHONY: run test check lint fmt types unit venv vllm-env clean distclean bench system-deps system-deps-run system-deps-bench
+.PHONY: run test check lint fmt types unit venv vllm-env clean distclean bench native system-deps system-deps-run system-deps-bench
 
 ## system-deps: redis-server, redis-cli, prometheus, promtool, systemd-analyze (for the tests)
 system-deps:
@@ -46,24 +46,35 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 venv: $(STAMP)
 
+## native: the hot modules (ramjet.native.COMPILED) compiled with mypyc into build/native/
+## by scripts/build_native.py (~80 s on 2 cores; gcc and the Python headers come from
+## system-deps). Rebuilt when any ramjet/ source changes. ramjet/native.py loads the build
+## only while every source still hashes as its manifest says, else everything runs from
+## source; RAMJET_NATIVE=0 forces pure Python; `ramjet native` says which runs.
+NATIVE := build/native/manifest.json
+$(NATIVE): $(STAMP) scripts/build_native.py $(shell find ramjet -name '*.py') | system-deps-run
+	$(BIN)/python scripts/build_native.py
+native: $(NATIVE)
+
 ## run: two reference engines and the router (observe mode) on 127.0.0.1:8000; the
 ## decision log goes to run/decisions.jsonl (logging.decisions_path in policies/observe.yaml)
-run: system-deps-run $(STAMP)
+run: system-deps-run $(STAMP) $(NATIVE)
 	$(BIN)/ramjet stack --policy policies/observe.yaml --port 8000
 
 ## test: system programs, the venvs, then format check, lint, strict types and the tests
-test: system-deps $(TEST_ENVS) check unit
+test: system-deps $(TEST_ENVS) $(NATIVE) check unit
 
 check: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-## unit: the tests; pytest's own exit status is kept in out/pytest.rc, since make itself
-## exits 2 for any failing recipe (.ci/run exits with it)
-unit: system-deps $(TEST_ENVS)
+## unit: the tests, on the compiled build (RAMJET_NATIVE_EXPECT=compiled: a test fails
+## unless every compiled module loaded); pytest's own exit status is kept in
+## out/pytest.rc, since make itself exits 2 for any failing recipe (.ci/run exits with it)
+unit: system-deps $(TEST_ENVS) $(NATIVE)
 	@mkdir -p out; rm -f out/pytest.rc
-	$(BIN)/pytest -q; rc=$$?; echo $$rc > out/pytest.rc; exit $$rc
+	RAMJET_NATIVE_EXPECT=compiled $(BIN)/pytest -q; rc=$$?; echo $$rc > out/pytest.rc; exit $$rc
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -73,7 +84,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 ## bench: the headline benchmarks in quick mode -> out/bench/summary.md and its plots
 ## (redis-server and nginx-light from Debian, the `bench` extra: smg, httptools)
-bench: system-deps-bench $(BENCH_STAMP)
+bench: system-deps-bench $(BENCH_STAMP) $(NATIVE)
 	$(BIN)/python benchmarks/bench_all.py --quick --out out/bench
 
 fmt: $(STAMP)
@@ -81,7 +92,7 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build/native build/native-*
 
 ## distclean: also the real-vLLM venv (3.4 GB) and the tiny model; the next `make test`
 ## rebuilds both (~80 s)

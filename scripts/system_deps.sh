@@ -5,6 +5,8 @@
 #   scripts/system_deps.sh run    nothing beyond Python's venv module
 #   scripts/system_deps.sh bench  redis-server (benchmarks/decision_redis.py), nginx (the peer
 #                                 column of benchmarks/proxy_overhead.py; no test uses nginx)
+#   every target also: gcc and the Python headers (make native: the hot modules compiled
+#   with mypyc, scripts/build_native.py)
 #
 # Each program comes from one Debian package (bookworm names):
 #   redis-server     -> redis-server   (/usr/bin/redis-server; tests/helpers/redis_server.py)
@@ -14,6 +16,8 @@
 #   nginx            -> nginx-light    (/usr/sbin/nginx; make bench only)
 #   systemd-analyze  -> systemd        (/usr/bin/systemd-analyze; tests/deploy/test_deploy_static.py)
 #   python3 -m venv  -> python3-venv   (only when the Python that makes the venv lacks ensurepip)
+#   gcc              -> gcc            (/usr/bin/gcc; make native)
+#   Python.h         -> python3-dev    (only when the Python that makes the venv lacks its headers)
 #
 # Nothing missing: prints what it found and exits 0 without touching the system.
 # Missing, root, apt-get present: `apt-get update` once, then
@@ -29,9 +33,9 @@ target="${1:-test}"
 PY="${PY:-python3}"
 
 case "$target" in
-    test) programs=(redis-server redis-cli prometheus promtool systemd-analyze) ;;
-    run) programs=() ;;
-    bench) programs=(redis-server nginx) ;;
+    test) programs=(redis-server redis-cli prometheus promtool systemd-analyze gcc) ;;
+    run) programs=(gcc) ;;
+    bench) programs=(redis-server nginx gcc) ;;
     *)
         echo "system_deps: unknown target '$target' (test|run|bench)" >&2
         exit 2
@@ -45,6 +49,7 @@ package_of() {
         prometheus | promtool) echo prometheus ;;
         systemd-analyze) echo systemd ;;
         nginx) echo nginx-light ;;
+        gcc) echo gcc ;;
     esac
 }
 
@@ -70,6 +75,10 @@ done
 if ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
     missing+=("$PY -m venv")
     add_package python3-venv
+fi
+if ! "$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' >/dev/null 2>&1; then
+    missing+=("Python.h")
+    add_package python3-dev
 fi
 
 if [[ ${#packages[@]} -eq 0 ]]; then
