@@ -8,6 +8,7 @@ import math
 import random
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +269,37 @@ def test_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
     lg.close()
     written = read_log(tmp_path / "d.jsonl")
     assert len(written) == results.count(True)
+
+
+def test_writer_batches_records_instead_of_waking_per_record(tmp_path: Path) -> None:
+    """`submit` wakes no thread: records wait for the writer's next `batch_s` tick (or a
+    `flush`), and go out as one batch."""
+    path = tmp_path / "d.jsonl"
+    batches: list[int] = []
+    lg = DecisionLog(path, batch_s=30.0, on_written=batches.append)
+    for i in range(5):
+        assert lg.submit(_record(f"r{i}"), None)
+    time.sleep(0.2)
+    assert batches == [] and path.read_bytes() == b""  # not written per record
+    assert lg.flush(5.0)
+    assert batches == [5]
+    assert [e["id"] for e in read_log(path)] == [f"r{i}" for i in range(5)]
+    lg.close()
+
+
+def test_writer_writes_on_its_own_within_batch_s(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    lg = DecisionLog(path, batch_s=0.02)
+    try:
+        assert lg.submit(_record("r0"), None)
+        deadline = time.monotonic() + 5.0
+        while not path.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [e["id"] for e in read_log(path)] == ["r0"]
+    finally:
+        lg.close()
+    with pytest.raises(ValueError, match="batch_s"):
+        DecisionLog(tmp_path / "e.jsonl", batch_s=0.0)
 
 
 def test_read_log_skips_torn_and_foreign_lines(tmp_path: Path) -> None:
