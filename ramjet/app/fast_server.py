@@ -114,6 +114,8 @@ class FastServer:
         """Requests given to the handler here so far (tests read it)."""
         self.handed_over = 0
         """Connections handed to aiohttp so far (tests read it)."""
+        self.timers = 0
+        """Deadline timers started so far, over every connection (tests read it)."""
 
     def __call__(self) -> FastProtocol:
         return FastProtocol(self)
@@ -155,6 +157,8 @@ class FastProtocol(asyncio.Protocol):
         self._complete = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind = ""
+        """The deadline armed ("head", "body", "idle"), or "" for none."""
+        self._deadline = 0.0
         self._drain: asyncio.Future[None] | None = None
         self._reading_paused = False
         self._closed = False
@@ -173,22 +177,45 @@ class FastProtocol(asyncio.Protocol):
     # -- timers -------------------------------------------------------------------------
 
     def _arm(self, kind: str, delay: float) -> None:
+        """Start the `kind` deadline `delay` from now (kept if `kind` is already armed).
+
+        One timer per connection, not one per request: `_disarm` only forgets the
+        deadline, and the timer left running is moved only when a new deadline comes
+        before it; one that fires before the current deadline re-arms itself at it (a
+        keep-alive connection's idle wait armed after every answer, and dropped at the
+        next request, costs no timer made and cancelled each time)."""
         if self._timer_kind == kind:
             return
-        self._disarm()
         self._timer_kind = kind
-        self._timer = self._loop.call_later(delay, self._expired, kind)
+        when = self._loop.time() + delay
+        self._deadline = when
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= when:
+                return
+            timer.cancel()
+        self._server.timers += 1
+        self._timer = self._loop.call_at(when, self._expired)
 
     def _disarm(self) -> None:
+        self._timer_kind = ""
+
+    def _stop_timer(self) -> None:
+        self._timer_kind = ""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._timer_kind = ""
 
-    def _expired(self, kind: str) -> None:
-        self._timer, self._timer_kind = None, ""
-        if self.transport is None:
+    def _expired(self) -> None:
+        self._timer = None
+        kind = self._timer_kind
+        if not kind or self.transport is None:
             return
+        if self._loop.time() < self._deadline:
+            self._server.timers += 1
+            self._timer = self._loop.call_at(self._deadline, self._expired)
+            return
+        self._timer_kind = ""
         if kind == "idle":
             if self.task is None and not self._buf:
                 self.close()
@@ -212,7 +239,7 @@ class FastProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._closed = True
-        self._disarm()
+        self._stop_timer()
         self._server.connections.discard(self)
         if self.task is not None:
             self.task.cancel()  # the client went away: end its request (and the engine's)
@@ -254,7 +281,7 @@ class FastProtocol(asyncio.Protocol):
         return None
 
     def close(self) -> None:
-        self._disarm()
+        self._stop_timer()
         if self.transport is not None and not self._closed:
             self._closed = True
             self.transport.close()
@@ -350,7 +377,7 @@ class FastProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        self._disarm()
+        self._stop_timer()
         self._closed = True
         self._server.connections.discard(self)
         self._server.handed_over += 1

@@ -270,6 +270,29 @@ async def test_idle_keepalive_connections_close_and_busy_ones_stay(
     assert _fast(router).served == 6
 
 
+async def test_keepalive_requests_share_one_deadline_timer(
+    upstreams: list[FakeUpstream], make_router: RouterFactory
+) -> None:
+    """The idle deadline armed after each answer and dropped at the next request moves
+    no timer: 20 requests on one connection start one (the head deadline's, at
+    connect) or two (that one fired early and re-armed at the idle deadline), not one
+    per request; a partial head still gets its own deadline."""
+    router = await make_router(timeouts={"header_deadline_s": 1.0})
+    fast = _fast(router)
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    try:
+        for _ in range(20):
+            writer.write(_post())
+            assert (await _read_response(reader))[0] == 200
+        assert fast.served == 20 and fast.timers <= 2
+        writer.write(_post()[:20])  # a head that never ends: the head deadline still holds
+        raw = await asyncio.wait_for(reader.read(), 3)
+    finally:
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 408")
+    assert json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
 async def test_a_stream_read_in_fits_and_starts_arrives_whole_and_in_order(
     upstreams: list[FakeUpstream], make_router: RouterFactory
 ) -> None:
