@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/proxy_overhead.py --quick    # 1 short round, < 60 s
     ... --layers            # also the HTTP layer alone: aiohttp vs httptools servers
     ... --only smg_ca,ramjet_observe                          # a subset (direct always)
+    ... --opt-python /path/to/python   # also Ramjet under another CPython build (_opt columns)
 
 Set-up: two upstream engines (one process, two ports; `httptools` HTTP/1.1) that parse
 every request's JSON body (`"stream"` is read from the parsed body, so a proxy that
@@ -18,7 +19,10 @@ round_robin and cache_aware, if installed), `ramjet_observe` (prefix_affinity li
 tier_aware recorded, decision log on) and `ramjet_enforce` (tier_aware live). With
 `--layers`, `layer_aiohttp` and `layer_httptools`: a server and Ramjet's engine client
 (`ramjet.proxy.http1.EnginePool`) and nothing else, aiohttp's server or an
-asyncio.Protocol on httptools; what choosing Ramjet's HTTP layer could save.
+asyncio.Protocol on httptools; what choosing Ramjet's HTTP layer could save (either is
+also started when named in `--only`). With `--opt-python PYTHON`, `ramjet_observe_opt`
+and `ramjet_enforce_opt`: the same routers under that interpreter (the same source tree),
+to price the CPython build itself.
 
 Before any timing, each target is checked with an independent client (aiohttp): a small
 request must come back 200 with the completion and the prompt size the upstream saw, a
@@ -448,7 +452,7 @@ class Target:
         return tree(self.proc.pid) if self.proc is not None else []
 
 
-def start_ramjet(name: str, ups: list[str], tmp: Path, mode: str) -> Target:
+def start_ramjet(name: str, ups: list[str], tmp: Path, mode: str, python: str = PY) -> Target:
     port = free_port()
     engines = "".join(f"  - id: e{i}\n    url: {u}\n" for i, u in enumerate(ups))
     policy = tmp / f"{name}.yaml"
@@ -459,7 +463,7 @@ def start_ramjet(name: str, ups: list[str], tmp: Path, mode: str) -> Target:
         f"logging:\n  level: warning\n  decisions_path: {tmp / name}.jsonl\n"
         "timeouts:\n  drain_s: 1\n"
     )
-    cmd = [PY, "-m", "ramjet", "serve", "--policy", str(policy), "--port", str(port)]
+    cmd = [python, "-m", "ramjet", "serve", "--policy", str(policy), "--port", str(port)]
     proc = subprocess.Popen(pinned(cmd), cwd=ROOT)
     wait_http(f"http://127.0.0.1:{port}/readyz", proc=proc)
     return Target(name, f"http://127.0.0.1:{port}", proc)
@@ -861,6 +865,12 @@ def main() -> int:
         action="store_true",
         help="also time the HTTP layer alone: aiohttp vs httptools in front of Ramjet's engine client",
     )
+    ap.add_argument(
+        "--opt-python",
+        metavar="PYTHON",
+        help="also Ramjet observe/enforce under this interpreter (one with the project's "
+        "dependencies, e.g. a PGO+LTO CPython): columns ramjet_observe_opt, ramjet_enforce_opt",
+    )
     args = ap.parse_args()
     if args.upstream:
         run_upstream([int(p) for p in args.upstream.split(",")])
@@ -906,8 +916,9 @@ def main() -> int:
                 notes.append("nginx not installed (apt-get install nginx-light): column skipped")
             if want("bare"):
                 targets.append(start_bare(ups))
-            if args.layers:
-                targets += [start_layer(k, ups) for k in ("aiohttp", "httptools")]
+            for k in ("aiohttp", "httptools"):  # --layers, or named in --only
+                if (args.layers and want(f"layer_{k}")) or f"layer_{k}" in wanted:
+                    targets.append(start_layer(k, ups))
             if SMG:
                 for name, pol in (("smg_rr", "round_robin"), ("smg_ca", "cache_aware")):
                     if want(name):
@@ -917,6 +928,8 @@ def main() -> int:
             for name, mode in (("ramjet_observe", "observe"), ("ramjet_enforce", "enforce")):
                 if want(name):
                     targets.append(start_ramjet(name, ups, tmp, mode))
+                if args.opt_python and want(name + "_opt"):
+                    targets.append(start_ramjet(name + "_opt", ups, tmp, mode, args.opt_python))
             for t in targets:
                 uvloop.run(verify(t))
             print(

@@ -9,6 +9,8 @@ chunks 1 ms apart), with `benchmarks/proxy_overhead.py`'s upstream, load and che
 (every reply verified), so both share the machine's noise alike. Printed per mode: the
 median CPU us/request of each tree, B/A, and every round's figures (a lever that wins
 should win most rounds, not just the median). Every process started is stopped by pid.
+`--python-a` / `--python-b` run a tree's router under another interpreter (one with the
+project's dependencies installed), e.g. the same tree twice to compare two CPython builds.
 """
 
 from __future__ import annotations
@@ -72,7 +74,14 @@ def main() -> int:
         action="store_true",
         help="observe mode: tier_aware recorded, decision log on (default: prefix_affinity only)",
     )
+    ap.add_argument(
+        "--python-a", default=po.PY, help="interpreter of tree A's router (default: this one)"
+    )
+    ap.add_argument(
+        "--python-b", default=po.PY, help="interpreter of tree B's router (default: this one)"
+    )
     args = ap.parse_args()
+    pythons = [args.python_a, args.python_b]
     trees = [str(Path(args.tree_a).resolve()), str(Path(args.tree_b).resolve())]
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as d:
@@ -100,12 +109,12 @@ def main() -> int:
                 "timeouts:\n  drain_s: 1\n"
             )
             routers: list[tuple[str, int]] = []
-            for tree in trees:
+            for tree, python in zip(trees, pythons, strict=True):
                 port = po.free_port()
                 proc = subprocess.Popen(
                     po.pinned(
                         [
-                            po.PY,
+                            python,
                             "-m",
                             "ramjet",
                             "serve",
