@@ -1,11 +1,12 @@
 """`ramjet explain LOG (REQUEST_ID | --last N) [--rotated]`: why a request went where
 it went. For each decision line: the picks (incumbent, candidate, live and its role),
 the candidate's components per engine as a table (wait, restore, replay, prefill, work,
-externality, cost, predicted TTFT and cached tokens by tier; `*` marks its pick, the
-least cost), its notes spelled out (default profile, the built-in estimate profile,
-degraded view, externality off), and the realized outcome (engine, status, TTFT, the
-engine's prompt_work) with the prediction errors, and the priority hint (value and key,
-sent or only observed). Exit 1 if no line matches, 2 if the log cannot be read.
+externality, the jump charge inside it (`-` on an engine that serves by no key), cost,
+predicted TTFT and cached tokens by tier; `*` marks its pick, the least cost), its notes
+spelled out (default profile, the built-in estimate profile, degraded view, externality
+off), and the realized outcome (engine, status, TTFT, the engine's prompt_work) with the
+prediction errors, and the priority hint (value and key, sent or only observed). Exit 1
+if no line matches, 2 if the log cannot be read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _COLUMNS = (
     ("prefill_s", "prefill_s"),
     ("work_s", "work_s"),
     ("externality_s", "extern_s"),
+    ("jump_s", "jump_s"),
     ("cost_s", "cost_s"),
     ("ttft_s", "ttft_s"),
     ("hbm_tokens", "hbm"),

@@ -5,12 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from policy_fakes import engine, request
 from test_accounting import record
 
 from ramjet.cli import main
 from ramjet.decisions.log import DecisionLog, decision_entry, parse_realized
 from ramjet.decisions.summary import percentile, summarize
-from ramjet.policy.base import Decision
+from ramjet.policy.base import Decision, FleetStats, KeyedQueue
+from ramjet.policy.priority_key import hint_key_s
+from ramjet.policy.profile import CurvePoint, EngineProfile
+from ramjet.policy.tier_aware import TierAware, TierAwareParams
+from ramjet.types import EngineId
 
 
 def write_log(path: Path, n: int = 10) -> None:
@@ -86,3 +91,44 @@ def test_summary_percentiles_and_gain() -> None:
     e = decision_entry(record(inc="e0", cand="e1"), None)
     groups = summarize([e, e])
     assert groups[-1].label == "all" and groups[-1].gains == pytest.approx([0.3, 0.3])
+
+
+def test_explain_shows_the_jump_charge_for_keyed_engines_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a serves by the priority key and holds three waiting prompts with higher keys than
+    # the turn's (charged: the turn would overtake them); b is in no keyed pool
+    profile = EngineProfile(
+        prefill_curve=[CurvePoint(context_tokens=0, seconds_per_token=1e-4)],
+        replay_floor_s=0.02,
+        global_kv_bytes_per_token=1000,
+    )
+    views = [engine("a", hbm=2048, queued=9_000, profile=profile), engine("b", profile=profile)]
+    theirs = hint_key_s(0.3, 0.05, 99.9, 20.0)
+    queue = KeyedQueue(0.05, 20.0, True, ((theirs, 3_000, False),) * 3, True)
+    policy = TierAware(TierAwareParams(default_profile=profile))
+    picked = policy.pick(
+        request(4096), views, FleetStats(now_s=100.0, keyed={EngineId("a"): queue})
+    )
+    jump = picked.components[EngineId("a")]["jump_s"]
+    assert jump > 0 and "jump_s" not in picked.components[EngineId("b")]
+    log = tmp_path / "d.jsonl"
+    lg = DecisionLog(log)
+    r = record(inc="a", cand="a", engine="a")
+    object.__setattr__(r, "request_id", "rj")
+    object.__setattr__(r, "candidate", picked)
+    lg.submit(r, parse_realized(r.response_tail))
+    lg.close()
+    assert main(["explain", str(log), "rj"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["engine"])
+    cols = lines[head].split()
+    assert cols[cols.index("extern_s") + 1] == "jump_s"  # beside the externality it is in
+    rows = {line.split()[0]: line.split() for line in lines[head + 2 : head + 4]}
+    assert set(rows) == {"a", "b"}
+    a_cells = [c for c in rows["a"] if c != "*"]
+    b_cells = [c for c in rows["b"] if c != "*"]
+    at = cols.index("jump_s")
+    assert float(a_cells[at]) == pytest.approx(jump, rel=1e-3)
+    assert float(a_cells[cols.index("extern_s")]) >= float(a_cells[at])  # part of it
+    assert b_cells[at] == "-"  # no keyed pool: no jump charge, shown absent
