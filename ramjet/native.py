@@ -42,11 +42,10 @@ FORMAT = 1
 # The request path, as profiled (docs/performance.md, "Compiled hot modules"). Left
 # interpreted, since mypyc cannot compile them as they are written: the modules that
 # define pydantic models (policy/profile, tier_aware, baselines), policy/base (a
-# runtime-checkable Protocol), proxy/transport (exceptions that subclass OSError) and
-# decisions/log (a test replaces a method on an instance, and mypyc fails on it as a
-# non-native class), with decisions/prompt_work (log's RealizedWork subclasses it).
+# runtime-checkable Protocol) and proxy/transport (exceptions that subclass OSError).
 # A compiled class that interpreted code subclasses says so:
-# `@mypyc_attr(allow_interpreted_subclasses=True)` (Accounting, FleetEstimators).
+# `@mypyc_attr(allow_interpreted_subclasses=True)` (Accounting, DecisionLog,
+# FleetEstimators: tests subclass them).
 COMPILED: tuple[str, ...] = (
     "ramjet.types",
     "ramjet.metrics",
@@ -66,6 +65,8 @@ COMPILED: tuple[str, ...] = (
     "ramjet.proxy.http1",
     "ramjet.proxy.stream",
     "ramjet.decisions.accounting",
+    "ramjet.decisions.log",
+    "ramjet.decisions.prompt_work",
     "ramjet.decisions.record",
     "ramjet.app.fast_server",
     "ramjet.app.modes",

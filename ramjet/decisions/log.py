@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from mypy_extensions import mypyc_attr
 
 from ramjet.decisions.prompt_work import COUNT_FIELDS, TTFT_MS_FIELDS, PromptWork
 from ramjet.decisions.record import DecisionRecord
@@ -295,6 +296,7 @@ class RotatingFile:
 Item = tuple["DecisionRecord", RealizedWork | None]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (ramjet/native.py); a test subclasses it
 class DecisionLog:
     """The background JSON-lines writer (see module docstring). `on_written(n)`,
     `on_dropped()` and `on_rotated()` let the accounting count without this module
@@ -333,8 +335,8 @@ class DecisionLog:
         self._done = 0
         """Of those, written or lost to a write error (changed by the writer, under _cv)."""
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="ramjet-decision-log", daemon=True)
-        self._thread.start()
+        self._writer = threading.Thread(target=self._run, name="ramjet-decision-log", daemon=True)
+        self._writer.start()
 
     def submit(self, record: DecisionRecord, realized: RealizedWork | None) -> bool:
         """Queue one record; False (and counted) when `queue_size` records are already
@@ -401,7 +403,7 @@ class DecisionLog:
         self.flush(timeout_s)
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout_s)
+        self._writer.join(timeout_s)
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
