@@ -125,7 +125,7 @@ class Stack:
         return f"""\
 engines:
 {eng}
-mode: {mode}
+mode: {{kind: {mode}, candidate_budget_s: 1.0}}  # the shadow pick is checked, not timed
 incumbent: {{name: {incumbent}}}
 candidate: {{name: tier_aware, params: {json.dumps({**vllm_pool_params(), **(candidate_params or {})})}}}
 timeouts: {{first_byte_s: 120, connect_s: 2, idle_s: 120}}
