@@ -38,7 +38,7 @@ from ramjet.policy.fleet_stats import ArrivalRate as ArrivalRate
 Clock = Callable[[], float]
 
 
-@dataclass(slots=True)
+@dataclass(init=False, slots=True)
 class ModeOutcome:
     """One request's picks: built once per request and never changed (not `frozen`: a
     frozen init sets each field through `object.__setattr__`, 0.1 us a field)."""
@@ -52,6 +52,22 @@ class ModeOutcome:
     """Why the candidate has no pick: "raised: ...", "invalid", "slow", "skipped"."""
     candidate_s: float = 0.0
     """Wall time the candidate's pick took."""
+
+    def __init__(
+        self,
+        live: Decision,
+        live_role: str,
+        incumbent: Decision | None,
+        candidate: Decision | None,
+        candidate_error: str | None = None,
+        candidate_s: float = 0.0,
+    ) -> None:
+        self.live = live
+        self.live_role = live_role
+        self.incumbent = incumbent
+        self.candidate = candidate
+        self.candidate_error = candidate_error
+        self.candidate_s = candidate_s
 
 
 def fallback_pick(engines: Sequence[EngineView]) -> Decision:

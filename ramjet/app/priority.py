@@ -65,7 +65,7 @@ MAX_CLIENT_CLASS = 1000
 """Largest |client priority| combined: keeps the value inside a signed 64-bit integer."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class PriorityHint:
     """One request's hint, sent or not."""
 
@@ -84,6 +84,26 @@ class PriorityHint:
     """The `priority` sent (outcome "sent") or that would have been sent."""
     client: Any = None
     """The client's own `priority`, if the body had one."""
+
+    def __init__(
+        self,
+        pool: str,
+        mode: str,
+        outcome: str,
+        engine: str,
+        work_s: float,
+        key_ms: int,
+        value: int | None,
+        client: Any = None,
+    ) -> None:
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "outcome", outcome)
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "work_s", work_s)
+        object.__setattr__(self, "key_ms", key_ms)
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "client", client)
 
     @property
     def sent(self) -> bool:

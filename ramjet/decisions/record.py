@@ -17,7 +17,7 @@ from ramjet.proxy.exchange import Attempt
 from ramjet.types import EngineId
 
 
-@dataclass(slots=True)
+@dataclass(init=False, slots=True)
 class DecisionRecord:
     """One routed request: both picks, what happened, and the engine's own account. Built
     once per request and never changed afterwards (the log's writer thread reads it); not
@@ -52,6 +52,56 @@ class DecisionRecord:
     priority: Mapping[str, Any] | None = None
     """The priority hint computed for the request, sent or observed
     (`ramjet.app.priority.PriorityHint.to_json`); None when its engine is in no pool."""
+
+    def __init__(
+        self,
+        request_id: str,
+        time_unix: float,
+        model: str,
+        session: str | None,
+        prompt_tokens: int,
+        stream: bool,
+        mode: str,
+        live_role: str,
+        live: Decision,
+        incumbent: Decision | None,
+        candidate: Decision | None,
+        candidate_error: str | None,
+        candidate_s: float,
+        engine: EngineId | None,
+        status: int,
+        attempts: tuple[Attempt, ...],
+        ttft_s: float | None,
+        duration_s: float,
+        end: str,
+        engine_headers: Mapping[str, str] | None = None,
+        views: tuple[EngineView, ...] = (),
+        response_tail: bytes = b"",
+        priority: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.time_unix = time_unix
+        self.model = model
+        self.session = session
+        self.prompt_tokens = prompt_tokens
+        self.stream = stream
+        self.mode = mode
+        self.live_role = live_role
+        self.live = live
+        self.incumbent = incumbent
+        self.candidate = candidate
+        self.candidate_error = candidate_error
+        self.candidate_s = candidate_s
+        self.engine = engine
+        self.status = status
+        self.attempts = attempts
+        self.ttft_s = ttft_s
+        self.duration_s = duration_s
+        self.end = end
+        self.engine_headers = {} if engine_headers is None else engine_headers
+        self.views = views
+        self.response_tail = response_tail
+        self.priority = priority
 
 
 class DecisionSink(Protocol):

@@ -94,13 +94,23 @@ class EngineState:
         return self.probe_ok and not self.ejected
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class Routable:
     engines: tuple[EngineState, ...]
     """Engines a request may go to now, in configuration order; empty means none."""
     panic: bool = False
     retry_after_s: float = 0.0
     """When `engines` is empty because all are backing off: seconds until the first frees."""
+
+    def __init__(
+        self,
+        engines: tuple[EngineState, ...],
+        panic: bool = False,
+        retry_after_s: float = 0.0,
+    ) -> None:
+        object.__setattr__(self, "engines", engines)
+        object.__setattr__(self, "panic", panic)
+        object.__setattr__(self, "retry_after_s", retry_after_s)
 
 
 class Ticket:

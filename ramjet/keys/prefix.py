@@ -177,13 +177,21 @@ def _render_message(msg: Any, i: int, out: list[bytes]) -> None:
     out.append(_END)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class Rendered:
     """A prompt rendered to canonical bytes, and where each section ends."""
 
     text: bytes
     boundaries: tuple[int, ...]
     """Byte offsets just past each section (ascending; the last equals len(text))."""
+
+    def __init__(
+        self,
+        text: bytes,
+        boundaries: tuple[int, ...],
+    ) -> None:
+        object.__setattr__(self, "text", text)
+        object.__setattr__(self, "boundaries", boundaries)
 
 
 def render_chat(messages: Sequence[Any], tools: Sequence[Any] | None = None) -> Rendered:
@@ -247,7 +255,7 @@ def _one_section(text: bytes) -> Rendered:
     return Rendered(text, (len(text),))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class PrefixKeys:
     """The keys of one rendered prompt."""
 
@@ -259,6 +267,20 @@ class PrefixKeys:
     """(byte offset, key) at each section boundary, ascending."""
     length: int
     """Length of the rendering in bytes."""
+
+    def __init__(
+        self,
+        seed: int,
+        block_bytes: int,
+        blocks: tuple[PrefixKey, ...],
+        boundaries: tuple[tuple[int, PrefixKey], ...],
+        length: int,
+    ) -> None:
+        object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "block_bytes", block_bytes)
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "boundaries", boundaries)
+        object.__setattr__(self, "length", length)
 
 
 def compute_keys(rendered: Rendered, seed: int, block_bytes: int = BLOCK_BYTES) -> PrefixKeys:

@@ -125,7 +125,7 @@ V41_FLASH_TP4_ESTIMATE = EngineProfile(
 the policy's default profile until an engine reports its own (figures: docs/simulation.md)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class Work:
     """Prompt work of one request on one engine, in seconds, at its cheapest resume point."""
 
@@ -136,6 +136,20 @@ class Work:
     restore_s: float
     replay_s: float
     prefill_s: float
+
+    def __init__(
+        self,
+        resume: str,
+        resume_tokens: int,
+        restore_s: float,
+        replay_s: float,
+        prefill_s: float,
+    ) -> None:
+        object.__setattr__(self, "resume", resume)
+        object.__setattr__(self, "resume_tokens", resume_tokens)
+        object.__setattr__(self, "restore_s", restore_s)
+        object.__setattr__(self, "replay_s", replay_s)
+        object.__setattr__(self, "prefill_s", prefill_s)
 
     @property
     def work_s(self) -> float:
@@ -363,7 +377,7 @@ def jump_seconds(
     return scale * n * service_seconds(profile, engine, work_s, new_tokens, chunk_tokens, per_job)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class EngineEstimate:
     """Every figure the candidate weighs for one engine (seconds unless named tokens)."""
 
@@ -389,6 +403,36 @@ class EngineEstimate:
     """On an engine that serves by key (`FleetStats.keyed`): the jump term, what the
     requests this one overtakes wait longer (`jump_seconds`); already in
     `externality_s`. None elsewhere."""
+
+    def __init__(
+        self,
+        engine: EngineId,
+        work: Work,
+        match: GlobalMatch,
+        swa_tokens: int,
+        wait_s: float,
+        delta_s: float,
+        externality_s: float,
+        default_profile: bool,
+        degraded: bool,
+        session_s: float = 0.0,
+        stand_in: EngineId | None = None,
+        packing_s: float = 0.0,
+        jump_s: float | None = None,
+    ) -> None:
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "work", work)
+        object.__setattr__(self, "match", match)
+        object.__setattr__(self, "swa_tokens", swa_tokens)
+        object.__setattr__(self, "wait_s", wait_s)
+        object.__setattr__(self, "delta_s", delta_s)
+        object.__setattr__(self, "externality_s", externality_s)
+        object.__setattr__(self, "default_profile", default_profile)
+        object.__setattr__(self, "degraded", degraded)
+        object.__setattr__(self, "session_s", session_s)
+        object.__setattr__(self, "stand_in", stand_in)
+        object.__setattr__(self, "packing_s", packing_s)
+        object.__setattr__(self, "jump_s", jump_s)
 
     @property
     def ttft_s(self) -> float:

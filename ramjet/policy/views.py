@@ -15,7 +15,7 @@ from ramjet.policy.profile import EngineProfile
 from ramjet.types import EngineId, PrefixKey, TrustGrade
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class GlobalMatch:
     """Longest resident global-KV prefix on one engine, in tokens, split by tier."""
 
@@ -31,6 +31,20 @@ class GlobalMatch:
     count them. The cost model uses it to find the block after the match (see
     `ramjet.policy.cost`, SWA resume past g). Not compared: two matches of the same
     tokens are equal whether or not a view counted the blocks."""
+
+    def __init__(
+        self,
+        hbm: int = 0,
+        host: int = 0,
+        ssd: int = 0,
+        pending: int = 0,
+        blocks: int | None = None,
+    ) -> None:
+        object.__setattr__(self, "hbm", hbm)
+        object.__setattr__(self, "host", host)
+        object.__setattr__(self, "ssd", ssd)
+        object.__setattr__(self, "pending", pending)
+        object.__setattr__(self, "blocks", blocks)
 
     @property
     def total(self) -> int:
@@ -64,7 +78,7 @@ class ResidencyView(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class EngineLoad:
     """Load of one engine: engine-reported figures corrected by the router's own."""
 
@@ -90,8 +104,26 @@ class EngineLoad:
     do not report it; the simulator knows it, and Dynamo's router counts it from its own
     routing)."""
 
+    def __init__(
+        self,
+        inflight_requests: int = 0,
+        inflight_prompt_tokens: int = 0,
+        queued_prompt_tokens: int | None = None,
+        running_requests: int | None = None,
+        kv_utilization: float = 0.0,
+        waiting_requests: int | None = None,
+        decode_tokens: int | None = None,
+    ) -> None:
+        object.__setattr__(self, "inflight_requests", inflight_requests)
+        object.__setattr__(self, "inflight_prompt_tokens", inflight_prompt_tokens)
+        object.__setattr__(self, "queued_prompt_tokens", queued_prompt_tokens)
+        object.__setattr__(self, "running_requests", running_requests)
+        object.__setattr__(self, "kv_utilization", kv_utilization)
+        object.__setattr__(self, "waiting_requests", waiting_requests)
+        object.__setattr__(self, "decode_tokens", decode_tokens)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(init=False, frozen=True, slots=True)
 class EngineView:
     id: EngineId
     healthy: bool
@@ -102,8 +134,26 @@ class EngineView:
     trust: TrustGrade = TrustGrade.APPROXIMATE
     models: frozenset[str] = frozenset()
 
+    def __init__(
+        self,
+        id: EngineId,
+        healthy: bool,
+        load: EngineLoad,
+        residency: ResidencyView,
+        profile: EngineProfile | None = None,
+        trust: TrustGrade = TrustGrade.APPROXIMATE,
+        models: frozenset[str] = frozenset(),
+    ) -> None:
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "healthy", healthy)
+        object.__setattr__(self, "load", load)
+        object.__setattr__(self, "residency", residency)
+        object.__setattr__(self, "profile", profile)
+        object.__setattr__(self, "trust", trust)
+        object.__setattr__(self, "models", models)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(init=False, frozen=True, slots=True)
 class RequestView:
     """What a policy may know about a request: its features, never its body."""
 
@@ -119,8 +169,28 @@ class RequestView:
     session: str | None = None
     max_output_tokens: int | None = None
 
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        prompt_tokens: int,
+        block_keys: Sequence[PrefixKey],
+        block_tokens: Sequence[int],
+        boundary_keys: Sequence[tuple[int, PrefixKey]],
+        session: str | None = None,
+        max_output_tokens: int | None = None,
+    ) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "block_keys", block_keys)
+        object.__setattr__(self, "block_tokens", block_tokens)
+        object.__setattr__(self, "boundary_keys", boundary_keys)
+        object.__setattr__(self, "session", session)
+        object.__setattr__(self, "max_output_tokens", max_output_tokens)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(init=False, frozen=True, slots=True)
 class KeyedQueue:
     """An engine that serves by the priority hint's key (`ramjet.policy.priority_key`,
     docs/priority.md): its key parameters and the requests queued there with a key. The
@@ -138,8 +208,22 @@ class KeyedQueue:
     """The cost charges each request this one would overtake here its service time
     (`ramjet.policy.cost.jump_seconds`, part of the externality); False: jumps are free."""
 
+    def __init__(
+        self,
+        aging: float,
+        horizon_s: float | None,
+        preemptive: bool,
+        entries: tuple[tuple[float, int, bool], ...] = (),
+        charge_jumps: bool = True,
+    ) -> None:
+        object.__setattr__(self, "aging", aging)
+        object.__setattr__(self, "horizon_s", horizon_s)
+        object.__setattr__(self, "preemptive", preemptive)
+        object.__setattr__(self, "entries", entries)
+        object.__setattr__(self, "charge_jumps", charge_jumps)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(init=False, frozen=True, slots=True)
 class FleetStats:
     """Recent fleet-wide figures a policy may use (measured by the router or simulator)."""
 
@@ -155,11 +239,37 @@ class FleetStats:
     """Engines that serve by the priority hint's key (a pool in mode `on`): the cost
     model's wait counts only the work queued there with a lower key. Absent: FCFS."""
 
+    def __init__(
+        self,
+        now_s: float = 0.0,
+        arrival_rate_per_s: float = 0.0,
+        mean_wait_s: float = 0.0,
+        work_rate: Mapping[EngineId, float] | None = None,
+        keyed: Mapping[EngineId, KeyedQueue] | None = None,
+    ) -> None:
+        object.__setattr__(self, "now_s", now_s)
+        object.__setattr__(self, "arrival_rate_per_s", arrival_rate_per_s)
+        object.__setattr__(self, "mean_wait_s", mean_wait_s)
+        object.__setattr__(self, "work_rate", {} if work_rate is None else work_rate)
+        object.__setattr__(self, "keyed", {} if keyed is None else keyed)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(init=False, frozen=True, slots=True)
 class Decision:
     engine: EngineId
     policy: str
     components: Mapping[EngineId, Mapping[str, float]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     """Free-form flags, e.g. "default_profile:e1" or "imbalanced"."""
+
+    def __init__(
+        self,
+        engine: EngineId,
+        policy: str,
+        components: Mapping[EngineId, Mapping[str, float]] | None = None,
+        notes: tuple[str, ...] = (),
+    ) -> None:
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "components", {} if components is None else components)
+        object.__setattr__(self, "notes", notes)

@@ -45,14 +45,24 @@ class ResponseTail:
         return b"".join(self._chunks)[-self.limit :]
 
 
-@dataclass(slots=True)
+@dataclass(init=False, slots=True)
 class Attempt:
     engine: EngineId
     status: int | None = None
     error: str | None = None
 
+    def __init__(
+        self,
+        engine: EngineId,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.status = status
+        self.error = error
 
-@dataclass(slots=True)
+
+@dataclass(init=False, slots=True)
 class ForwardResult:
     engine: EngineId | None = None
     """The engine whose response reached the client (None if none did)."""
@@ -66,6 +76,26 @@ class ForwardResult:
     engine_headers: dict[str, str] = field(default_factory=dict)
     tail: ResponseTail = field(default_factory=lambda: ResponseTail())
     """The last bytes of the body sent to the client (the engine's usage is there)."""
+
+    def __init__(
+        self,
+        engine: EngineId | None = None,
+        status: int = 0,
+        attempts: list[Attempt] | None = None,
+        ttft_s: float | None = None,
+        end: str = "ok",
+        bytes_out: int = 0,
+        engine_headers: dict[str, str] | None = None,
+        tail: ResponseTail | None = None,
+    ) -> None:
+        self.engine = engine
+        self.status = status
+        self.attempts = [] if attempts is None else attempts
+        self.ttft_s = ttft_s
+        self.end = end
+        self.bytes_out = bytes_out
+        self.engine_headers = {} if engine_headers is None else engine_headers
+        self.tail = ResponseTail() if tail is None else tail
 
 
 class Exchange:

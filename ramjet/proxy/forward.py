@@ -73,7 +73,7 @@ class _NextEngine:
         return self._engine
 
 
-@dataclass(slots=True)
+@dataclass(init=False, slots=True)
 class Opened:
     """An attempt that got its first body byte (or a body-less end): what `forward`
     streams to the client. `ticket` and a held retry token (`retried`) are released by
@@ -84,6 +84,20 @@ class Opened:
     first: bytes
     ticket: Ticket
     retried: bool
+
+    def __init__(
+        self,
+        engine: EngineState,
+        upstream: EngineResponse,
+        first: bytes,
+        ticket: Ticket,
+        retried: bool,
+    ) -> None:
+        self.engine = engine
+        self.upstream = upstream
+        self.first = first
+        self.ticket = ticket
+        self.retried = retried
 
 
 class Proxy:

@@ -98,7 +98,7 @@ class ParseLimits:
             raise ValueError("ParseLimits: bytes_per_token must be a positive number")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, frozen=True, slots=True)
 class ParsedRequest:
     kind: RequestKind
     model: str
@@ -115,6 +115,32 @@ class ParsedRequest:
     json: Mapping[str, Any]
     """The decoded body. Treat as read-only."""
     bytes_per_token: float = 1.0
+
+    def __init__(
+        self,
+        kind: RequestKind,
+        model: str,
+        stream: bool,
+        rendered: Rendered,
+        keys: PrefixKeys,
+        session: str | None,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        body: bytes,
+        json: Mapping[str, Any],
+        bytes_per_token: float = 1.0,
+    ) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "rendered", rendered)
+        object.__setattr__(self, "keys", keys)
+        object.__setattr__(self, "session", session)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "json", json)
+        object.__setattr__(self, "bytes_per_token", bytes_per_token)
 
 
 # --- field validators -------------------------------------------------------------------
