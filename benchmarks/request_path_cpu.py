@@ -75,6 +75,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20_000)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--show-line", action="store_true")
     args = ap.parse_args()
     cfg = parse_policy(
         {
@@ -147,8 +148,12 @@ def main() -> int:
             "decision line (writer thread)",
             lambda: _ENCODER.encode(decision_entry(record, realized)),
         ),
+        ("  its entry (dict)", lambda: decision_entry(record, realized)),
+        ("  its encoding", lambda: _ENCODER.encode(entry)),
         ("decision log queue", lambda: log.submit(record, realized)),
     ]
+    if "--show-line" in __import__("sys").argv[1:]:
+        print(line.decode())
     print(f"request path Python, us per call (thread CPU, best of {args.repeat} x {args.calls})")
     figures = [(name, best_us(fn, args.calls, args.repeat)) for name, fn in stages]
     total = sum(us for name, us in figures if not name.startswith("  "))

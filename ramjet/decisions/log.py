@@ -146,32 +146,33 @@ def parse_realized(tail: bytes) -> RealizedWork | None:
 # -- the JSON line ----------------------------------------------------------------------
 
 
-_float = float  # a module global: `v.__class__ is _float` is the cheapest exact-type test
-
-
 def _round(v: float) -> float:
     """`v` to 6 significant digits (`float(f"{v:.6g}")`). A whole float under 10**6 is
     already that, and most of a line's figures are (zeros, token counts, flags): they skip
-    the formatting, zeros first (one float compare). An int or bool is still formatted
-    (it becomes a float, as before); -0.0 stays -0.0."""
-    if v.__class__ is _float and (v == 0.0 or (-1e6 < v < 1e6 and v.is_integer())):
-        return v
-    return _float(f"{v:.6g}")
+    the formatting, zeros first (one float compare). An int or bool becomes a float, as
+    formatting made it; -0.0 stays -0.0. Written for mypyc (`ramjet.native`): `float(v)`
+    and `f == int(f)` compile to C, where a type test and `is_integer()` were generic
+    calls (4.6 us for a prediction's 19 figures, now ~0.6)."""
+    f = float(v)
+    if f == 0.0 or (-1e6 < f < 1e6 and f == int(f)):
+        return f
+    return float(f"{f:.6g}")
 
 
 def _rounded(c: Mapping[str, float], memo: dict[float, float]) -> dict[str, float]:
-    """`{k: _round(v)}` over `c`, `_round` inline (a call per figure cost as much as the
-    check). `memo` holds this line's formatted figures: a prediction repeats its figures
-    (`prefill_s` = `work_s` without a restore, `ttft_s` = `cost_s` without an
-    externality), and equal numbers format alike. Zeros never reach it (-0.0 == 0.0)."""
+    """`{k: _round(v)}` over `c`, `_round` inline. `memo` holds this line's formatted
+    figures: a prediction repeats its figures (`prefill_s` = `work_s` without a restore,
+    `ttft_s` = `cost_s` without an externality), and equal numbers format alike. Zeros
+    never reach it (-0.0 == 0.0)."""
     out = {}
     for k, v in c.items():
-        if v.__class__ is _float and (v == 0.0 or (-1e6 < v < 1e6 and v.is_integer())):
-            out[k] = v
+        f = float(v)
+        if f == 0.0 or (-1e6 < f < 1e6 and f == int(f)):
+            out[k] = f
         else:
-            r = memo.get(v)
+            r = memo.get(f)
             if r is None:
-                r = memo[v] = _float(f"{v:.6g}")
+                r = memo[f] = float(f"{f:.6g}")
             out[k] = r
     return out
 
