@@ -41,19 +41,22 @@ FORMAT = 1
 
 # The request path, as profiled (docs/performance.md, "Compiled hot modules"). Left
 # interpreted, since mypyc cannot compile them as they are written: the modules that
-# define pydantic models (policy/profile, tier_aware, baselines), policy/base (a
-# runtime-checkable Protocol) and proxy/transport (exceptions that subclass OSError).
-# A compiled class that interpreted code subclasses says so:
+# define pydantic models (policy/profile, and policy/params: the policies' parameter
+# models, moved out of tier_aware and baselines so that their pick code compiles),
+# policy/base (a runtime-checkable Protocol) and proxy/transport (exceptions that
+# subclass OSError). A compiled class that interpreted code subclasses says so:
 # `@mypyc_attr(allow_interpreted_subclasses=True)` (Accounting, DecisionLog,
-# FleetEstimators: tests subclass them).
+# FleetEstimators: tests subclass them; TierAware: simulations/probes.py does).
 COMPILED: tuple[str, ...] = (
     "ramjet.types",
     "ramjet.metrics",
+    "ramjet.policy.baselines",
     "ramjet.policy.candidates",
     "ramjet.policy.cost",
     "ramjet.policy.fleet_stats",
     "ramjet.policy.priority_key",
     "ramjet.policy.session_load",
+    "ramjet.policy.tier_aware",
     "ramjet.fleet.views",
     "ramjet.keys.prefix",
     "ramjet.request.admission",

@@ -1,6 +1,8 @@
 """The baseline policies: `round_robin`, `least_loaded`, `session_hash`, and the incumbent
 `prefix_affinity`. Each is a small class with a frozen pydantic `Params` model (the
-registry validates YAML parameters over its defaults) and a pure `pick`.
+registry validates YAML parameters over its defaults; the models live in
+`ramjet.policy.params`, importable from here too, so that this module compiles with
+mypyc, `ramjet.native`) and a pure `pick`.
 
 - round_robin: a cursor over the eligible engines.
 - least_loaded: minimum of `inflight_requests * request_weight_tokens + outstanding prompt
@@ -25,20 +27,18 @@ registry validates YAML parameters over its defaults) and a pure `pick`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field
 
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from ramjet.policy.candidates import eligible, outstanding_prompt_tokens
+from ramjet.policy.params import LeastLoadedParams as LeastLoadedParams
+from ramjet.policy.params import PrefixAffinityParams as PrefixAffinityParams
+from ramjet.policy.params import RoundRobinParams as RoundRobinParams
+from ramjet.policy.params import SessionHashParams as SessionHashParams
 from ramjet.types import EngineId
 
 _xxh3 = xxhash.xxh3_64_intdigest
-
-
-class _Params(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class _Rotor:
@@ -61,10 +61,6 @@ class _Rotor:
 # -- round robin ----------------------------------------------------------------------
 
 
-class RoundRobinParams(_Params):
-    """round_robin takes no parameters (any key is an error naming its path)."""
-
-
 class RoundRobin:
     """Each eligible engine in turn."""
 
@@ -83,11 +79,6 @@ class RoundRobin:
 
 
 # -- least loaded ---------------------------------------------------------------------
-
-
-class LeastLoadedParams(_Params):
-    request_weight_tokens: Annotated[int, Field(ge=0)] = 1024
-    """Prompt-token equivalent of one in-flight request (its decode share of the batch)."""
 
 
 def _load_score(engine: EngineView, request_weight_tokens: int) -> int:
@@ -114,13 +105,6 @@ class LeastLoaded:
 
 
 # -- session hash ---------------------------------------------------------------------
-
-
-class SessionHashParams(_Params):
-    fallback: Literal["least_loaded", "round_robin"] = "least_loaded"
-    """Policy for requests that carry no session id."""
-    request_weight_tokens: Annotated[int, Field(ge=0)] = 1024
-    """Passed to the `least_loaded` fallback."""
 
 
 def rendezvous_pick(session: str, engines: Sequence[EngineView]) -> EngineView:
@@ -154,16 +138,6 @@ class SessionHash:
 
 
 # -- prefix affinity (the incumbent) --------------------------------------------------
-
-
-class PrefixAffinityParams(_Params):
-    abs_margin_tokens: Annotated[int, Field(ge=0)] = 32768
-    """An engine keeps affinity until its outstanding prompt tokens exceed the least
-    loaded engine's by more than this many tokens ..."""
-    rel_factor: Annotated[float, Field(ge=1.0)] = 1.5
-    """... and by more than this factor."""
-    min_match_tokens: Annotated[int, Field(ge=1)] = 1
-    """Shorter matches count as no match."""
 
 
 class PrefixAffinity:

@@ -6,8 +6,9 @@ validates the YAML mapping over the defaults; an unknown name, an unknown key or
 type raises `PolicyConfigError` whose message and `.path` name the offending field
 (e.g. `incumbent.params.rel_factor`), and nothing is built.
 
-Adding a policy: write its module (a `Params` model and a class with `name` and `pick`),
-then add one `_Entry` to `_ENTRIES`. Keep names snake_case and stable: they are the API
+Adding a policy: write its `Params` model (in `ramjet.policy.params`, which stays
+interpreted: pydantic and mypyc do not mix) and its module (a class with `name` and
+`pick`), then add one `_Entry` to `_ENTRIES`. Keep names snake_case and stable: they are the API
 of policy files.
 """
 

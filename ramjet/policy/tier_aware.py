@@ -1,7 +1,9 @@
 """The candidate policy `tier_aware`: the engine of least cost, where cost is predicted
 TTFT (wait + restore + replay + prefill) plus the delay the choice's wasted work imposes
 on later arrivals. The model is `ramjet.policy.cost` (read its docstring); this module
-only holds the parameters, picks the minimum and records every component.
+picks the minimum and records every component. Its parameters are `TierAwareParams`
+(`ramjet.policy.params`, importable from here too: pydantic models stay interpreted, this
+module is compiled, `ramjet.native`).
 
 Decision.components[engine] holds every figure of `EngineEstimate.components()`
 (`wait_s`, `work_s`, `restore_s`, `replay_s`, `prefill_s`, `delta_s`, `externality_s`,
@@ -16,38 +18,17 @@ measured arrival rate or wait yet.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from mypy_extensions import mypyc_attr
 
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from ramjet.policy.candidates import eligible
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, EngineEstimate, estimate
-from ramjet.policy.profile import EngineProfile
+from ramjet.policy.params import TierAwareParams as TierAwareParams
 from ramjet.policy.session_load import SessionLoad
 
 
-class TierAwareParams(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    default_profile: EngineProfile = V41_FLASH_TP4_ESTIMATE
-    """Used for engines that have not reported a profile, or whose view is degraded."""
-    chunk_tokens: Annotated[int, Field(gt=0)] = 8192
-    """Engine prefill chunk: one decode step interleaves per chunk while requests decode."""
-    externality_scale: Annotated[float, Field(ge=0)] = 1.0
-    """Multiplies λ·W (both measured). 0 gives the selfish minimum-TTFT policy."""
-    session_scale: Annotated[float, Field(ge=0)] = 0.0
-    """Multiplies the session term R·W·(C_e/C_fair - 1) (`ramjet.policy.session_load`);
-    0 (the default) turns it off: on the closed-loop agent replays it did not pay
-    (docs/results.md, ablation rows `tier_aware:session`)."""
-    session_idle_s: Annotated[float, Field(gt=0)] = 60.0
-    """A session not seen for this long has ended (its length is learned)."""
-    per_job_prefill: bool = True
-    """Engines prefill one request per step (the reference engine): each queued request
-    costs at least a chunk and a decode step (`cost.wait_seconds`). False for engines
-    that pack prompts into a step's token budget (vLLM)."""
-
-
+@mypyc_attr(allow_interpreted_subclasses=True)  # simulations/probes.py subclasses it
 class TierAware:
     """Least `cost_s` among eligible engines; ties to the shorter wait, then in turn (a
     cursor that moves only on a tie, so idle engines share the new sessions that reach
