@@ -43,8 +43,9 @@ FORMAT = 1
 # interpreted, since mypyc cannot compile them as they are written: the modules that
 # define pydantic models (policy/profile, and policy/params: the policies' parameter
 # models, moved out of tier_aware and baselines so that their pick code compiles),
-# policy/base (a runtime-checkable Protocol) and proxy/transport (exceptions that
-# subclass OSError). A compiled class that interpreted code subclasses says so:
+# policy/base (a runtime-checkable Protocol; the views and Decision it exports are
+# defined in policy/views, compiled) and proxy/transport (exceptions that subclass
+# OSError). A compiled class that interpreted code subclasses says so:
 # `@mypyc_attr(allow_interpreted_subclasses=True)` (Accounting, DecisionLog,
 # FleetEstimators: tests subclass them; TierAware: simulations/probes.py does).
 COMPILED: tuple[str, ...] = (
@@ -57,6 +58,7 @@ COMPILED: tuple[str, ...] = (
     "ramjet.policy.priority_key",
     "ramjet.policy.session_load",
     "ramjet.policy.tier_aware",
+    "ramjet.policy.views",
     "ramjet.fleet.views",
     "ramjet.keys.prefix",
     "ramjet.request.admission",

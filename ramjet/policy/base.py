@@ -15,166 +15,24 @@ contract, which the router, the simulator and the tests all rely on:
 - `Decision.components` holds, per engine, named figures in seconds or tokens (for
   example `wait_s`, `work_s`, `cost_s`, `match_tokens`); they are logged with the
   decision so an operator can see why.
+
+The views and `Decision` are defined in `ramjet.policy.views` (compiled with mypyc; this
+module, with its `@runtime_checkable` Protocol, stays interpreted) and exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from ramjet.policy.profile import EngineProfile
-from ramjet.types import EngineId, PrefixKey, TrustGrade
-
-
-@dataclass(frozen=True, slots=True)
-class GlobalMatch:
-    """Longest resident global-KV prefix on one engine, in tokens, split by tier."""
-
-    hbm: int = 0
-    host: int = 0
-    ssd: int = 0
-    pending: int = 0
-    """Of `hbm`, the tokens of requests the router has sent to the engine and no report
-    has confirmed yet (`ramjet.residency.pending`): in HBM by the time a request routed
-    now starts there, since the engine takes requests in order. Not a tier of its own."""
-    blocks: int | None = field(default=None, compare=False)
-    """How many leading blocks matched (pending included); None when the view does not
-    count them. The cost model uses it to find the block after the match (see
-    `ramjet.policy.cost`, SWA resume past g). Not compared: two matches of the same
-    tokens are equal whether or not a view counted the blocks."""
-
-    @property
-    def total(self) -> int:
-        return self.hbm + self.host + self.ssd
-
-    def by_tier(self) -> tuple[int, int, int]:
-        return (self.hbm, self.host, self.ssd)
-
-
-class ResidencyView(Protocol):
-    """What one engine holds, as far as the router knows. Read-only, synchronous."""
-
-    def global_match(
-        self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
-    ) -> GlobalMatch:
-        """Longest prefix of `block_keys` resident on the engine, in tokens by tier.
-
-        `block_tokens[i]` is the number of tokens block i covers. The match stops at the
-        first block that is not resident (a resident block implies its predecessors).
-        A view answers for one instant and one request: it may keep the answer for the
-        same `block_keys` object, so the incumbent, the candidate and the router's
-        in-flight figure share one lookup per engine (`EngineResidencyView` does).
-        """
-        ...
-
-    def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
-        """Token offset of the furthest message boundary with live SWA state, else 0.
-
-        `boundary_keys` is a list of (token offset, key), ascending by offset.
-        """
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """Load of one engine: engine-reported figures corrected by the router's own."""
-
-    inflight_requests: int = 0
-    """Requests the router has sent and not yet seen finish."""
-    inflight_prompt_tokens: int = 0
-    """Predicted uncached prompt tokens of the router's requests to this engine whose first
-    token has not yet arrived: for each, its prompt minus the cached match the router
-    predicted on this engine when it routed it (`candidates.uncached_prompt_tokens`).
-    Prompt work still to do there, not whole prompts: an engine that hits its cache is
-    not charged for the tokens it will not prefill."""
-    queued_prompt_tokens: int | None = None
-    """Engine-reported prompt tokens waiting or being prefilled; None if not reported."""
-    running_requests: int | None = None
-    """Engine-reported requests in the running batch; None if not reported."""
-    kv_utilization: float = 0.0
-    """Share of HBM global-KV capacity in use, 0..1."""
-    waiting_requests: int | None = None
-    """Engine-reported requests queued for prefill (not yet running); None if not
-    reported. llm-d's queue scorer reads it."""
-    decode_tokens: int | None = None
-    """Context tokens of the requests decoding on the engine; None if not known (engines
-    do not report it; the simulator knows it, and Dynamo's router counts it from its own
-    routing)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineView:
-    id: EngineId
-    healthy: bool
-    load: EngineLoad
-    residency: ResidencyView
-    profile: EngineProfile | None = None
-    """None until the engine has reported one; policies then use their defaults."""
-    trust: TrustGrade = TrustGrade.APPROXIMATE
-    models: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class RequestView:
-    """What a policy may know about a request: its features, never its body."""
-
-    request_id: str
-    model: str
-    prompt_tokens: int
-    """Prompt length in tokens (exact for byte-level engines, estimated otherwise)."""
-    block_keys: Sequence[PrefixKey]
-    block_tokens: Sequence[int]
-    """Tokens covered by each block key (all equal but possibly the last)."""
-    boundary_keys: Sequence[tuple[int, PrefixKey]]
-    """(token offset, key) at each message boundary, ascending."""
-    session: str | None = None
-    max_output_tokens: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class KeyedQueue:
-    """An engine that serves by the priority hint's key (`ramjet.policy.priority_key`,
-    docs/priority.md): its key parameters and the requests queued there with a key. The
-    cost model's priority-aware wait reads it (`ramjet.policy.cost.keyed_wait`)."""
-
-    aging: float
-    horizon_s: float | None
-    preemptive: bool
-    """True: a better arrival takes the engine at the next chunk boundary (the reference
-    engine's `chunk` variant); False: a started prefill runs to its end (vLLM's)."""
-    entries: tuple[tuple[float, int, bool], ...] = ()
-    """(key_s, predicted uncached prompt tokens left, started) per request waiting or in
-    prefill; the key in the clock of `FleetStats.now_s`."""
-    charge_jumps: bool = True
-    """The cost charges each request this one would overtake here its service time
-    (`ramjet.policy.cost.jump_seconds`, part of the externality); False: jumps are free."""
-
-
-@dataclass(frozen=True, slots=True)
-class FleetStats:
-    """Recent fleet-wide figures a policy may use (measured by the router or simulator)."""
-
-    now_s: float = 0.0
-    arrival_rate_per_s: float = 0.0
-    """Recent request arrival rate across the fleet (EWMA)."""
-    mean_wait_s: float = 0.0
-    """Recent mean time requests waited before their prefill started (EWMA)."""
-    work_rate: Mapping[EngineId, float] = field(default_factory=dict)
-    """Per engine: predicted prompt work routed to it per second (EWMA; s/s, so a
-    utilisation): what a packing engine's next steps will also carry."""
-    keyed: Mapping[EngineId, KeyedQueue] = field(default_factory=dict)
-    """Engines that serve by the priority hint's key (a pool in mode `on`): the cost
-    model's wait counts only the work queued there with a lower key. Absent: FCFS."""
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    engine: EngineId
-    policy: str
-    components: Mapping[EngineId, Mapping[str, float]] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
-    """Free-form flags, e.g. "default_profile:e1" or "imbalanced"."""
+from ramjet.policy.views import Decision as Decision
+from ramjet.policy.views import EngineLoad as EngineLoad
+from ramjet.policy.views import EngineView as EngineView
+from ramjet.policy.views import FleetStats as FleetStats
+from ramjet.policy.views import GlobalMatch as GlobalMatch
+from ramjet.policy.views import KeyedQueue as KeyedQueue
+from ramjet.policy.views import RequestView as RequestView
+from ramjet.policy.views import ResidencyView as ResidencyView
 
 
 @runtime_checkable
