@@ -320,14 +320,9 @@ async def run_ramjet(
             cold = await asyncio.to_thread(cold_prefill_4k, engines["v0"])
         for eid in engines:
             await asyncio.to_thread(st.start_sidecar, eid, "--probe-sizes", probe)
-        deadline = time.monotonic() + 300
-        for eid, sc in st.sidecars.items():
-            while (await asyncio.to_thread(sc.health))["profile"] is None:
-                if time.monotonic() > deadline:
-                    raise BenchError(f"sidecar {eid} published no profile")
-                await asyncio.sleep(0.5)
-        for eid, sc in st.sidecars.items():
-            print(f"  {eid} profile: {json.dumps((await asyncio.to_thread(sc.health))['profile'])}")
+        # the stack's wait (fails with the sidecar's log tail past 300 s)
+        for eid, prof in (await asyncio.to_thread(st.wait_profiles, 300.0)).items():
+            print(f"  {eid} profile: {json.dumps(prof)}")
         for eid, sc in st.sidecars.items():  # start cold, as SMG's run does
             status, data = await asyncio.to_thread(post_json, sc.url + "/reset_prefix_cache", {})
             if status != 200:

@@ -46,7 +46,9 @@ The share of answers identical to FCFS's is printed (not required: cached and co
 sum floats in other orders, which can flip a near-tie of the random-weight model).
 Printed per mode: mean / p50 / p99 / max TTFT (client side: send to the first SSE
 event, the engine's role chunk at the end of prefill), mean TTFT of session turns, the
-worst TTFT and the worst engine queue wait (`usage.prompt_work.queue_ms`) of
+worst TTFT and the worst engine queue wait (the reference engine's
+`usage.prompt_work.queue_ms`; vLLM's `metrics.queue_time_ms`, its engines started with
+`--enable-per-request-metrics`; `-` where an engine reports neither) of
 the long prompts, moves, the engines' cached-token share (usage) and the router's
 predicted one, and each figure's ratio to FCFS measured in the same run.
 """
@@ -58,6 +60,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -93,7 +96,8 @@ class Req:
     t_send: float = 0.0
     ttft_s: float = 0.0
     text: str = ""
-    queue_ms: float = 0.0
+    queue_ms: float | None = None
+    """The engine's queue wait (arrival to first schedule); None where it reports none."""
     engine: str = ""
     hint: dict[str, Any] | None = None
     """The router's decision-log `priority` entry for this request."""
@@ -139,7 +143,8 @@ async def stream_chat(
     request_id: str,
 ) -> tuple[float, str, dict[str, Any], str]:
     """(TTFT s, text, usage, engine) of one streamed chat request; raises on anything
-    that is not a complete 200 stream. TTFT: to the first event (the engine sends its
+    that is not a complete 200 stream. vLLM's per-request `metrics`, which ride on the
+    usage chunk, are kept in the usage under `metrics`. TTFT: to the first event (the engine sends its
     role chunk when the prefill ends; the tiny model's first bytes may not yet decode to
     text)."""
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
@@ -164,6 +169,8 @@ async def stream_chat(
                 obj = json.loads(data)
                 if obj.get("usage"):
                     usage = obj["usage"]
+                    if obj.get("metrics"):  # vLLM --enable-per-request-metrics
+                        usage = {**usage, "metrics": obj["metrics"]}
                 for ch in obj.get("choices") or []:
                     if first is None:  # the role chunk: sent when the prefill ends
                         first = time.monotonic()
@@ -174,8 +181,19 @@ async def stream_chat(
     return first - t0, answer, usage, engine
 
 
+def queue_ms(usage: dict[str, Any]) -> float | None:
+    """The engine's queue wait in ms: the reference engine's `prompt_work.queue_ms`, or
+    vLLM's `metrics.queue_time_ms` (`--enable-per-request-metrics`: first scheduled less
+    queued, the same span); None when the engine reports neither."""
+    for section, name in (("prompt_work", "queue_ms"), ("metrics", "queue_time_ms")):
+        v = (usage.get(section) or {}).get(name)
+        if isinstance(v, int | float):
+            return float(v)
+    return None
+
+
 def note_usage(rq: Req, usage: dict[str, Any]) -> None:
-    rq.queue_ms = float(usage.get("prompt_work", {}).get("queue_ms", "nan"))
+    rq.queue_ms = queue_ms(usage)
     rq.prompt_tokens = int(usage["prompt_tokens"])
     details = usage.get("prompt_tokens_details") or {}
     rq.cached_tokens = int(details.get("cached_tokens", -1))
@@ -528,7 +546,10 @@ def vllm_engines(a: argparse.Namespace) -> Iterator[VllmFleet]:
 
     env = vllm_env()
     extra = ("--max-num-batched-tokens", str(a.chunk), "--max-num-seqs", "16")
-    engines = [VllmEngine(f"v{i}", env, core=i, extra_args=extra) for i in range(2)]
+    engines = [
+        VllmEngine(f"v{i}", env, core=i, extra_args=extra, per_request_metrics=True)
+        for i in range(2)
+    ]
     with contextlib.ExitStack() as cleanup:
         for e in engines:
             cleanup.callback(e.stop)
@@ -550,6 +571,11 @@ def vllm_engines(a: argparse.Namespace) -> Iterator[VllmFleet]:
         yield VllmFleet(engines, st)
 
 
+def cell(x: float, fmt: str) -> str:
+    """`x` in `fmt`, or `-` right-aligned to the same width where it is nan."""
+    return f"{'-':>{len(fmt.format(0.0))}}" if math.isnan(x) else fmt.format(x)
+
+
 def ratio(x: float, base: float) -> float:
     return x / base if base > 0 else float("nan")
 
@@ -563,13 +589,20 @@ def summary(r: ModeResult) -> dict[str, float]:
         "max": all_t[-1],
         "turn_mean": statistics.fmean(turns),
         "long_max": longs[-1] if longs else float("nan"),
-        "long_wait_max": max(
-            (q.queue_ms / 1e3 for q in r.reqs if q.kind == "long"), default=float("nan")
-        ),
+        "long_wait_max": long_wait_max(r),
         "moves": float(moves(r)),
         "cached": share([q.cached_tokens for q in r.reqs], r.reqs),
         "pred_cached": share([q.predicted_cached for q in r.reqs], r.reqs),
     }
+
+
+def long_wait_max(r: ModeResult) -> float:
+    """The long prompts' worst engine queue wait (s); nan where an engine reported none
+    for one of them (printed `-`)."""
+    waits = [q.queue_ms for q in r.reqs if q.kind == "long"]
+    if not waits or any(w is None for w in waits):
+        return float("nan")
+    return max(w for w in waits if w is not None) / 1e3
 
 
 def share(tokens: list[int], reqs: list[Req]) -> float:
@@ -753,11 +786,17 @@ def main(argv: list[str] | None = None) -> int:
     w = max(16, max(len(r.name) for r in results) + 8)
     print(f"{'mode':<{w}}" + "".join(f"{c:>14}" for c in cols))
     for r, s in zip(results, sums, strict=True):
-        print(f"{r.name:<{w}}" + "".join(f"{s[c]:>14.3f}" for c in cols))
+        print(f"{r.name:<{w}}" + "".join(cell(s[c], "{:>14.3f}") for c in cols))
     for r, s in zip(results[1:], sums[1:], strict=True):
         print(
             f"{r.name + ' / fcfs':<{w}}"
-            + "".join(f"{ratio(s[c], sums[0][c]):>13.2f}x" for c in cols)
+            + "".join(cell(ratio(s[c], sums[0][c]), "{:>13.2f}x") for c in cols)
+        )
+    if any(math.isnan(s[c]) or math.isnan(ratio(s[c], sums[0][c])) for s in sums for c in cols):
+        print(
+            "-: not reported (long_wait_max: an engine gave no queue wait for a long prompt; "
+            "cached, pred_cached: a request without cached tokens or without a prediction); "
+            "in a ratio row, also where FCFS's figure is 0"
         )
     print(f"\n{len(runs)} runs in {time.perf_counter() - t0:.0f} s")
     for prob in problems:

@@ -96,6 +96,7 @@ class Engine:
         self.cfg = model.cfg
         self.tokenizer = ByteTokenizer()
         self.key_seed = key_seed(s.model_name)
+        """The seed of an unsalted prompt's keys (`prompt_seed(None)`)."""
         self.events = CacheEvents()
         self.events.subscribe(self._count_event)
         self._tmpdir: str | None = None
@@ -152,6 +153,13 @@ class Engine:
             if isinstance(getattr(tok, name, None), int)
         ]
         return ids
+
+    def prompt_seed(self, salt: str | None) -> int:
+        """The seed of a prompt's keys (`ramjet.keys.prefix.key_seed`, the router's): a
+        request's `cache_salt` gives its blocks and SWA states keys of their own, so they
+        serve only requests with the same salt, as in vLLM and SGLang, and the engine's
+        reports name them as the router keys the salted request."""
+        return self.key_seed if salt is None else key_seed(self.settings.model_name, salt=salt)
 
     def encode(self, text: bytes) -> list[int]:
         return list(text)  # byte-level: one token per byte, the router's key blocks exactly

@@ -57,8 +57,9 @@ class CacheEvent:
 
 
 Listener = Callable[[CacheEvent], None]
-BlockDescriber = Callable[[Sequence[PrefixKey], Sequence[int]], None]
-"""Told a prompt's block keys (in order) and its tokens before the blocks are stored."""
+BlockDescriber = Callable[[Sequence[PrefixKey], Sequence[int], str | None], None]
+"""Told a prompt's block keys (in order), its tokens and its `cache_salt` (None: none)
+before the blocks are stored."""
 
 
 class CacheEvents:
@@ -87,8 +88,10 @@ class CacheEvents:
         with self._lock:
             self._describers.append(describer)
 
-    def describe(self, keys: Sequence[PrefixKey], tokens: Sequence[int]) -> None:
+    def describe(
+        self, keys: Sequence[PrefixKey], tokens: Sequence[int], salt: str | None = None
+    ) -> None:
         with self._lock:
             describers = list(self._describers)
         for d in describers:
-            d(keys, tokens)
+            d(keys, tokens, salt)

@@ -5,7 +5,10 @@ Routes:
   and not. Extra request field `reasoning_effort` (integer 1-100) sets the generation
   budget: ceil(effort / 100 * max_gen_tokens), capped by `max_tokens`. Extra field
   `priority` (integer, vLLM's): the order under `--scheduling-policy priority`
-  (`engine_stub.scheduler`; ignored under fcfs). Usage carries
+  (`engine_stub.scheduler`; ignored under fcfs). Extra field `cache_salt` (a non-empty
+  string, vLLM's): the request's blocks and SWA states are keyed from a seed of their own
+  (`ramjet.keys.prefix.key_seed(model, salt=...)`, the router's keys for it), so they
+  serve only requests with the same salt, as in vLLM and SGLang. Usage carries
   `prompt_tokens_details.cached_tokens` and `prompt_work` (where the prompt came from and
   what it cost); in a stream, the final chunk carries it.
 - `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), `GET /profile`
@@ -107,6 +110,18 @@ def parse_params(body: dict[str, Any], max_gen: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=budget, temperature=float(temp), seed=seed, stop=stops)
 
 
+def parse_cache_salt(body: dict[str, Any]) -> str | None:
+    """The body's `cache_salt` (vLLM's field): a non-empty string, or None when absent or
+    null. As in vLLM, requests share cached blocks only with requests of the same salt
+    (`Engine.prompt_seed`)."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise BadRequest("cache_salt: must be a non-empty string", param="cache_salt")
+    return v
+
+
 def parse_priority(body: dict[str, Any]) -> int:
     """The body's `priority` (vLLM's field): any integer, default 0."""
     v = body.get("priority", 0)
@@ -157,6 +172,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             )
         params = parse_params(body, s.max_gen_tokens)
         priority = parse_priority(body)
+        salt = parse_cache_salt(body)
         try:
             messages: Any = body.get("messages")  # render_chat refuses a missing one
             rendered: Rendered = (
@@ -177,8 +193,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         return error_response(
             exc.status, str(exc), param=exc.param, code=exc.code, headers=_headers(engine)
         )
-    keys = compute_keys(rendered, engine.key_seed)
-    engine.events.describe(keys.blocks, ids)
+    keys = compute_keys(rendered, engine.prompt_seed(salt))
+    engine.events.describe(keys.blocks, ids, salt)
     req = Request(ids, keys, params, asyncio.get_running_loop(), priority=priority)
     try:
         engine.scheduler.submit(req)

@@ -23,6 +23,8 @@ derived from the model name, published as the low 64 bits. The token ids of each
 come from `CacheEvents.describe`, which the server calls with every prompt's block keys
 and tokens before the blocks are stored; a block the engine stores without them (SSD
 blocks re-indexed at start) is not published, which under-reports, never over-reports.
+A salted request's first block carries its `cache_salt` as extra keys, as vLLM's does,
+so its hashes differ from the unsalted prompt's and the sidecar maps none of its blocks.
 
 Fault injection for tests: `drop_live` names batch seqs that go to the replay buffer
 but not out on the live socket (a lost message the sidecar must heal from replay).
@@ -56,6 +58,9 @@ from ramjet.types import PrefixKey, Tier
 log = logging.getLogger("engine_stub.vllm_events")
 
 MEDIUM = {Tier.HBM: "GPU", Tier.HOST: "CPU", Tier.SSD: "STORAGE"}
+
+_Block = tuple[bytes, bytes | None, tuple[int, ...], tuple[str, ...] | None]
+"""A described block: its digest, its parent's (None: first), tokens, extra keys."""
 
 
 class ZmqEventPublisher:
@@ -177,10 +182,8 @@ class VllmEventBridge:
         self.publisher = publisher
         self.block_tokens = block_tokens
         self._none = vllm_none_hash("sha256_cbor", model)
-        # router key -> (digest, parent digest or None, tokens); LRU-bounded
-        self._blocks: OrderedDict[PrefixKey, tuple[bytes, bytes | None, tuple[int, ...]]] = (
-            OrderedDict()
-        )
+        # router key -> (digest, parent digest or None, tokens, extra keys); LRU-bounded
+        self._blocks: OrderedDict[PrefixKey, _Block] = OrderedDict()
         self._max = max_blocks
         self._pending: list[Event] = []
         self._lock = threading.Lock()
@@ -190,7 +193,9 @@ class VllmEventBridge:
         events.subscribe_blocks(self._describe)
         events.subscribe(self._on_event)
 
-    def _describe(self, keys: Sequence[PrefixKey], tokens: Sequence[int]) -> None:
+    def _describe(
+        self, keys: Sequence[PrefixKey], tokens: Sequence[int], salt: str | None = None
+    ) -> None:
         b = self.block_tokens
         with self._lock:
             parent: bytes | None = None
@@ -201,8 +206,13 @@ class VllmEventBridge:
                     parent = known[0]
                     continue
                 block = tuple(tokens[i * b : (i + 1) * b])
-                (digest,) = vllm_block_hashes(block, b, "sha256_cbor", self._none, parent)
-                self._blocks[key] = (digest, parent, block)
+                # vLLM hashes a request's cache_salt into its first block (extra keys),
+                # so every block of a salted prompt differs from the unsalted one's
+                extra = (salt,) if i == 0 and salt is not None else None
+                (digest,) = vllm_block_hashes(
+                    block, b, "sha256_cbor", self._none, parent, None if extra is None else [extra]
+                )
+                self._blocks[key] = (digest, parent, block, extra)
                 parent = digest
             while len(self._blocks) > self._max:
                 self._blocks.popitem(last=False)
@@ -212,13 +222,14 @@ class VllmEventBridge:
         if info is None:
             self.unpublished += 1
             return None
-        digest, parent, tokens = info
+        digest, parent, tokens, extra = info
         return BlockStored(
             block_hashes=(vllm_event_hash(digest),),
             parent_block_hash=None if parent is None else vllm_event_hash(parent),
             token_ids=tokens,
             block_size=self.block_tokens,
             medium=MEDIUM[tier],
+            extra_keys=None if extra is None else (extra,),
             kv_cache_spec_kind="full_attention",
         )
 

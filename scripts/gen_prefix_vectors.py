@@ -58,7 +58,8 @@ def _pad_to(messages: list[dict[str, Any]], index: int, end: int) -> list[dict[s
 
 
 def cases() -> list[dict[str, Any]]:
-    """The vector inputs: name, kind, model, adapter, and messages/tools or prompt."""
+    """The vector inputs: name, kind, model, adapter, cache_salt where there is one, and
+    messages/tools or prompt."""
     worked = [
         {"role": "system", "content": "You are a terse assistant."},
         {"role": "user", "content": "Weather in Paris?"},
@@ -93,6 +94,8 @@ def cases() -> list[dict[str, Any]]:
         {"name": "chat_other_model", "kind": chat, "model": "other-model",
          "messages": [{"role": "user", "content": "hi"}]},
         {"name": "chat_adapter", "kind": chat, "model": "ramjet-ref", "adapter": "lora-7",
+         "messages": [{"role": "user", "content": "hi"}]},
+        {"name": "chat_cache_salt", "kind": chat, "model": "ramjet-ref", "cache_salt": "tenant-7",
          "messages": [{"role": "user", "content": "hi"}]},
         {"name": "chat_tools_without_system", "kind": chat, "model": "ramjet-ref",
          "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [WEATHER_TOOL]},
@@ -154,14 +157,17 @@ def build() -> dict[str, Any]:
         else:
             rendered = render_completion(case["prompt"])
             inputs = {"prompt": case["prompt"]}
-        seed = key_seed(case["model"], case.get("adapter"))
+        seed = key_seed(case["model"], case.get("adapter"), case.get("cache_salt"))
         keys = compute_keys(rendered, seed)
+        # the request's cache_salt, only where a case has one (older cases stay as they were)
+        salt = {"cache_salt": case["cache_salt"]} if "cache_salt" in case else {}
         out.append(
             {
                 "name": case["name"],
                 "kind": case["kind"],
                 "model": case["model"],
                 "adapter": case.get("adapter"),
+                **salt,
                 "input": inputs,
                 "seed": _hex(seed),
                 "rendering_text": rendered.text.decode("utf-8"),

@@ -31,14 +31,14 @@ import dataclasses
 import json
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from ramjet.keys.config import KeyPoolConfig as KeyPoolConfig
-from ramjet.keys.prefix import PromptError
+from ramjet.keys.prefix import PromptError, cache_salt
 from ramjet.keys.tokens import (
     ByteTokenizer,
     HFTokenizer,
@@ -51,16 +51,6 @@ from ramjet.request.parse import ParsedRequest, RequestError
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
-
-
-def cache_salt(body: Mapping[str, Any]) -> str | None:
-    """The request's `cache_salt` (vLLM and SGLang), as the text its keys are seeded with;
-    None when absent or null. A non-string salt is seeded by its JSON text: the engine
-    decides whether it is valid, and it still matches no unsalted block."""
-    v = body.get("cache_salt")
-    if v is None:
-        return None
-    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ Algorithm
    than role and content (name, tool_calls, tool_call_id, ...; nulls dropped) render as
    canonical JSON after `<|meta|>`.
 2. The seed is xxh3-64 of `ramjet-prefix-v{SPEC_VERSION}\\0{model}\\0{adapter}`, so
-   different models, adapters or spec versions never share keys.
+   different models, adapters or spec versions never share keys; a request's
+   `cache_salt` appends `\\0salt\\0{salt}`, so salts never share keys either.
 3. Block keys: the rendering is cut into blocks of `BLOCK_BYTES` (256); block i's key is
    xxh3-64(block i, seed=key of block i-1), chained from the seed. Only full blocks are
    keyed. A key names a whole byte prefix, so a resident block implies its predecessors
@@ -76,9 +77,24 @@ class PromptError(RamjetError, ValueError):
         self.code = code
 
 
-def key_seed(model: str, adapter: str | None = None) -> int:
-    """The chain's seed: different models or adapters never share keys."""
+def cache_salt(body: Mapping[str, Any]) -> str | None:
+    """The request's `cache_salt` (vLLM and SGLang), as the text its keys are seeded with;
+    None when absent or null. A non-string salt is seeded by its JSON text: the engine
+    decides whether it is valid, and it still matches no unsalted block."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+
+
+def key_seed(model: str, adapter: str | None = None, salt: str | None = None) -> int:
+    """The chain's seed: different models or adapters never share keys. `salt`: the
+    request's `cache_salt` (`cache_salt(body)`): engines share no cached block between
+    salts, so a salted request's chain starts from its own seed and matches no unsalted
+    block and no other salt's. Without a salt the seed is what it always was."""
     tag = f"ramjet-prefix-v{SPEC_VERSION}\x00{model}\x00{adapter or ''}"
+    if salt is not None:
+        tag += f"\x00salt\x00{salt}"
     return _xxh3(tag.encode("utf-8", "surrogatepass"))
 
 

@@ -14,8 +14,8 @@ does, with the same time constants, taken from the policy file's `fleet_stats:` 
   burst of samples at one instant still moves it); the first sample sets it. With no
   samples it holds its value (no traffic, no λ·W).
 - `WorkRates`: per engine, the predicted prompt work routed to it per second (seconds of
-  work per second: a utilisation), the same decaying sum as `ArrivalRate` with each
-  arrival weighted by its work. A packing engine (vLLM) puts the prompts that arrive
+  work per second: a utilisation), the same decaying sum as `ArrivalRate` (one
+  implementation, `DecayingSum`) with each arrival weighted by its work. A packing engine (vLLM) puts the prompts that arrive
   while one waits into that one's step, so the cost model reads it as the share of its
   wait and work that later arrivals add (`ramjet.policy.cost`, `per_job=False`).
 - `FleetEstimators`: λ, W and the work rates, fed `arrive(now)` per request,
@@ -46,30 +46,56 @@ DEFAULT_WAIT_TAU_S = 10.0
 DEFAULT_WORK_TAU_S = 2.0
 
 
-class ArrivalRate:
-    """Exponentially weighted arrival rate (requests/s) with time constant `tau_s`."""
+class DecayingSum:
+    """A sum whose every term decays as exp(-dt/τ): the one decay `ArrivalRate` and
+    `WorkRates` share. `add(now, x)` decays the sum to `now` and adds x; a `now` earlier
+    than the last one (samples out of order) adds x without decay and keeps the later
+    time, so time never runs backwards for the sum."""
 
     __slots__ = ("_last", "_value", "tau_s")
 
-    def __init__(self, tau_s: float = DEFAULT_ARRIVAL_TAU_S) -> None:
+    def __init__(self, tau_s: float) -> None:
         if not tau_s > 0:
             raise ValueError("tau_s must be > 0")
         self.tau_s = tau_s
         self._value = 0.0
         self._last = 0.0
 
-    def _decay(self, now: float) -> None:
+    def decay(self, now: float) -> float:
+        """Decay the sum to `now` (kept) and return it."""
         if now > self._last:
             self._value *= math.exp(-(now - self._last) / self.tau_s)
             self._last = now
+        return self._value
+
+    def at(self, now: float) -> float:
+        """The sum as of `now`, leaving it as it is."""
+        v = self._value
+        return v * math.exp(-(now - self._last) / self.tau_s) if now > self._last else v
+
+    def add(self, now: float, x: float) -> None:
+        self.decay(now)
+        self._value += x
+
+
+class ArrivalRate:
+    """Exponentially weighted arrival rate (requests/s) with time constant `tau_s`: a
+    `DecayingSum` to which each arrival adds 1/τ."""
+
+    __slots__ = ("_sum",)
+
+    def __init__(self, tau_s: float = DEFAULT_ARRIVAL_TAU_S) -> None:
+        self._sum = DecayingSum(tau_s)
+
+    @property
+    def tau_s(self) -> float:
+        return self._sum.tau_s
 
     def arrive(self, now: float) -> None:
-        self._decay(now)
-        self._value += 1.0 / self.tau_s
+        self._sum.add(now, 1.0 / self._sum.tau_s)
 
     def rate(self, now: float) -> float:
-        self._decay(now)
-        return self._value
+        return self._sum.decay(now)
 
 
 class MeanWait:
@@ -98,8 +124,9 @@ class MeanWait:
 
 
 class WorkRates:
-    """Per engine: predicted prompt work routed per second, an `ArrivalRate` whose every
-    arrival adds its work (see module docstring)."""
+    """Per engine: predicted prompt work routed per second, a `DecayingSum` (the one
+    `ArrivalRate` uses) to which every routed request adds its work / τ (see module
+    docstring)."""
 
     __slots__ = ("_rates", "tau_s")
 
@@ -107,19 +134,16 @@ class WorkRates:
         if not tau_s > 0:
             raise ValueError("tau_s must be > 0")
         self.tau_s = tau_s
-        self._rates: dict[EngineId, tuple[float, float]] = {}
-        """engine -> (value, time of value)"""
+        self._rates: dict[EngineId, DecayingSum] = {}
 
     def routed(self, now: float, engine: EngineId, work_s: float) -> None:
-        v = self._at(engine, now)
-        self._rates[engine] = (v + max(work_s, 0.0) / self.tau_s, now)
-
-    def _at(self, engine: EngineId, now: float) -> float:
-        v, t = self._rates.get(engine, (0.0, now))
-        return v * math.exp(-(now - t) / self.tau_s) if now > t else v
+        r = self._rates.get(engine)
+        if r is None:
+            r = self._rates[engine] = DecayingSum(self.tau_s)
+        r.add(now, max(work_s, 0.0) / self.tau_s)
 
     def rates(self, now: float) -> dict[EngineId, float]:
-        return {e: self._at(e, now) for e in self._rates}
+        return {e: r.at(now) for e, r in self._rates.items()}
 
 
 def fleet_stats(

@@ -38,6 +38,7 @@ from ramjet.keys.prefix import (
     PrefixKeys,
     PromptError,
     Rendered,
+    cache_salt,
     compute_keys,
     key_seed,
     render_chat,
@@ -363,7 +364,7 @@ def parse_request(
     except RecursionError:
         raise _bad("nesting_too_deep", "JSON nesting too deep", None) from None
 
-    keys = compute_keys(rendered, key_seed(model))
+    keys = compute_keys(rendered, key_seed(model, salt=cache_salt(obj)))
     bpt = limits.bytes_per_token
     return ParsedRequest(
         kind=kind,

@@ -13,6 +13,7 @@ from standin_model import StandinModel
 
 from engine_stub.engine import Engine, EngineSettings
 from engine_stub.server import build_app
+from ramjet.request.parse import ParseLimits, parse_request
 
 SYSTEM = "You are a careful agent. " * 24  # ~600 bytes: two full key blocks
 
@@ -159,3 +160,32 @@ async def test_full_queue_is_503_with_retry_after() -> None:
     finally:
         await client.close()
         engine.close()
+
+
+async def test_cache_salt_keeps_caches_apart_in_the_routers_keys(served) -> None:
+    """As vLLM: a salted request shares no cached block with unsalted requests or other
+    salts, and hits its own salt's; the blocks it stores are the router's keys for it."""
+    engine, client, _ = served
+    msgs = chat("salted turn")
+
+    async def cached(**extra: object) -> int:
+        r = await client.post(
+            "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **extra}
+        )
+        b = await r.json()
+        assert r.status == 200, b
+        return int(b["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached() == 0
+    assert await cached(cache_salt="a") == 0  # unsalted blocks serve no salted request
+    assert await cached(cache_salt="b") == 0  # nor another salt's
+    assert await cached(cache_salt="a") == 512  # the same salt hits
+    assert await cached() == 512 and await cached(cache_salt=None) == 512
+    for salt in ("a", "b", None):
+        body = {"model": engine.settings.model_name, "messages": msgs, "cache_salt": salt}
+        parsed = parse_request("/v1/chat/completions", json.dumps(body).encode(), {}, ParseLimits())
+        assert len(parsed.keys.blocks) == 2
+        assert all(engine.kv.tier_of(k) is not None for k in parsed.keys.blocks), salt
+    for bad in ("", 5):
+        r = await client.post("/v1/chat/completions", json={"messages": msgs, "cache_salt": bad})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "cache_salt"

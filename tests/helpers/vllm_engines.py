@@ -130,6 +130,10 @@ class VllmEngine:
     eager: bool = True
     """--enforce-eager: no torch.compile warm-up (about 30 s less start-up per engine)."""
     extra_args: tuple[str, ...] = ()
+    per_request_metrics: bool = False
+    """--enable-per-request-metrics: each response's `metrics` (the final usage chunk of
+    a stream) carries `queue_time_ms` and other timings. It needs the engine's stats
+    logging, so the engine runs without --disable-log-stats."""
     confine: bool = True
     """Run the engine's whole process tree on `core` (see the module docstring)."""
     port: int = field(default_factory=free_port)
@@ -171,8 +175,13 @@ class VllmEngine:
             "--max-model-len", str(self.max_model_len),
             "--max-num-batched-tokens", str(BATCH_TOKENS),
             "--kv-events-config", json.dumps(events),
-            "--disable-log-stats", "--uvicorn-log-level", "warning",
+            "--uvicorn-log-level", "warning",
         ]  # fmt: skip
+        args += (
+            ["--enable-per-request-metrics"]
+            if self.per_request_metrics
+            else ["--disable-log-stats"]
+        )
         if self.eager:
             args.append("--enforce-eager")
         if self.num_blocks is not None:

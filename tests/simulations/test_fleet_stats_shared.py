@@ -13,6 +13,7 @@ from ramjet.config import FleetStatsConfig, parse_policy
 from ramjet.policy.base import FleetStats
 from ramjet.policy.fleet_stats import (
     ArrivalRate,
+    DecayingSum,
     FleetEstimators,
     MeanWait,
     WorkRates,
@@ -130,6 +131,30 @@ def test_work_rates_are_a_per_engine_utilisation() -> None:
     r = w.rates(40.0)
     assert r["e0"] == pytest.approx(0.5, rel=0.05) and r["e1"] == 0.0
     assert w.rates(46.0)["e0"] == pytest.approx(r["e0"] * math.exp(-3.0))  # 3 tau later
+
+
+def test_work_rates_decay_exactly_as_the_arrival_rate() -> None:
+    """One decay (`DecayingSum`): a unit of work per request on one engine is the arrival
+    rate, read at any time, with repeated and out-of-order times too (an out-of-order
+    sample adds without decay and the later time stays: the router's requests reach
+    `routed` in another order than they arrived)."""
+    tau = 2.0
+    a, w = ArrivalRate(tau), WorkRates(tau)
+    e0 = EngineId("e0")
+    last = 0.0
+    for t in (0.5, 1.0, 1.0, 3.25, 3.0, 7.5, 7.4, 12.0):
+        a.arrive(t)
+        w.routed(t, e0, 1.0)
+        last = max(last, t)
+        assert w.rates(t)[e0] == a.rate(t)
+        assert w.rates(t + 5.0)[e0] == pytest.approx(a.rate(t) * math.exp(-(t + 5.0 - last) / tau))
+    # 3.0 counts as at 3.25 and 7.4 as at 7.5, the later times already seen
+    stamped = (0.5, 1.0, 1.0, 3.25, 3.25, 7.5, 7.5, 12.0)
+    want = sum(math.exp(-(20.0 - t) / tau) for t in stamped) / tau
+    assert a.rate(20.0) == pytest.approx(want) and w.rates(20.0)[e0] == pytest.approx(want)
+    assert DecayingSum(tau).at(5.0) == 0.0
+    with pytest.raises(ValueError):
+        DecayingSum(0.0)
 
 
 def test_a_bad_time_constant_is_refused() -> None:

@@ -382,3 +382,32 @@ def test_text_parts_join_before_escaping() -> None:
     assert as_parts.text == as_text.text
     two = render_chat([{"role": "system", "content": ""}, {"role": "user", "content": "hi"}])
     assert as_parts.text != two.text
+
+
+def test_cache_salt_separates_keys_and_leaves_unsalted_ones_alone() -> None:
+    # the unsalted seed is today's (the vectors pin its keys); each salt has its own, and
+    # a salt never collides with an adapter of the same name
+    assert key_seed("m", salt=None) == key_seed("m") == 0xA649E2EAD5C320CC
+    seeds = [
+        key_seed("m"),
+        key_seed("m", salt="a"),
+        key_seed("m", salt="b"),
+        key_seed("m", salt=""),
+        key_seed("m", "a"),
+        key_seed("m2", salt="a"),
+    ]
+    assert len(set(seeds)) == len(seeds)
+    assert key_seed("m", salt="a") == key_seed("m", None, "a")
+    r = render_chat([{"role": "user", "content": "x" * 700}])
+    plain, a, b = (compute_keys(r, key_seed("m", salt=s)) for s in (None, "a", "b"))
+    every = [set(k.blocks) | {key for _, key in k.boundaries} for k in (plain, a, b)]
+    assert not every[0] & every[1] and not every[0] & every[2] and not every[1] & every[2]
+
+
+@pytest.mark.parametrize(
+    ("body", "salt"),
+    [({}, None), ({"cache_salt": None}, None), ({"cache_salt": "t"}, "t"),
+     ({"cache_salt": ""}, ""), ({"cache_salt": 5}, "5"), ({"cache_salt": {"b": 1, "a": 2}}, '{"a": 2, "b": 1}')],
+)  # fmt: skip
+def test_cache_salt_of_a_body(body: dict[str, Any], salt: str | None) -> None:
+    assert prefix.cache_salt(body) == salt

@@ -46,6 +46,7 @@ def test_vectors_cover_the_required_cases() -> None:
     assert kinds == {"chat", "completion"}
     assert any("tools" in c["input"] for c in DOC["cases"])
     assert any(c["adapter"] for c in DOC["cases"])
+    assert any(c.get("cache_salt") for c in DOC["cases"])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -55,7 +56,7 @@ def test_vector(name: str) -> None:
     assert rendered.text.hex() == case["rendering_hex"]
     assert rendered.text.decode("utf-8") == case["rendering_text"]
     assert list(rendered.boundaries) == case["boundaries"]
-    seed = key_seed(case["model"], case["adapter"])
+    seed = key_seed(case["model"], case["adapter"], case.get("cache_salt"))
     assert f"{seed:016x}" == case["seed"]
     keys = compute_keys(rendered, seed)
     assert [f"{k:016x}" for k in keys.blocks] == case["block_keys"]
@@ -70,6 +71,8 @@ def test_vector_chaining_from_the_spec(name: str) -> None:
     case = CASES[name]
     text = bytes.fromhex(case["rendering_hex"])
     tag = f"ramjet-prefix-v{SPEC_VERSION}\x00{case['model']}\x00{case['adapter'] or ''}"
+    if case.get("cache_salt") is not None:
+        tag += f"\x00salt\x00{case['cache_salt']}"
     seed = xxhash.xxh3_64_intdigest(tag.encode())
     chain = [seed]
     for i in range(len(text) // BLOCK_BYTES):

@@ -204,6 +204,32 @@ def test_chat_features() -> None:
     assert p.prompt_tokens == len(p.rendered.text)
 
 
+def test_a_salted_request_keys_its_text_by_its_salt() -> None:
+    """Text-keyed pools: a `cache_salt` request shares no key with unsalted requests or
+    other salts (engines share no KV across salts); same salt, same keys; an unsalted or
+    null-salted request keeps the keys it always had."""
+    long = [{"role": "user", "content": "a long shared prompt " * 40}]
+
+    def keys(path: str, **extra: Any) -> Any:
+        fields = {"messages": long} if path == CHAT else {"prompt": "p" * 900}
+        return parse_request(path, body(model="m", **fields, **extra), {}, LIMITS).keys
+
+    for path in (CHAT, COMP):
+        plain, a, a2, b = (
+            keys(path),
+            keys(path, cache_salt="a"),
+            keys(path, cache_salt="a"),
+            (keys(path, cache_salt="b")),
+        )
+        assert keys(path, cache_salt=None) == plain
+        rendered = render_chat(long) if path == CHAT else render_completion("p" * 900)
+        assert plain == compute_keys(rendered, key_seed("m"))
+        assert a == a2 and len(a.blocks) == len(plain.blocks) >= 3
+        for x, y in ((plain, a), (plain, b), (a, b)):
+            assert not set(x.blocks) & set(y.blocks)
+            assert not {k for _, k in x.boundaries} & {k for _, k in y.boundaries}
+
+
 def test_completion_features_and_nulls_mean_unset() -> None:
     raw = body(model="m", prompt=[1, 2, 3], stream=None, max_tokens=None, n=None, stop=None)
     p = parse_request(COMP + "?x=1", raw, {}, LIMITS)
