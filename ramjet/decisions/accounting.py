@@ -35,10 +35,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 from mypy_extensions import mypyc_attr
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from ramjet.decisions.log import (
     DecisionLog,
@@ -48,11 +47,16 @@ from ramjet.decisions.log import (
     realized_ttft,
 )
 from ramjet.decisions.record import DecisionRecord, DecisionSink
-from ramjet.metric_catalogue import counter, gauge, histogram
+from ramjet.metric_catalogue import counter, gauge
+from ramjet.metrics import (
+    CounterChild,
+    HistogramChild,
+    LoopCounter,
+    loop_counter,
+    loop_histogram,
+)
 from ramjet.policy.fleet_stats import DEFAULT_WAIT_TAU_S
 from ramjet.policy.fleet_stats import MeanWait as MeanWait
-
-_M = TypeVar("_M", Counter, Gauge, Histogram)
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +68,21 @@ class AccountingMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.compared = counter(r, "ramjet_policy_compared_total")
-        self.agreed = counter(r, "ramjet_policy_agreed_total")
-        self.ttft_error = histogram(r, "ramjet_ttft_prediction_error_seconds")
-        self.ttft_abs_error = histogram(r, "ramjet_ttft_prediction_abs_error_seconds")
-        self.ttft_relative_error = histogram(r, "ramjet_ttft_prediction_relative_error_ratio")
-        self.ttft_predicted = histogram(r, "ramjet_ttft_predicted_seconds")
-        self.ttft_realized = histogram(r, "ramjet_ttft_realized_seconds")
-        self.cached_predicted = counter(r, "ramjet_cached_tokens_predicted_tokens_total")
-        self.cached_realized = counter(r, "ramjet_cached_tokens_realized_tokens_total")
-        self.cached_error = histogram(r, "ramjet_cached_tokens_prediction_error_tokens")
-        self.gain = histogram(r, "ramjet_candidate_gain_estimate_seconds")
-        self.gain_total = counter(r, "ramjet_candidate_gain_seconds_total")
-        self.loss_total = counter(r, "ramjet_candidate_loss_seconds_total")
-        self.realized_tokens = counter(r, "ramjet_realized_prompt_tokens_total")
-        self.usage_missing = counter(r, "ramjet_realized_usage_missing_total")
+        self.compared = loop_counter(r, "ramjet_policy_compared_total")
+        self.agreed = loop_counter(r, "ramjet_policy_agreed_total")
+        self.ttft_error = loop_histogram(r, "ramjet_ttft_prediction_error_seconds")
+        self.ttft_abs_error = loop_histogram(r, "ramjet_ttft_prediction_abs_error_seconds")
+        self.ttft_relative_error = loop_histogram(r, "ramjet_ttft_prediction_relative_error_ratio")
+        self.ttft_predicted = loop_histogram(r, "ramjet_ttft_predicted_seconds")
+        self.ttft_realized = loop_histogram(r, "ramjet_ttft_realized_seconds")
+        self.cached_predicted = loop_counter(r, "ramjet_cached_tokens_predicted_tokens_total")
+        self.cached_realized = loop_counter(r, "ramjet_cached_tokens_realized_tokens_total")
+        self.cached_error = loop_histogram(r, "ramjet_cached_tokens_prediction_error_tokens")
+        self.gain = loop_histogram(r, "ramjet_candidate_gain_estimate_seconds")
+        self.gain_total = loop_counter(r, "ramjet_candidate_gain_seconds_total")
+        self.loss_total = loop_counter(r, "ramjet_candidate_loss_seconds_total")
+        self.realized_tokens = loop_counter(r, "ramjet_realized_prompt_tokens_total")
+        self.usage_missing = loop_counter(r, "ramjet_realized_usage_missing_total")
         self.mean_wait = gauge(r, "ramjet_mean_wait_seconds")
         self.log_lines = counter(r, "ramjet_decision_log_lines_total")
         self.log_dropped = counter(r, "ramjet_decision_log_dropped_total")
@@ -96,13 +100,15 @@ class _ModeSeries:
 
     def __init__(self, m: AccountingMetrics, mode: str) -> None:
         self.m, self.mode = m, mode
-        self.compare: tuple[Counter, Counter, Counter, Counter] | None = None
-        self.gain: Histogram | None = None
-        self.ttft: tuple[Histogram, Histogram, Histogram, Histogram] | None = None
-        self.relative: Histogram | None = None
-        self.cached: tuple[Histogram, Counter, Counter] | None = None
+        self.compare: tuple[CounterChild, CounterChild, CounterChild, CounterChild] | None = None
+        self.gain: HistogramChild | None = None
+        self.ttft: tuple[HistogramChild, HistogramChild, HistogramChild, HistogramChild] | None = (
+            None
+        )
+        self.relative: HistogramChild | None = None
+        self.cached: tuple[HistogramChild, CounterChild, CounterChild] | None = None
 
-    def make_compare(self) -> tuple[Counter, Counter, Counter, Counter]:
+    def make_compare(self) -> tuple[CounterChild, CounterChild, CounterChild, CounterChild]:
         """(compared, agreed, gain_total, loss_total): all four exist from the first
         comparison (agreed at 0 until the first agreement: rate 0)."""
         m, mode = self.m, self.mode
@@ -114,11 +120,11 @@ class _ModeSeries:
         )
         return self.compare
 
-    def make_gain(self) -> Histogram:
+    def make_gain(self) -> HistogramChild:
         self.gain = self.m.gain.labels(self.mode)
         return self.gain
 
-    def make_ttft(self) -> tuple[Histogram, Histogram, Histogram, Histogram]:
+    def make_ttft(self) -> tuple[HistogramChild, HistogramChild, HistogramChild, HistogramChild]:
         """(error, abs error, predicted, realized)."""
         m, mode = self.m, self.mode
         self.ttft = (
@@ -129,11 +135,11 @@ class _ModeSeries:
         )
         return self.ttft
 
-    def make_relative(self) -> Histogram:
+    def make_relative(self) -> HistogramChild:
         self.relative = self.m.ttft_relative_error.labels(self.mode)
         return self.relative
 
-    def make_cached(self) -> tuple[Histogram, Counter, Counter]:
+    def make_cached(self) -> tuple[HistogramChild, CounterChild, CounterChild]:
         """(error, predicted total, realized total)."""
         m, mode = self.m, self.mode
         self.cached = (
@@ -165,7 +171,7 @@ class Accounting:
         self.downstream = downstream
         self.clock = clock
         self.waits = MeanWait(wait_tau_s)
-        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], CounterChild] = {}
         self._modes: dict[str, _ModeSeries] = {}
         m = self.metrics
         self.log: DecisionLog | None = None
@@ -194,14 +200,14 @@ class Accounting:
         if self.downstream is not None:
             self.downstream.on_decision(record)
 
-    def _of(self, metric: _M, *values: str) -> _M:
+    def _of(self, metric: LoopCounter, *values: str) -> CounterChild:
         """`metric.labels(*values)` (label order), cached: the accounting reads up to a
-        dozen children per request and `labels()` costs a lock and a validation each."""
+        dozen children per request and `labels()` validates and converts its values."""
         key = (id(metric), values)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*values)
-        return child  # type: ignore[return-value]
+        return child
 
     def _mode(self, mode: str) -> _ModeSeries:
         s = self._modes.get(mode)

@@ -18,7 +18,9 @@ from ramjet.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DIRECT = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram"}
+LOOP = ("loop_counter", "loop_histogram")  # ramjet.metrics: the request path's families
 BY_NAME = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "family": "gauge"}
+BY_NAME |= {"loop_counter": "counter", "loop_histogram": "histogram"}
 
 
 def _calls() -> tuple[
@@ -37,7 +39,7 @@ def _calls() -> tuple[
                 continue
             fn = node.func.id
             args = node.args
-            if fn in ("counter", "gauge", "histogram") and len(args) == 2:
+            if fn in ("counter", "gauge", "histogram", *LOOP) and len(args) == 2:
                 name_node = args[1]
             elif fn == "family" and args:
                 name_node = args[0]

@@ -206,7 +206,7 @@ class _OldAccounting(Accounting):
             on_cand = predicted_for(cand, cand.engine, "ttft_s")
             if on_inc is not None and on_cand is not None:
                 gain = on_inc - on_cand
-                self._of(m.gain, mode).observe(gain)
+                m.gain.labels(mode).observe(gain)
                 if gain > 0:
                     self._of(m.gain_total, mode).inc(gain)
                 elif gain < 0:
@@ -231,15 +231,15 @@ class _OldAccounting(Accounting):
         predicted = predicted_for(cand, record.engine, "ttft_s")
         real, _ = realized_ttft(record, realized)
         if predicted is not None and real is not None:
-            self._of(m.ttft_error, mode).observe(predicted - real)
-            self._of(m.ttft_abs_error, mode).observe(abs(predicted - real))
-            self._of(m.ttft_predicted, mode).observe(predicted)
-            self._of(m.ttft_realized, mode).observe(real)
+            m.ttft_error.labels(mode).observe(predicted - real)
+            m.ttft_abs_error.labels(mode).observe(abs(predicted - real))
+            m.ttft_predicted.labels(mode).observe(predicted)
+            m.ttft_realized.labels(mode).observe(real)
             if real > 0:
-                self._of(m.ttft_relative_error, mode).observe((predicted - real) / real)
+                m.ttft_relative_error.labels(mode).observe((predicted - real) / real)
         resume = predicted_for(cand, record.engine, "resume_tokens")
         if resume is not None and realized is not None:
-            self._of(m.cached_error, mode).observe(resume - realized.cached_tokens)
+            m.cached_error.labels(mode).observe(resume - realized.cached_tokens)
             self._of(m.cached_predicted, mode).inc(max(resume, 0))
             self._of(m.cached_realized, mode).inc(realized.cached_tokens)
 
