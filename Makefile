@@ -1,7 +1,9 @@
 # Two commands a newcomer needs: `make run` and `make test`. Each installs what it needs
 # first: the system programs (scripts/system_deps.sh: Debian packages via apt-get when
 # root, else it stops with the exact command), then the Python venv(s).
-PY ?= python3
+# The interpreter both venvs are made from: the distribution's python3 (PGO+LTO) when it
+# is 3.11+, else python3 on PATH (scripts/pick_python.sh says why); PY=... overrides.
+PY ?= $(shell scripts/pick_python.sh)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
