@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from ramjet.errors import RamjetError
 from ramjet.keys.prefix import (
@@ -257,6 +258,7 @@ def _check_depth(root: Any, limit: int) -> None:
 
 
 _decode = msgspec.json.decode
+_COUNT_BRACKETS_BELOW = 64 * 1024
 
 
 def _decode_body(body: bytes, limits: ParseLimits) -> dict[str, Any]:
@@ -282,23 +284,34 @@ def _decode_body(body: bytes, limits: ParseLimits) -> dict[str, Any]:
         raise _bad(
             "invalid_json", f"request body must be a JSON object, got {_type_name(obj)}", None
         )
-    _check_depth(obj, limits.max_depth)
+    # Each container of the decoded body opened with a `[` or `{` byte, so a small body
+    # with no more of them than the limit cannot nest past it: two C scans instead of a
+    # walk (a large body keeps the walk, which costs by container, not by byte).
+    if len(body) > _COUNT_BRACKETS_BELOW or (
+        body.count(b"[") + body.count(b"{") > limits.max_depth
+    ):
+        _check_depth(obj, limits.max_depth)
     return obj
 
 
 def _session(headers: Mapping[str, str], obj: Mapping[str, Any], limits: ParseLimits) -> str | None:
-    value: str | None = None
-    for k, v in headers.items():
-        if k.lower() == "x-session-id":
-            value = v.strip()
-            if value:
-                if len(value) > limits.max_session_chars:
-                    raise _bad(
-                        "invalid_value",
-                        f"X-Session-Id is longer than {limits.max_session_chars} characters",
-                        "X-Session-Id",
-                    )
-                return value
+    # The servers' headers are a CIMultiDictProxy: its case-insensitive getall, in order,
+    # rather than lower-casing every header name.
+    found: list[str] = (
+        headers.getall("X-Session-Id", [])
+        if isinstance(headers, CIMultiDictProxy | CIMultiDict)
+        else [v for k, v in headers.items() if k.lower() == "x-session-id"]
+    )
+    for v in found:
+        value = v.strip()
+        if value:
+            if len(value) > limits.max_session_chars:
+                raise _bad(
+                    "invalid_value",
+                    f"X-Session-Id is longer than {limits.max_session_chars} characters",
+                    "X-Session-Id",
+                )
+            return value
     user = obj.get("user")
     if isinstance(user, str) and user:
         # A long `user` is legal OpenAI input; it is only too long to be a session key.

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from ramjet.keys.prefix import compute_keys, key_seed, render_chat, render_completion
 from ramjet.request.parse import (
@@ -248,6 +249,35 @@ def test_session_rule_header_then_user_then_none() -> None:
     assert parse_request(CHAT, chat(user=""), {}, LIMITS).session is None
     assert parse_request(CHAT, chat(), {}, LIMITS).session is None
     assert parse_request(CHAT, chat(user="u" * 300), {}, LIMITS).session is None
+
+
+def test_session_from_a_server_s_multidict_headers() -> None:
+    """The servers pass a CIMultiDictProxy: any case, the first non-empty of repeats."""
+    raw = CIMultiDict([("X-SESSION-ID", "  "), ("Host", "h"), ("x-session-id", " s2 ")])
+    heads = CIMultiDictProxy(raw)
+    assert parse_request(CHAT, chat(user="u"), heads, LIMITS).session == "s2"
+    empty = CIMultiDictProxy(CIMultiDict([("x-Session-Id", "")]))
+    assert parse_request(CHAT, chat(user="u"), empty, LIMITS).session == "u"
+    long = CIMultiDictProxy(CIMultiDict([("X-Session-Id", "s" * 300)]))
+    with pytest.raises(RequestError) as e:
+        parse_request(CHAT, chat(), long, LIMITS)
+    assert e.value.param == "X-Session-Id"
+
+
+def test_nesting_is_checked_whatever_the_brackets_in_strings() -> None:
+    """Brackets inside strings count toward the small-body shortcut but never nest: a
+    body with 200 of them in a string passes; 70 real levels fail, small or large."""
+    text = "[{" * 100
+    msgs = [{"role": "user", "content": text}]
+    assert parse_request(CHAT, body(model="m", messages=msgs), {}, LIMITS)
+    deep = json.loads("[" * 70 + "]" * 70)
+    for pad in ("", "p" * 70_000):  # under and over the shortcut's body size
+        bad = body(model="m", messages=[{"role": "user", "content": pad or "x"}], x=deep)
+        with pytest.raises(RequestError) as e:
+            parse_request(CHAT, bad, {}, LIMITS)
+        assert e.value.code == "nesting_too_deep"
+    ok = json.loads("[" * 62 + "]" * 62)  # root object + x + 62 arrays = 64 levels
+    assert parse_request(CHAT, body(model="m", messages=MSGS, x=ok), {}, LIMITS)
 
 
 def test_bytes_per_token_estimates() -> None:
