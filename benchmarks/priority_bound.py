@@ -54,7 +54,15 @@ from benchmarks.priority_sim import (
     simulate,
     trace_names,
 )
-from simulations.bounds import Bounds, SplitByOutput, floor, measured, occupancy_mean, run_bounds
+from simulations.bounds import (
+    Bounds,
+    SplitByOutput,
+    descendants,
+    floor,
+    measured,
+    occupancy_mean,
+    run_bounds,
+)
 from simulations.preset import engine_spec
 from simulations.simulator import Outcome, Simulation
 from simulations.workload import Request
@@ -103,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         w = Workload(case, False)
         load = case.loads[1]
         open_loop = w.plan is None
-        work = floor(w.reqs, engine_spec().profile, any_order=True).work_s
+        later = descendants(w.plan.loop.children) if w.plan is not None else None
+        work = floor(w.reqs, engine_spec().profile, any_order=True, after=later).work_s
         silent = any(r.output_tokens == 0 for r in w.reqs)
         for prio, base in (("priority", "fcfs"), ("vllm-priority", "vllm-fcfs")):
             steps = base in PER_JOB

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,21 +41,40 @@ class Floor:
         return sum(self.new_tokens)
 
 
-def floor(requests: Sequence[Request], profile: EngineProfile, any_order: bool = False) -> Floor:
+def floor(
+    requests: Sequence[Request],
+    profile: EngineProfile,
+    any_order: bool = False,
+    after: Sequence[Collection[int]] | None = None,
+) -> Floor:
     """Bound 1 per request. `any_order`: a block counts as cached when any *other* request
     holds it, earlier or later in the list (a closed loop's list order is not the order
-    every schedule runs it in), so the bound holds whatever order requests start in."""
+    every schedule runs it in), so the bound holds whatever order requests start in.
+    `after` (with `any_order`): per request (by list position), the positions of the
+    requests that cannot have run before it starts; their blocks do not count for it.
+    In a closed loop those are its descendants (`descendants`): each is sent after it
+    finished, and a block becomes resident only at its holder's first token."""
     seen: set[PrefixKey] = set()
-    others: dict[PrefixKey, int] = {}
+    holders: dict[PrefixKey, list[int]] = {}
     if any_order:
-        for r in requests:
+        for pos, r in enumerate(requests):
             for k in set(r.block_keys):
-                others[k] = others.get(k, 0) + 1
+                holders.setdefault(k, []).append(pos)
+
+    def held(k: PrefixKey, pos: int) -> bool:
+        hs = holders.get(k, ())
+        if after is None:
+            return len(hs) >= 2
+        late = after[pos]
+        if len(hs) > len(late) + 1:
+            return True
+        return any(h != pos and h not in late for h in hs)
+
     work, new = [], []
-    for r in requests:
+    for pos, r in enumerate(requests):
         g = 0
         for i, k in enumerate(r.block_keys):
-            if (others.get(k, 0) < 2) if any_order else (k not in seen):
+            if not held(k, pos) if any_order else (k not in seen):
                 break
             g += r.block_tokens[i]
         g = min(g, r.prompt_tokens)
@@ -65,6 +84,31 @@ def floor(requests: Sequence[Request], profile: EngineProfile, any_order: bool =
         new.append(r.prompt_tokens - w.resume_tokens)
         seen.update(r.block_keys)
     return Floor(work, new)
+
+
+def descendants(children: Sequence[Sequence[int]]) -> list[set[int]]:
+    """Per request, every request released after it in a closed loop (`ClosedLoop.children`,
+    transitively): its later turns (and their fan-out siblings)."""
+    n = len(children)
+    out: list[set[int] | None] = [None] * n
+    for root in range(n):
+        stack = [(root, False)]
+        while stack:
+            i, expanded = stack.pop()
+            if out[i] is not None:
+                continue
+            if not expanded:
+                stack.append((i, True))
+                stack.extend((c, False) for c in children[i] if out[c] is None)
+                continue
+            d: set[int] = set()
+            for c in children[i]:
+                d.add(c)
+                got = out[c]
+                assert got is not None
+                d |= got
+            out[i] = d
+    return [d if d is not None else set() for d in out]
 
 
 def srpt_merged(
