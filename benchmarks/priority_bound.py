@@ -1,6 +1,7 @@
 """How far down mean TTFT can go on the simulator's engine models: lower bounds for every
-routing and every ordering, against the issue's goal of 0.6x the best FCFS peer's mean
-(docs/priority.md, "Is 0.6x reachable on the agent traces?").
+routing and every ordering, and a witness schedule that caps what any bound can prove,
+against the issue's goal of 0.6x the best FCFS peer's mean (docs/priority.md, "Is 0.6x
+reachable on the agent traces?").
 
     .venv/bin/python benchmarks/priority_bound.py [--traces taubench,miniswe,mooncake]
 
@@ -8,9 +9,14 @@ Per trace at its middle load (`benchmarks.priority_sim.CASES`), for the set S of
 a run measures (the closed loop's steady-state window; open loop: all):
 
 - **alone** (every engine model): each request's TTFT is at least its own prompt work on
-  the best cache any schedule could give it: every block that any *other* request of the
-  trace holds resident in HBM, live SWA state at its last boundary within that prefix
-  (`simulations.bounds.floor(any_order=True)`). No queueing, no decode interference.
+  the best cache any schedule could give it: every block that some *other* request which
+  can run before it holds, resident in HBM, with live SWA state at its last boundary
+  within that prefix (`simulations.bounds.floor(any_order=True, after=...)`). A block
+  becomes resident only at its holder's first token (`Engine._first_token`); in the
+  closed loop a turn's descendants (its later turns) are sent after it finished, so
+  their blocks never count for it (`descendants`); any other request may have run first.
+  The engine resumes at most at that prefix (`prompt_work`, q clipped to g), so this is
+  at most its work in any run. No queueing, no decode interference.
 - **alone + steps** (the one-job-per-step engines, `fcfs` and `priority`): those engines
   add one decode step (`decode_step_s`) to every prefill chunk that starts while a
   request decodes on the engine (`simulations.engine.Engine._chunk`; nothing skips it on
@@ -22,7 +28,17 @@ a run measures (the closed loop's steady-state window; open loop: all):
   tau = max work + step after the window's last arrival has TTFT > tau anyway. So at
   most 2 + K requests of S escape the step, K the largest k whose k smallest D sum to
   at most 2 x (window span + tau), and every other request pays at least its work plus
-  one step.
+  one step. Not on vLLM's model: there a job whose whole prompt fits in the budget the
+  previous job's last chunk left shares that chunk's step, however briefly it waited.
+- **queue** (every engine model; `simulations.bounds.occupancy_mean`): the sum of TTFTs
+  is the integral of the number of requests waiting for their first token, and at every
+  instant that number is at least (a) the requests still inside their own work since
+  arrival and (b) the requests SRPT would leave unfinished on one server as fast as both
+  engines (SRPT completes the most jobs by every instant on one server; two engines
+  deliver at most twice one's rate). It uses the run's arrival times: in the open loop
+  those are the trace's, so it bounds every schedule; in the closed loop the arrivals
+  depend on the schedule, so it bounds the run it is computed for (and is checked
+  there) but does not enter the verdict.
 
 Both hold for every routing and every order of the requests in S (any scheduler on that
 engine model, any cache sharing, with perfect knowledge). In the closed loop, S itself
@@ -30,6 +46,19 @@ engine model, any cache sharing, with perfect knowledge). In the closed loop, S 
 the measured set of each run below and hold for every schedule of that set. The script
 checks every run's mean against its bounds (and fails otherwise) and prints, per engine
 model, the best FCFS peer's mean, 0.6x it, and the bounds over that peer's requests.
+
+**Witness** (traces with turns that produce no output): `split_by_output` routes every
+turn with nothing to decode to one engine and every other turn to the other, each engine
+with its own cache and FCFS order. The first engine never decodes, so its chunks never
+carry a step. It is one schedule of the model, so no valid lower bound over its requests
+can exceed its mean; where that mean is at most 0.6x the best peer's, 0.6x is reachable
+and no bound can rule it out (its measured set differs from the peer's by the closed
+loop's few requests at the window's edge). It reads each turn's output length, which a
+router knows only as a maximum: a ceiling for bounds, not a policy.
+
+**What-if** (closed loop, not a bound): the queue bound over the best peer's arrivals
+with one decode step added to every request's work, to show how far a step argument
+could go at most where none is proven.
 """
 
 from __future__ import annotations

@@ -9,6 +9,16 @@
    over bound 1's work (halved). SRPT minimises mean response time on one server, and
    one server of twice the speed does at least as well as two, so its mean is a bound on
    the mean TTFT of any router and any engine scheduler (decode interference ignored).
+3. Occupancy (`occupancy_mean`): at every instant at least max(requests inside their own
+   work since arrival, requests SRPT leaves unfinished on the merged server) are waiting
+   for a first token; its integral is the sum of TTFTs. At least bounds 1 and 2.
+
+`floor(any_order=True, after=descendants(loop.children))` is bound 1 for a closed loop
+in any start order: a turn's later turns are sent after it finished, so their blocks are
+never resident when it starts. `run_bounds` gathers the bounds of one run over its
+measured requests (with a decode-step bound for the one-job-per-step engines), and
+`SplitByOutput` is a witness schedule whose mean caps any valid bound
+(`benchmarks/priority_bound.py`).
 """
 
 from __future__ import annotations
