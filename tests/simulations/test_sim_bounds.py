@@ -184,3 +184,25 @@ def test_bounds_stay_under_every_run(name: str, scheduler: str) -> None:
         b = run_bounds(at, out, work, spec.profile, scheduler in ("fcfs", "priority"))
         assert b.alone <= b.steps
         assert mean >= b.highest - 1e-12, (load, mean, b)
+
+
+def test_the_witness_keeps_output_free_turns_off_the_decoding_engine() -> None:
+    # two answers to decode, then a turn with no output: the split sends the first two to
+    # engine 0 (the second pays a decode step: the first decodes there) and the third to
+    # engine 1, where nothing ever decodes, so its TTFT is its bare prefill
+    n = 10 * BLOCK
+    reqs = finish(
+        [
+            Request(0, 0.0, n, 100, chain_keys(range(1, 11)), [BLOCK] * 10),
+            Request(0, 0.2, n, 100, chain_keys(range(11, 21)), [BLOCK] * 10),
+            Request(0, 0.3, n, 0, chain_keys(range(21, 31)), [BLOCK] * 10),
+        ],
+        BLOCK,
+    )
+    spec = engine_spec()
+    out = Simulation(reqs, spec, SplitByOutput(), block_tokens=BLOCK, engines=2).run()
+    assert out.engine == [0, 0, 1]
+    bare = spec.profile.prefill_seconds(n, 0)
+    assert out.ttft[0] == pytest.approx(bare)
+    assert out.ttft[1] == pytest.approx(bare + spec.profile.decode_step_s)
+    assert out.ttft[2] == pytest.approx(bare)
