@@ -39,7 +39,11 @@ ENV = "RAMJET_NATIVE"
 MANIFEST = "manifest.json"
 FORMAT = 1
 
-# The request path, as profiled (docs/performance.md, "Compiled hot modules"). Left
+# The request path, as profiled (docs/performance.md, "Compiled hot modules"), and what
+# it calls per request (the fleet's state and signals, the residency view and tables).
+# A class on it is written for mypyc: a dataclass made per request has a written-out
+# `__init__` (`init=False`; the generated one stays interpreted), and a series the loop
+# alone updates is a `ramjet.metrics` loop family. Left
 # interpreted, since mypyc cannot compile them as they are written: the modules that
 # define pydantic models (policy/profile, and policy/params: the policies' parameter
 # models, moved out of tier_aware and baselines so that their pick code compiles),
