@@ -72,6 +72,7 @@ COMPILED: tuple[str, ...] = (
     "ramjet.residency.store",
     "ramjet.residency.tables",
     "ramjet.request.admission",
+    "ramjet.request.framing",
     "ramjet.request.parse",
     "ramjet.proxy.deadlines",
     "ramjet.proxy.exchange",

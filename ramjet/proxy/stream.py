@@ -33,7 +33,8 @@ from ramjet.proxy.headers import client_response_headers
 from ramjet.proxy.http1 import UpstreamResponse
 from ramjet.proxy.retries import RETRY_STATUSES
 from ramjet.proxy.transport import EngineResponse
-from ramjet.request.client import FRAMING_BYTES, ClientRequest, FastRequest, FastResponse
+from ramjet.request.client import ClientRequest, FastRequest, FastResponse
+from ramjet.request.framing import FRAMING_BYTES, BodyFramer, Connection
 from ramjet.request.openai_errors import error_body
 from ramjet.types import EngineId
 
@@ -47,10 +48,13 @@ class _Relay:
     piece while any is buffered go through the coroutine's loop as before, with its
     backpressure and send deadline."""
 
-    __slots__ = ("high", "res", "resp", "tail")
+    __slots__ = ("conn", "framer", "high", "res", "tail")
 
     def __init__(self, resp: FastResponse | None, res: ForwardResult, high: int) -> None:
-        self.resp = resp
+        # the response's framing and connection, so that a piece's write is compiled code
+        # end to end (`ramjet.request.framing`), not a call into the interpreted response
+        self.framer: BodyFramer | None = None if resp is None else resp.framer
+        self.conn: Connection | None = None if resp is None else resp.conn
         self.res = res
         self.high = high
         self.tail = b"\n\n"
@@ -63,8 +67,8 @@ class _Relay:
         self.tail = chunk[-2:] if len(chunk) >= 2 else (self.tail + chunk)[-2:]
 
     def take(self, chunk: bytes) -> bool:
-        resp = self.resp
-        if resp is None or not resp.write_now(chunk, self.high):
+        framer, conn = self.framer, self.conn
+        if framer is None or conn is None or not framer.write_now(conn, chunk, self.high):
             return False
         self.add(chunk)
         return True
