@@ -54,6 +54,25 @@ def http_json(url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, d
         return err.code, dict(err.headers), json.loads(err.read() or b"null")
 
 
+def signed_policy_text(urls: dict[str, str], settings: str) -> str:
+    """A router policy for reference engines at `urls` (engine id -> URL) whose signed
+    reports the router pulls from them, each engine's key `keys/<id>-a` (relative to the
+    policy file); `settings`: YAML lines placed after the engines (policies, mode,
+    timeouts, health)."""
+    engines = "\n".join(f'  - {{id: {e}, url: "{u}"}}' for e, u in urls.items())
+    keys = "\n".join(f"    {e}: [{{key_id: {e}-a, public_key_file: keys/{e}-a.pub}}]" for e in urls)
+    return f"""\
+engines:
+{engines}
+{settings.strip()}
+reports:
+  poll: {{wait_s: 0.5, timeout_s: 3, backoff_min_s: 0.05, backoff_max_s: 0.2}}
+keys:
+  engines:
+{keys}
+"""
+
+
 @dataclass
 class EngineProcess:
     engine_id: str

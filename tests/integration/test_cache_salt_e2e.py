@@ -29,7 +29,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
-from engines import EngineProcess, free_port
+from engines import EngineProcess, free_port, signed_policy_text
 from router_rig import Records
 
 from ramjet.app.server import RouterServer
@@ -48,21 +48,15 @@ PROMPT = [{"role": "user", "content": "One tenant's long shared prompt, line by 
 
 
 def policy_text(urls: dict[str, str]) -> str:
-    engines = "\n".join(f'  - {{id: {e}, url: "{u}"}}' for e, u in urls.items())
-    keys = "\n".join(f"    {e}: [{{key_id: {e}-a, public_key_file: keys/{e}-a.pub}}]" for e in urls)
-    return f"""\
-engines:
-{engines}
-incumbent: {{name: session_hash}}
-candidate: {{name: tier_aware}}
-mode: {{kind: observe, candidate_budget_s: 1.0}}
-timeouts: {{first_byte_s: 30, connect_s: 1}}
-reports:
-  poll: {{wait_s: 0.5, timeout_s: 3, backoff_min_s: 0.05, backoff_max_s: 0.2}}
-keys:
-  engines:
-{keys}
-"""
+    return signed_policy_text(
+        urls,
+        """\
+incumbent: {name: session_hash}
+candidate: {name: tier_aware}
+mode: {kind: observe, candidate_budget_s: 1.0}
+timeouts: {first_byte_s: 30, connect_s: 1}
+""",
+    )
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
-from engines import EngineProcess, free_port
+from engines import EngineProcess, free_port, signed_policy_text
 
 from ramjet.app.server import RouterServer
 from ramjet.config import load_policy
@@ -60,20 +60,14 @@ ENGINE_FLAGS: dict[str, Any] = {
 
 
 def policy_text(urls: dict[str, str]) -> str:
-    engines = "\n".join(f'  - {{id: {e}, url: "{u}"}}' for e, u in urls.items())
-    keys = "\n".join(f"    {e}: [{{key_id: {e}-a, public_key_file: keys/{e}-a.pub}}]" for e in urls)
-    return f"""\
-engines:
-{engines}
-incumbent: {{name: prefix_affinity}}
-health: {{probe_interval_s: 0.2, consecutive_failures: 2, ejection_base_s: 0.5}}
-timeouts: {{first_byte_s: 30, connect_s: 1}}
-reports:
-  poll: {{wait_s: 0.5, timeout_s: 3, backoff_min_s: 0.05, backoff_max_s: 0.2}}
-keys:
-  engines:
-{keys}
-"""
+    return signed_policy_text(
+        urls,
+        """\
+incumbent: {name: prefix_affinity}
+health: {probe_interval_s: 0.2, consecutive_failures: 2, ejection_base_s: 0.5}
+timeouts: {first_byte_s: 30, connect_s: 1}
+""",
+    )
 
 
 def _get(url: str) -> bytes:
