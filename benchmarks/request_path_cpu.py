@@ -1,6 +1,6 @@
 """The router's synchronous per-request Python, stage by stage, in one process, no sockets.
 
-    .venv/bin/python benchmarks/request_path_cpu.py [--calls 20000] [--repeat 7]
+    .venv/bin/python benchmarks/request_path_cpu.py [--calls 20000] [--repeat 7] [--show-line]
 
 Builds the router of `benchmarks/proxy_overhead.py`'s `ramjet_observe` (two engines,
 prefix_affinity live, tier_aware recorded; the decision log off, its line built and
@@ -75,7 +75,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20_000)
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--show-line", action="store_true")
+    ap.add_argument(
+        "--show-line", action="store_true", help="also print the decision line it times"
+    )
     args = ap.parse_args()
     cfg = parse_policy(
         {
@@ -152,7 +154,7 @@ def main() -> int:
         ("  its encoding", lambda: _ENCODER.encode(entry)),
         ("decision log queue", lambda: log.submit(record, realized)),
     ]
-    if "--show-line" in __import__("sys").argv[1:]:
+    if args.show_line:
         print(line.decode())
     print(f"request path Python, us per call (thread CPU, best of {args.repeat} x {args.calls})")
     figures = [(name, best_us(fn, args.calls, args.repeat)) for name, fn in stages]
