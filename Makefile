@@ -49,7 +49,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 venv: $(STAMP)
 
 ## native: the hot modules (ramjet.native.COMPILED) compiled with mypyc into build/native/
-## by scripts/build_native.py (~80 s on 2 cores; gcc and the Python headers come from
+## by scripts/build_native.py (~2 min on 2 cores, 34 modules; gcc and the Python headers come from
 ## system-deps). Rebuilt when any ramjet/ source changes. ramjet/native.py loads the build
 ## only while every source still hashes as its manifest says, else everything runs from
 ## source; RAMJET_NATIVE=0 forces pure Python; `ramjet native` says which runs.
