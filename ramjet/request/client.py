@@ -130,11 +130,6 @@ class FastResponse(web.StreamResponse):
     def conn(self) -> Connection:
         return self._conn
 
-    @property
-    def started(self) -> bool:
-        """The head has been written."""
-        return self.framer.started
-
     def _frame(self, data: bytes, eof: bool) -> bytes:
         framer = self.framer
         if framer.head is None:
