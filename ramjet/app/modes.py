@@ -10,6 +10,17 @@
 - **enforce**: the candidate decides (the incumbent still picks, for the accounting
   only: agreement and estimated gain; its pick cannot change the live one).
 
+The accounting-only pick (observe's candidate, enforce's incumbent) changes nothing the
+request needs, so the router defers it past the forward (`decide(..., defer=True)`): the
+outcome comes back with that pick pending, and `settle` makes it, on the same views, once
+the request is on its way to the engine (the router schedules it with `call_soon`, so it
+runs while the engine works, off the request's latency). The views keep one answer per
+residency lookup (`ResidencyView`), and `decide` makes every lookup a pick can make
+before it returns, so the deferred pick reads the residency as it was at decide time,
+not the forward's own pending blocks; loads, profiles and the fleet figures are values.
+A live pick is never deferred, nor is the incumbent's when the candidate failed (then it
+is the live fallback).
+
 Every contained failure of a pick, live or accounting-only, is counted in
 `ramjet_policy_errors_total{role, kind}` (role: candidate or incumbent; kind: raised,
 invalid, slow, skipped). Agreement is counted by the accounting for every mode
@@ -40,8 +51,9 @@ Clock = Callable[[], float]
 
 @dataclass(init=False, slots=True)
 class ModeOutcome:
-    """One request's picks: built once per request and never changed (not `frozen`: a
-    frozen init sets each field through `object.__setattr__`, 0.1 us a field)."""
+    """One request's picks: built once per request, and changed only by `ModeRunner.settle`,
+    which fills in a deferred accounting-only pick once (not `frozen`: a frozen init sets
+    each field through `object.__setattr__`, 0.1 us a field)."""
 
     live: Decision
     live_role: str
@@ -52,6 +64,9 @@ class ModeOutcome:
     """Why the candidate has no pick: "raised: ...", "invalid", "slow", "skipped"."""
     candidate_s: float = 0.0
     """Wall time the candidate's pick took."""
+    deferred: DeferredPick | None = None
+    """The accounting-only pick still to make (`ModeRunner.settle`), None once made or
+    when none was deferred; until then its fields (`candidate` or `incumbent`) are None."""
 
     def __init__(
         self,
@@ -61,6 +76,7 @@ class ModeOutcome:
         candidate: Decision | None,
         candidate_error: str | None = None,
         candidate_s: float = 0.0,
+        deferred: DeferredPick | None = None,
     ) -> None:
         self.live = live
         self.live_role = live_role
@@ -68,6 +84,37 @@ class ModeOutcome:
         self.candidate = candidate
         self.candidate_error = candidate_error
         self.candidate_s = candidate_s
+        self.deferred = deferred
+
+
+@dataclass(init=False, frozen=True, slots=True)
+class DeferredPick:
+    """An accounting-only pick left for `ModeRunner.settle`: whose (`role`: "candidate"
+    or "incumbent") and what it is given, the views already pinned (`pin_views`)."""
+
+    role: str
+    request: RequestView
+    engines: Sequence[EngineView]
+    fleet: FleetStats
+
+    def __init__(
+        self, role: str, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> None:
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "request", request)
+        object.__setattr__(self, "engines", engines)
+        object.__setattr__(self, "fleet", fleet)
+
+
+def pin_views(request: RequestView, engines: Sequence[EngineView]) -> None:
+    """Make now every residency lookup a pick of `request` can make, so that a pick made
+    later on the same views reads them as they are at this instant (a view keeps one
+    answer per keys object: `ramjet.policy.views.ResidencyView`). Policies look up only
+    the request's own `block_keys`/`block_tokens` and `boundary_keys`."""
+    for e in engines:
+        e.residency.global_match(request.block_keys, request.block_tokens)
+        if request.boundary_keys:
+            e.residency.swa_match(request.boundary_keys)
 
 
 def fallback_pick(engines: Sequence[EngineView]) -> Decision:
@@ -140,7 +187,11 @@ class ModeRunner:
         engines: Sequence[EngineView],
         fleet: FleetStats,
         session_key: str,
+        defer: bool = False,
     ) -> ModeOutcome:
+        """The request's picks. `defer`: leave the accounting-only pick to `settle` (see
+        the module docstring); the live pick and everything the request needs are made
+        here either way."""
         kind = self.mode.kind
         cand_live = self.candidate is not None and (
             kind == "enforce"
@@ -151,6 +202,10 @@ class ModeRunner:
             t0 = self._timer()
             cand, err = self._try(self.candidate, request, engines, fleet, "candidate")
             took = self._timer() - t0
+            if cand is not None and defer:
+                pin_views(request, engines)
+                later = DeferredPick("incumbent", request, engines, fleet)
+                return ModeOutcome(cand, "candidate", None, cand, None, took, later)
             # The incumbent's pick too: for the accounting only (agreement, estimated
             # gain) when the candidate picked, else as the live fallback. Contained and
             # counted like any pick; it cannot change the candidate's live decision.
@@ -165,21 +220,38 @@ class ModeRunner:
         live = inc or fallback_pick(engines)
         if self.candidate is None:
             return ModeOutcome(live, live_role, inc, None)
-        return self._observe(live, live_role, inc, request, engines, fleet)
+        if defer:
+            pin_views(request, engines)
+            later = DeferredPick("candidate", request, engines, fleet)
+            return ModeOutcome(live, live_role, inc, None, None, 0.0, later)
+        cand, err, took = self._observe(request, engines, fleet)
+        return ModeOutcome(live, live_role, inc, cand, err, took)
+
+    def settle(self, outcome: ModeOutcome) -> bool:
+        """Make `outcome`'s deferred pick, if it still has one (True), and fill its fields
+        as `decide` without `defer` would have; False when there was none."""
+        later = outcome.deferred
+        if later is None:
+            return False
+        outcome.deferred = None
+        if later.role == "incumbent":
+            outcome.incumbent, _ = self._try(
+                self.incumbent, later.request, later.engines, later.fleet, "incumbent"
+            )
+        else:
+            cand, err, took = self._observe(later.request, later.engines, later.fleet)
+            outcome.candidate, outcome.candidate_error, outcome.candidate_s = cand, err, took
+        return True
 
     def _observe(
-        self,
-        live: Decision,
-        live_role: str,
-        inc: Decision | None,
-        request: RequestView,
-        engines: Sequence[EngineView],
-        fleet: FleetStats,
-    ) -> ModeOutcome:
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> tuple[Decision | None, str | None, float]:
+        """The candidate's accounting-only pick, under its budget and cool-down: (the
+        pick, why there is none, its wall time)."""
         assert self.candidate is not None
         if self._clock() < self._skip_until:
             self._metrics.policy_errors_of("candidate", "skipped").inc()
-            return ModeOutcome(live, live_role, inc, None, "skipped")
+            return None, "skipped", 0.0
         t0 = self._timer()
         cand, err = self._try(self.candidate, request, engines, fleet, "candidate")
         took = self._timer() - t0
@@ -193,4 +265,4 @@ class ModeRunner:
                 self._slow_streak = 0
         else:
             self._slow_streak = 0
-        return ModeOutcome(live, live_role, inc, cand, err, took)
+        return cand, err, took

@@ -14,7 +14,9 @@
    load report, trust and profile from its reports (`router.signals`, a
    `ramjet.fleet.signals.EngineSignals` given by `ramjet.app.wiring`), residency from
    the tables (`ramjet.fleet.views`).
-4. The mode runner (`ramjet.app.modes`) asks the policies and fixes the live pick.
+4. The mode runner (`ramjet.app.modes`) asks the policies and fixes the live pick; the
+   accounting-only pick (observe's candidate, enforce's incumbent) is made on the same
+   views once the request has been sent (`call_soon`), off the request's latency.
    If the live engine is in a priority pool (`ramjet.app.priority`), the request's hint
    (predicted prompt work there, aged by arrival) is computed: logged and counted, and
    in mode `on` inserted into the body as `priority`; otherwise the body is untouched.
@@ -147,6 +149,9 @@ class Router:
         # own: a probe must not queue behind forwards for a connection.
         self._probe_transports: dict[EngineId, EngineTransport] = {}
         self._prober: HealthProber | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        """The loop serving requests, kept on first use (`asyncio.get_running_loop` makes a
+        getpid syscall each time)."""
 
     def _on_eject(self, engine: EngineId, duration_s: float) -> None:
         self.metrics.ejections.labels(engine=engine).inc()
@@ -267,12 +272,16 @@ class Router:
         # engines that serve by the hint's key (`ramjet.app.priority`), where any pool does
         keyed = self.priority.keyed(views, session_key) if self.priority.queues else None
         fleet = fleet_stats(t0, self.arrivals, self.accounting.waits, self.work_rates, keyed)
-        outcome = self.modes.decide(rv, views, fleet, session_key)
+        # The accounting-only pick is deferred (`ramjet.app.modes`) unless a priority pool
+        # needs every pick's figures for its hint now.
+        outcome = self.modes.decide(rv, views, fleet, session_key, defer=not self.priority)
         live = next((v for v in views if v.id == outcome.live.engine), None)
         new = uncached_prompt_tokens(rv, live) if live is not None else parsed.prompt_tokens
         routed_work = decided_work(outcome, outcome.live.engine)
         if routed_work is not None:  # the packing term's ρ (`ramjet.policy.fleet_stats`)
             self.work_rates.routed(t0, outcome.live.engine, routed_work)
+        if outcome.deferred is not None:  # made once the forward has yielded to the loop
+            self._loop().call_soon(self._settle, outcome, t0)
         body, hint = parsed.body, None
         if self.priority:  # priority hints (`ramjet.app.priority`): the body changes if sent
             age = self.clock() - t0
@@ -332,6 +341,24 @@ class Router:
                 self.priority.untrack(hint, request_id)
             self._account(parsed, outcome, request_id, t0, res, views, hint)
 
+    def _settle(self, outcome: ModeOutcome, t0: float) -> None:
+        """Make `outcome`'s deferred accounting-only pick if it is still pending (scheduled
+        right after the decision; `_account` makes sure of it); its predicted work feeds
+        the packing term's ρ when the live pick recorded none (observe's baseline
+        incumbent), as it would have at decide time."""
+        engine = outcome.live.engine
+        before = decided_work(outcome, engine)
+        if self.modes.settle(outcome) and before is None:
+            work = decided_work(outcome, engine)
+            if work is not None:
+                self.work_rates.routed(t0, engine, work)
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._event_loop
+        if loop is None:
+            loop = self._event_loop = asyncio.get_running_loop()
+        return loop
+
     def _account(
         self,
         parsed: ParsedRequest,
@@ -342,6 +369,7 @@ class Router:
         views: tuple[EngineView, ...],
         hint: PriorityHint | None = None,
     ) -> None:
+        self._settle(outcome, t0)
         m = self.metrics
         duration = self.clock() - t0
         engine = res.engine or "none"

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -125,6 +125,85 @@ async def test_observe_decisions_equal_incumbent_only(upstreams: list[FakeUpstre
         reg = server.router.metrics.registry
         labels = {"role": "candidate", "kind": kind}
         assert (reg.get_sample_value("ramjet_policy_errors_total", labels) or 0) >= 1
+
+
+class Witness:
+    """Wraps a policy; at each pick records what the router had already done: per engine,
+    the in-flight requests in the view it was given and in the router's fleet now (the
+    forward raises the latter before it writes to the engine), and the request's blocks
+    pending on each engine in its view and in a fresh view of the router's tables (the
+    forward holds them pending there)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.server: RouterServer | None = None
+        self.seen: list[dict[str, tuple[int, int, int, int]]] = []
+
+    def pick(
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> Decision:
+        assert self.server is not None
+        router = self.server.router
+        seen = {}
+        for e in engines:
+            fresh = router.residency.view(e.id).global_match(
+                request.block_keys, request.block_tokens
+            )
+            given = e.residency.global_match(request.block_keys, request.block_tokens)
+            seen[e.id] = (
+                e.load.inflight_requests,
+                router.fleet.get(e.id).inflight_requests,
+                given.pending,
+                fresh.pending,
+            )
+        self.seen.append(seen)
+        return cast(Decision, self.inner.pick(request, engines, fleet))
+
+
+@pytest.mark.parametrize("mode", ["observe", "enforce"])
+async def test_the_accounting_only_pick_runs_after_the_forward_on_the_views_before_it(
+    upstreams: list[FakeUpstream], mode: str
+) -> None:
+    """Observe's candidate and enforce's incumbent pick once the request is on its way
+    (the router's fleet already counts it in flight, its blocks are pending on the live
+    engine), on the views as they were when the live pick was made (nothing in flight,
+    nothing pending: one request at a time, each session's first turn), and land in
+    the records as before."""
+    bodies = workload(seed=5, sessions=6, turns=1)
+    cfg = router_config(
+        [u.url for u in upstreams],
+        incumbent={"name": "prefix_affinity"},
+        candidate={"name": "tier_aware"},
+        mode={"kind": mode, "candidate_budget_s": 1.0},
+    )
+    sink = Records()
+    server = RouterServer(cfg, sink=sink, residency=ResidencyTables())
+    await server.start()
+    try:
+        modes = server.router.modes
+        role = "candidate" if mode == "observe" else "incumbent"
+        witness = Witness(getattr(modes, role))
+        witness.server = server
+        setattr(modes, role, witness)
+        await send_all(server.url, bodies)
+        # the packing term's ρ got each request's predicted work on its live engine: in
+        # observe from the deferred candidate's figures (the incumbent records none)
+        rates = server.router.work_rates.rates(server.router.clock())
+    finally:
+        await server.stop(drain_s=0.2)
+    assert {r.live.engine for r in sink.records} == {e for e, v in rates.items() if v > 0}
+    assert len(witness.seen) == len(bodies) == len(sink.records)
+    for seen, rec in zip(witness.seen, sink.records, strict=True):
+        live = rec.live.engine
+        for eid, (view_inflight, now_inflight, given_pending, fresh_pending) in seen.items():
+            assert view_inflight == 0 and given_pending == 0, (eid, seen)
+            # after the forward began: only the live engine holds it in flight and pending
+            assert now_inflight == (1 if eid == live else 0), (eid, seen)
+            assert (fresh_pending > 0) == (eid == live), (eid, seen)
+        shadow = rec.candidate if mode == "observe" else rec.incumbent
+        assert shadow is not None and rec.candidate_error is None
+        assert shadow.policy == ("tier_aware" if mode == "observe" else "prefix_affinity")
 
 
 async def test_canary_keeps_each_session_on_one_policy(upstreams: list[FakeUpstream]) -> None:

@@ -1,6 +1,7 @@
 """Modes: observe never lets the candidate change the live pick (raising, slow, invalid);
 canary is deterministic by session with the configured share; enforce uses the
-candidate with the incumbent as fallback. Plus the arrival-rate EWMA."""
+candidate with the incumbent as fallback; the accounting-only pick, deferred, is made as
+it would have been, on the views as they were. Plus the arrival-rate EWMA."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from policy_fakes import engine
 
 from ramjet.app.modes import ArrivalRate, ModeRunner, canary_share_of
 from ramjet.config import ModeConfig
+from ramjet.keys.prefix import PrefixKey, PrefixKeys
 from ramjet.metrics import RouterMetrics
-from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
+from ramjet.policy.base import Decision, EngineLoad, EngineView, FleetStats, RequestView
+from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId
 
 REQ = RequestView("r1", "m", 10, (), (), ())
@@ -188,3 +191,104 @@ def test_arrival_rate_tracks_a_steady_stream() -> None:
         a.arrive(t)
     assert math.isclose(a.rate(t), 100.0, rel_tol=0.05)
     assert a.rate(t + 10.0) < 100.0 * math.exp(-4)
+
+
+# -- the deferred accounting-only pick (`decide(..., defer=True)`, `settle`) -------------
+
+
+def test_observe_defers_the_candidate_and_settle_fills_it_in_as_decide_would() -> None:
+    m = RouterMetrics()
+    cand = Fixed("cand", "e0")
+    r = ModeRunner(ModeConfig(kind="observe"), Fixed("inc", "e1"), cand, m)
+    now = r.decide(REQ, ENGINES, FLEET, "s")
+    out = r.decide(REQ, ENGINES, FLEET, "s", defer=True)
+    assert cand.calls == 1  # the deferred pick is not made yet
+    assert out.live == now.live and out.live_role == "incumbent" and out.incumbent == now.incumbent
+    assert out.candidate is None and out.deferred is not None
+    assert r.settle(out) is True and cand.calls == 2
+    assert out.deferred is None
+    assert (out.candidate, out.candidate_error) == (now.candidate, now.candidate_error)
+    assert out.candidate_s >= 0.0
+    assert r.settle(out) is False and cand.calls == 2  # once
+    assert r.settle(now) is False  # nothing was deferred
+
+
+def test_enforce_defers_only_the_incumbent_and_never_a_live_fallback() -> None:
+    m = RouterMetrics()
+    inc = Fixed("inc", "e1")
+    r = ModeRunner(ModeConfig(kind="enforce"), inc, Fixed("cand", "e0"), m)
+    out = r.decide(REQ, ENGINES, FLEET, "s", defer=True)
+    assert out.live.engine == "e0" and out.live_role == "candidate" and inc.calls == 0
+    assert out.incumbent is None and out.deferred is not None
+    assert r.settle(out) and out.incumbent is not None and out.incumbent.engine == "e1"
+    # the candidate fails: the incumbent is the live pick, made now
+    r = ModeRunner(ModeConfig(kind="enforce"), inc, Raising(), m)  # type: ignore[arg-type]
+    out = r.decide(REQ, ENGINES, FLEET, "s", defer=True)
+    assert out.live.engine == "e1" and out.live_role == "incumbent" and out.deferred is None
+    assert out.candidate_error is not None and out.candidate_error.startswith("raised")
+
+
+def test_a_deferred_candidate_keeps_its_budget_and_cooldown() -> None:
+    m = RouterMetrics()
+    now = [0.0]
+    cand = Fixed("cand", "e0")
+    r = ModeRunner(
+        ModeConfig(kind="observe", candidate_budget_s=0.01, slow_cooldown_s=5.0),
+        Fixed("inc", "e1"),
+        cand,
+        m,
+        clock=lambda: now[0],
+        timer=FakeTimer(0.05),
+    )
+    outs = [r.decide(REQ, ENGINES, FLEET, "s", defer=True) for _ in range(4)]
+    for o in outs:
+        r.settle(o)
+    assert [o.candidate_error for o in outs] == ["slow", "slow", "slow", "skipped"]
+    assert all(o.candidate is None and o.live.engine == "e1" for o in outs)
+    assert cand.calls == 3 and _count(m, "slow") == 3 and _count(m, "skipped") == 1
+
+
+class Looking:
+    """A candidate that reports what the residency views show it for the request."""
+
+    name = "looking"
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, tuple[int, int, int]]] = []
+
+    def pick(
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+    ) -> Decision:
+        seen = {}
+        for e in engines:
+            g = e.residency.global_match(request.block_keys, request.block_tokens)
+            seen[e.id] = (g.total, g.pending, e.residency.swa_match(request.boundary_keys))
+        self.seen.append(seen)
+        return Decision(engine=engines[0].id, policy=self.name)
+
+
+def test_a_deferred_pick_reads_the_residency_as_it_was_at_decide_time() -> None:
+    """What the forward does between the decision and the deferred pick (its blocks
+    pending on the live engine, a report putting them in another engine's table) is not
+    seen by the deferred pick: it reads what a pick at decide time read. A pick made
+    that late on fresh views would see both."""
+    tables = ResidencyTables()
+    blocks = tuple(PrefixKey(1000 + i) for i in range(4))
+    keys = PrefixKeys(0, 256, blocks, ((1024, blocks[-1]),), 1024)
+    req = RequestView("r1", "m", 1024, blocks, (256,) * 4, ((1024, blocks[-1]),))
+
+    def views() -> list[EngineView]:
+        return [
+            EngineView(EngineId(e), True, EngineLoad(), tables.view(EngineId(e), 0.0))
+            for e in ("e0", "e1")
+        ]
+
+    looking = Looking()
+    r = ModeRunner(ModeConfig(kind="observe"), Fixed("inc", "e0"), looking, RouterMetrics())
+    out = r.decide(req, views(), FLEET, "s", defer=True)
+    tables.add_pending(EngineId("e0"), keys, 0.0)  # the forward to e0
+    tables.record_routed(EngineId("e1"), keys, 0.0)  # and something else, elsewhere
+    r.settle(out)
+    assert looking.seen == [{"e0": (0, 0, 0), "e1": (0, 0, 0)}]
+    r.decide(req, views(), FLEET, "s")  # fresh views, made now
+    assert looking.seen[1] == {"e0": (1024, 1024, 1024), "e1": (1024, 0, 1024)}
