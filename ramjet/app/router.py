@@ -209,7 +209,7 @@ class Router:
         t0 = self.clock()
         self.arrivals.arrive(t0)
         refused = self.admission.refuse_early(request, self.draining)
-        if refused is None:
+        if refused is None and not self.admission.take():  # else wait for a slot
             refused = await self.admission.acquire()
         if refused is not None:
             return refused
