@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import pytest
 from policy_fakes import engine
 
-from ramjet.app.modes import ArrivalRate, ModeRunner, canary_share_of
+from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner, canary_share_of
 from ramjet.config import ModeConfig
 from ramjet.keys.prefix import PrefixKey, PrefixKeys
 from ramjet.metrics import RouterMetrics
@@ -83,7 +84,9 @@ def test_observe_candidate_invalid_pick_is_contained() -> None:
     assert out.live.engine == "e0" and out.candidate_error == "invalid"
 
 
-def test_observe_slow_candidate_discarded_then_skipped_for_cooldown() -> None:
+@pytest.mark.parametrize("defer", [False, True])
+def test_observe_slow_candidate_discarded_then_skipped_for_cooldown(defer: bool) -> None:
+    """Deferred or not, the candidate's budget and cool-down hold the same."""
     m = RouterMetrics()
     now = [0.0]
     cand = Fixed("cand", "e0")
@@ -95,12 +98,19 @@ def test_observe_slow_candidate_discarded_then_skipped_for_cooldown() -> None:
         clock=lambda: now[0],
         timer=FakeTimer(0.05),
     )
-    outs = [r.decide(REQ, ENGINES, FLEET, "s") for _ in range(4)]
-    assert all(o.live.engine == "e1" for o in outs)
+
+    def decide() -> ModeOutcome:
+        out = r.decide(REQ, ENGINES, FLEET, "s", defer=defer)
+        assert (out.deferred is not None) == defer
+        r.settle(out)
+        return out
+
+    outs = [decide() for _ in range(4)]
+    assert all(o.live.engine == "e1" and o.candidate is None for o in outs)
     assert [o.candidate_error for o in outs] == ["slow", "slow", "slow", "skipped"]
-    assert cand.calls == 3
+    assert cand.calls == 3 and _count(m, "slow") == 3 and _count(m, "skipped") == 1
     now[0] = 5.0
-    assert r.decide(REQ, ENGINES, FLEET, "s").candidate_error == "slow"
+    assert decide().candidate_error == "slow"
     assert cand.calls == 4
 
 
@@ -226,26 +236,6 @@ def test_enforce_defers_only_the_incumbent_and_never_a_live_fallback() -> None:
     out = r.decide(REQ, ENGINES, FLEET, "s", defer=True)
     assert out.live.engine == "e1" and out.live_role == "incumbent" and out.deferred is None
     assert out.candidate_error is not None and out.candidate_error.startswith("raised")
-
-
-def test_a_deferred_candidate_keeps_its_budget_and_cooldown() -> None:
-    m = RouterMetrics()
-    now = [0.0]
-    cand = Fixed("cand", "e0")
-    r = ModeRunner(
-        ModeConfig(kind="observe", candidate_budget_s=0.01, slow_cooldown_s=5.0),
-        Fixed("inc", "e1"),
-        cand,
-        m,
-        clock=lambda: now[0],
-        timer=FakeTimer(0.05),
-    )
-    outs = [r.decide(REQ, ENGINES, FLEET, "s", defer=True) for _ in range(4)]
-    for o in outs:
-        r.settle(o)
-    assert [o.candidate_error for o in outs] == ["slow", "slow", "slow", "skipped"]
-    assert all(o.candidate is None and o.live.engine == "e1" for o in outs)
-    assert cand.calls == 3 and _count(m, "slow") == 3 and _count(m, "skipped") == 1
 
 
 class Looking:
