@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 
 import aiohttp
 from aiohttp import web
@@ -92,10 +93,9 @@ class Slots:
             if fut.done() and not fut.cancelled():
                 self.release()
             else:
-                try:
+                # still queued, unless `_hand_out` already popped and skipped it
+                with contextlib.suppress(ValueError):
                     self._waiters.remove(fut)
-                except ValueError:
-                    pass
             raise
 
     def release(self) -> None:

@@ -70,11 +70,9 @@ async def test_a_cancelled_waiter_holds_nothing_and_the_next_one_is_served(hande
 async def test_a_timed_out_waiter_holds_nothing() -> None:
     s = Slots(1)
     assert s.take()
-    try:
+    with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.01):
             await s.wait()
-    except TimeoutError:
-        pass
     assert s.waiting == 0 and s.free == 0
     s.release()
     assert s.free == 1 and s.take()
