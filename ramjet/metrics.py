@@ -16,7 +16,7 @@ its per-update lock and interpreted code.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar, cast
 
 import prometheus_client.metrics as _prom
@@ -141,6 +141,16 @@ class _LoopFamily:
             raise ValueError(f"Incorrect label count for {self.entry.name}")
         return tuple(v if isinstance(v, str) else str(v) for v in values)
 
+    def _child(
+        self, values: tuple[object, ...], kw: dict[str, object], make: Callable[[], object]
+    ) -> object:
+        """The series for these label values (`labels()`'s arguments), made on first use."""
+        key = self._key(values, kw)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = make()
+        return child
+
     def _metric(self) -> Metric:
         return Metric(self.name, self.entry.help, self.entry.kind)
 
@@ -163,10 +173,7 @@ class LoopCounter(_LoopFamily):
         self._only = None if m.labels else CounterChild()
 
     def labels(self, *values: object, **kw: object) -> CounterChild:
-        key = self._key(values, kw)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = CounterChild()
+        child = self._child(values, kw, CounterChild)
         assert isinstance(child, CounterChild)
         return child
 
@@ -203,12 +210,12 @@ class LoopHistogram(_LoopFamily):
         self._only = None if m.labels else HistogramChild(bounds)
 
     def labels(self, *values: object, **kw: object) -> HistogramChild:
-        key = self._key(values, kw)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = HistogramChild(self.bounds)
+        child = self._child(values, kw, self._new_child)
         assert isinstance(child, HistogramChild)
         return child
+
+    def _new_child(self) -> HistogramChild:
+        return HistogramChild(self.bounds)
 
     def observe(self, amount: float) -> None:
         if self._only is None:
