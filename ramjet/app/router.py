@@ -346,12 +346,14 @@ class Router:
         right after the decision; `_account` makes sure of it); its predicted work feeds
         the packing term's ρ when the live pick recorded none (observe's baseline
         incumbent), as it would have at decide time."""
+        if outcome.deferred is None:  # made already (the usual case in `_account`) or none
+            return
         engine = outcome.live.engine
-        before = decided_work(outcome, engine)
-        if self.modes.settle(outcome) and before is None:
-            work = decided_work(outcome, engine)
-            if work is not None:
-                self.work_rates.routed(t0, engine, work)
+        counted = decided_work(outcome, engine) is not None  # at decide time
+        self.modes.settle(outcome)
+        work = None if counted else decided_work(outcome, engine)
+        if work is not None:
+            self.work_rates.routed(t0, engine, work)
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         loop = self._event_loop
