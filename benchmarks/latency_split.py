@@ -22,7 +22,11 @@ is made of. This measures that directly:
 4. Per request, the time between consecutive events on the event loop's thread; the table
    is each step's median over the steady state (the first quarter dropped), the request
    side (client read to engine write) and the response side (engine read to client write)
-   summed.
+   summed, and their share of the added latency.
+5. Baselines from the same run, each under the same open loop just before the
+   instrumented router: no hop (`direct`: the upstream itself), and the product router
+   from this tree's build. The instrumented router's added latency over the product's
+   says what the markers and perf cost; the steps' share is of the instrumented one's.
 
 Needs `perf` with tracepoint access (root, or `kernel.perf_event_paranoid` <= 1) and
 `taskset`. Every process it starts is stopped by pid; the worktree is removed.
@@ -187,7 +191,20 @@ def split(evs: list[tuple[float, str]]) -> dict[tuple[str, str], list[float]]:
     return steps
 
 
-def report(mode: str, steps: dict[tuple[str, str], list[float]], lat: list[float]) -> None:
+def p50_us(lat: list[float]) -> float:
+    return statistics.median(lat) * 1e6
+
+
+def report(
+    mode: str,
+    steps: dict[tuple[str, str], list[float]],
+    lat: list[float],
+    direct: list[float],
+    product: list[float],
+) -> None:
+    """The steps of the instrumented router (`lat`: its client-side latencies), against
+    the same run's baselines: no hop (`direct`) and the uninstrumented router
+    (`product`), each measured just before it under the same open loop."""
     print(f"\n{mode}: median us per step at 500 req/s ({len(lat)} requests checked)")
     sums: dict[str, float] = collections.defaultdict(float)
     for side, a, b, what in STAGES:
@@ -197,10 +214,17 @@ def report(mode: str, steps: dict[tuple[str, str], list[float]], lat: list[float
         med = statistics.median(xs)
         sums[side] += med
         print(f"  {side:8s} {a:>5s} -> {b:<5s} {med:7.1f}  {what}")
+    steps_us = sums["request"] + sums["response"]
+    base = p50_us(direct)
+    added, added_product = p50_us(lat) - base, p50_us(product) - base
     print(f"  request side (client read -> engine write): {sums['request']:.0f} us")
     print(f"  response side (engine read -> client write): {sums['response']:.0f} us")
-    lat = sorted(lat)
-    print(f"  client-measured latency p50 {lat[len(lat) // 2] * 1e6:.0f} us (direct hop included)")
+    print(
+        f"  added latency p50 (over no hop, {base:.0f} us, same run): instrumented under perf "
+        f"+{added:.0f} us, the product router +{added_product:.0f} us "
+        f"({added / added_product:.2f}x: what the markers and perf cost)"
+    )
+    print(f"  the router's steps: {steps_us:.0f} us, {steps_us / added:.0%} of the added latency")
 
 
 def main() -> int:
@@ -224,15 +248,18 @@ def main() -> int:
         print("latency_split: building the instrumented copy (make native) ...", flush=True)
         subprocess.run(["make", "-s", "-C", str(tree), "native"], check=True)
         po = load_module(tree / "benchmarks" / "proxy_overhead.py", "proxy_overhead_split")
+        product = load_module(ROOT / "benchmarks" / "proxy_overhead.py", "proxy_overhead_product")
         for mode in args.modes.split(","):
-            run_mode(po, mode, args.seconds, tmp)
+            run_mode(po, product, mode, args.seconds, tmp)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)  # fmt: skip
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
-def run_mode(po: ModuleType, mode: str, seconds: float, tmp: Path) -> None:
+def run_mode(po: ModuleType, product: ModuleType, mode: str, seconds: float, tmp: Path) -> None:
+    """`po`: the instrumented copy's proxy_overhead (its routers run the copy), `product`:
+    this tree's (its routers run the product build), for the baselines."""
     ports = [po.free_port(), po.free_port()]
     cpus = ",".join(map(str, sorted(po.other_cpus())))
     script = str(po.__file__)
@@ -242,6 +269,15 @@ def run_mode(po: ModuleType, mode: str, seconds: float, tmp: Path) -> None:
         ups = [f"http://127.0.0.1:{p}" for p in ports]
         for u in ups:
             po.wait_http(u + "/v1/models", proc=up)
+        # the baselines, in this run: no hop, then the product router (stopped after)
+        direct = asyncio.run(po.open_loop(po.Target("direct", ups[0]), 500, seconds))
+        base = product.start_ramjet(f"product_{mode}", ups, tmp, mode)
+        try:
+            asyncio.run(product.verify(base))
+            asyncio.run(product.open_loop(base, 500, 1.0))  # warm
+            product_lat = asyncio.run(product.open_loop(base, 500, seconds))
+        finally:
+            product.stop(base.proc)
         target = po.start_ramjet(f"split_{mode}", ups, tmp, mode)
         asyncio.run(po.verify(target))
         asyncio.run(po.open_loop(target, 500, 1.0))  # warm
@@ -259,7 +295,7 @@ def run_mode(po: ModuleType, mode: str, seconds: float, tmp: Path) -> None:
             ["perf", "script", "-i", str(data), "-F", "tid,time,event,trace"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-        report(mode, split(events(txt)), lat)
+        report(mode, split(events(txt)), lat, direct, product_lat)
     finally:
         if target is not None and target.proc is not None:
             po.stop(target.proc)
