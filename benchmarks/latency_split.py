@@ -12,7 +12,7 @@ is made of. This measures that directly:
    syscall, `os.umask(N)` (one syscall, never fails, its argument visible to a tracer), is
    put at each stage boundary of the request path (`MARKS` below: each is an exact line of
    the source, so a moved line fails the run rather than measuring something else). The
-   product is never changed; the copy is compiled like the product (`make native`).
+   product is never changed; the copy is compiled like the product (`scripts/build_native.py`).
 2. A router from that copy (`ramjet serve`, pinned to CPU 0, the same set-up as
    `proxy_overhead.py`'s, whose targets this imports from the copy) gets
    `proxy_overhead`'s open loop: a small chat request every 2 ms, every reply checked.
@@ -245,8 +245,11 @@ def main() -> int:
     try:
         (tree / ".venv").symlink_to(ROOT / ".venv")
         instrument(tree)
-        print("latency_split: building the instrumented copy (make native) ...", flush=True)
-        subprocess.run(["make", "-s", "-C", str(tree), "native"], check=True)
+        print("latency_split: building the instrumented copy ...", flush=True)
+        # the build script itself, not `make native`: make would see the fresh checkout's
+        # pyproject.toml newer than the shared venv's stamp and reinstall the package
+        # into that venv from the scratch copy
+        subprocess.run([sys.executable, "scripts/build_native.py"], cwd=tree, check=True)
         po = load_module(tree / "benchmarks" / "proxy_overhead.py", "proxy_overhead_split")
         product = load_module(ROOT / "benchmarks" / "proxy_overhead.py", "proxy_overhead_product")
         for mode in args.modes.split(","):
