@@ -11,7 +11,8 @@ arrival order, to tell the packing from the order). Figures: mean / p99 / max TT
 the measured requests (the closed-loop window for the agent traces, as
 `simulations.summary`), utilisation, and for long cold prompts (no cache hit, the
 longest 5% of prompts) their worst wait before the first prefill chunk. The aging sweep
-runs tier_aware with both priority variants at the middle load. Writes `tables.md`,
+runs tier_aware as the router routes a pool in mode `on` (keyed wait, jumps charged:
+`SWEPT`) with both priority variants at the middle load. Writes `tables.md`,
 `results.csv`, `aging_sweep.png` and prints progress and the tables. Everything runs
 the repository's simulator objects; nothing here models an engine.
 """
@@ -73,9 +74,9 @@ PEERS = (
     "least_loaded",
 )
 SCHEDULERS = ("fcfs", "priority", "vllm-priority", "vllm-fcfs")
-AGINGS = (0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
-HORIZONS: tuple[float | None, ...] = (None, 10.0, 20.0, 30.0, 60.0)
-"""The sweep's grid (tier_aware at the middle load, both priority variants); a horizon
+AGINGS = (0.0, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.25, 0.5, 1.0, 2.0)
+HORIZONS: tuple[float | None, ...] = (None, 10.0, 15.0, 20.0, 25.0, 30.0, 40.0, 60.0)
+"""The sweep's grid (`SWEPT` at the middle load, both priority variants); a horizon
 needs aging > 0 (`ramjet.config.PriorityConfig`)."""
 DEFAULT_AGING: float = PriorityConfig.model_fields["aging"].default
 DEFAULT_HORIZON: float | None = PriorityConfig.model_fields["horizon_s"].default
@@ -83,7 +84,8 @@ DEFAULT_HORIZON: float | None = PriorityConfig.model_fields["horizon_s"].default
 choice (`choose_default`)."""
 MAX_RATIO = 1.1
 """The default's rule: on Mooncake at the middle load, for both variants, worst TTFT at
-most this times FCFS tier_aware's and p99 no worse; among those, the lowest mean."""
+most this times FCFS tier_aware's and p99 no worse; among those, the lowest mean (all of
+it with `SWEPT`'s routing)."""
 
 
 @dataclass
@@ -162,6 +164,10 @@ JUMPS = "+keyed+jumps"
 WAITS = ("", KEYED, JUMPS)
 """tier_aware's routing variants on a priority engine: FCFS wait, keyed wait, keyed wait
 with the jump charge."""
+SWEPT = "tier_aware" + JUMPS
+"""The routing the aging x horizon sweep runs and the default is chosen for: the router's
+own in mode `on` (keyed wait, jumps charged), since aging and the horizon change what the
+keyed wait sees as well as the engines' order."""
 LWF_REFERENCE = "oracle:tier_aware"
 """The perfect-knowledge reference: the shared-cache oracle's routing, on each engine
 model's priority scheduler with aging 0 (least predicted work first; on the chunk-
@@ -390,12 +396,12 @@ def tables(results: list[Result]) -> str:
                 )
     for case in CASES:
         rows = [r for r in results if r.trace == case.name and r.load == case.loads[1]]
-        grid = [r for r in rows if r.policy == "tier_aware" and r.scheduler in PRIO]
+        grid = [r for r in rows if r.policy == SWEPT and r.scheduler in PRIO]
         if len({(r.aging, r.horizon) for r in grid}) < 2:
             continue
         base = {b: _find(rows, case.loads[1], "tier_aware", b) for b in BASE.values()}
         out.append(
-            f"\n### {case.name}: aging x horizon sweep, tier_aware at load {case.loads[1]:g}: "
+            f"\n### {case.name}: aging x horizon sweep, {SWEPT} at load {case.loads[1]:g}: "
             "mean / p99 / max TTFT (s); worst wait of the most-work 5% (s); in brackets "
             "mean / p99 / max over FCFS tier_aware on the same engine model\n"
         )
@@ -452,9 +458,7 @@ def choose_default(results: list[Result]) -> tuple[float, float | None, float] |
     rows = [r for r in results if r.trace == case.name and r.load == case.loads[1]]
     base = {b: _find(rows, case.loads[1], "tier_aware", b) for b in BASE.values()}
     best: tuple[float, float | None, float] | None = None
-    points = {
-        (r.aging, r.horizon) for r in rows if r.policy == "tier_aware" and r.scheduler in PRIO
-    }
+    points = {(r.aging, r.horizon) for r in rows if r.policy == SWEPT and r.scheduler in PRIO}
     for ag, hz in sorted(points, key=_grid_order):
         worst = 0.0
         for sch in PRIO:
@@ -462,8 +466,7 @@ def choose_default(results: list[Result]) -> tuple[float, float | None, float] |
                 (
                     r
                     for r in rows
-                    if r.policy == "tier_aware"
-                    and (r.aging, r.horizon, r.scheduler) == (ag, hz, sch)
+                    if r.policy == SWEPT and (r.aging, r.horizon, r.scheduler) == (ag, hz, sch)
                 ),
                 None,
             )
@@ -496,7 +499,7 @@ def plot(results: list[Result], path: Path) -> None:
                     (
                         r
                         for r in rows
-                        if r.policy == "tier_aware" and r.scheduler == sch and r.horizon == hz
+                        if r.policy == SWEPT and r.scheduler == sch and r.horizon == hz
                     ),
                     key=lambda r: r.aging,
                 )
@@ -516,7 +519,7 @@ def plot(results: list[Result], path: Path) -> None:
             ax.set_xscale("log")
             ax.set_xlabel("aging (s of work forgiven per s waited; 0 drawn at 0.01)")
             ax.set_ylabel(f"{what} TTFT / FCFS tier_aware's")
-            ax.set_title(f"{case.name}, load {mid:g}, tier_aware: {what}")
+            ax.set_title(f"{case.name}, load {mid:g}, {SWEPT}: {what}")
             ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -581,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                     if (ag, hz) == (DEFAULT_AGING, DEFAULT_HORIZON) or (hz is not None and ag == 0):
                         continue
                     for sch in PRIO:
-                        plan.append((case, case.loads[1], "tier_aware", sch, ag, hz))
+                        plan.append((case, case.loads[1], SWEPT, sch, ag, hz))
     results: list[Result] = []
     if a.merge and (out_dir / "results.csv").is_file():
         results = [r for r in read_results(out_dir / "results.csv") if r.trace not in wanted]
