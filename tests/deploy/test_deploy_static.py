@@ -114,7 +114,7 @@ def test_committed_dashboards_are_the_generated_ones() -> None:
 def test_dashboards_cover_the_issue_and_use_the_provisioned_datasource() -> None:
     gen = _generator()
     titles = {d.title for d in gen.DASHBOARDS}
-    for part in ("Routing", "Cache", "Observation", "Engines", "reports", "Redis"):
+    for part in ("Routing", "Cache", "Observation", "Priority", "Engines", "reports", "Redis"):
         assert any(part in t for t in titles), part
     ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/ramjet.yml").read_text())
     uid = ds["datasources"][0]["uid"]
@@ -128,6 +128,30 @@ def test_dashboards_cover_the_issue_and_use_the_provisioned_datasource() -> None
             assert p["description"].strip() and p["targets"], p["title"]
             assert p["datasource"]["uid"] == uid
             assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+
+
+# What priority scheduling needs an operator to see (issue 18's metrics, docs/priority.md):
+# a series -> how a panel of "Ramjet / Priority" must read it.
+PRIORITY_PANELS = {
+    "ramjet_priority_hints_total": "sum by (pool, outcome) (rate(",
+    "ramjet_priority_hint_work_seconds_bucket": "sum by (le, pool) (rate(",
+    "engine_queue_wait_by_band_seconds_bucket": "sum by (le, engine, band) (rate(",
+    "engine_oldest_waiting_seconds": "max by (engine) (",
+    "engine_priority_preemptions_total": "sum by (engine) (rate(",
+}
+
+
+def test_priority_dashboard_shows_hints_and_engine_scheduling() -> None:
+    gen = _generator()
+    board = next(d for d in gen.DASHBOARDS if d.title == "Ramjet / Priority")
+    exprs = [e for p in board.panels for e, _ in p.targets]
+    for series, shape in PRIORITY_PANELS.items():
+        assert any(series in e and shape in e for e in exprs), f"no panel reads {series}"
+    quantiles = [e for e in exprs if "ramjet_priority_hint_work_seconds_bucket" in e]
+    assert {e.split(",")[0] for e in quantiles} == {
+        "histogram_quantile(0.5",
+        "histogram_quantile(0.99",
+    }
 
 
 # -- Kubernetes --------------------------------------------------------------------------------
