@@ -89,6 +89,24 @@ def test_promtool_alert_unit_test_catches_a_silent_healthy_target(tmp_path: Path
     assert r.returncode != 0 and 'engine="e1"' in r.stdout + r.stderr, r.stdout + r.stderr
 
 
+def test_promtool_alert_unit_test_catches_a_starving_busy_engine(tmp_path: Path) -> None:
+    """The starvation test can fail too: let e1's oldest request keep waiting and
+    RamjetPriorityStarvation fires for e1, which the test does not expect."""
+    src = DEPLOY / "prometheus" / "tests" / "ramjet-alerts.test.yml"
+    text = src.read_text()
+    busy = "values: '0 15 30 45 55 0 15 30 45 55 0 15 30 45 55 0 15 30 45 55 0 15 30 45 55'"
+    assert text.count(busy) == 1
+    broken = tmp_path / "broken.test.yml"
+    broken.write_text(
+        text.replace(busy, "values: '0 15 30 45 55 70 85 100 115 130 145 160 175 190 205'").replace(
+            "../rules/", str(DEPLOY / "prometheus" / "rules") + "/"
+        )
+    )
+    r = _run(PROMTOOL, "test", "rules", str(broken))
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "RamjetPriorityStarvation" in out and 'engine="e1"' in out, out
+
+
 # -- Grafana -----------------------------------------------------------------------------------
 
 

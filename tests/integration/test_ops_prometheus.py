@@ -67,6 +67,7 @@ MUST_NOT_FIRE = {
     "RamjetHighErrorRate",
     "RamjetDecisionLogDropping",
     "RamjetReportPullSilent",
+    "RamjetPriorityStarvation",
 }
 _COMPARISON = re.compile(
     r"^(?P<lhs>.+?)\s*(?P<op>>=|<=|==|!=|>|<)\s*(?P<thr>-?[0-9.]+(?:e-?\d+)?)$"
