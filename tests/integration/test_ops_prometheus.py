@@ -417,7 +417,7 @@ async def check_prometheus(s: aiohttp.ClientSession, prom: str, tmp: Path) -> No
 
     groups = (await api(s, prom, "/api/v1/rules"))["groups"]
     loaded = {r["name"]: r for g in groups for r in g["rules"]}
-    names = {r.get("record") or r.get("alert") for r in all_rules}
-    assert names == set(loaded), names ^ set(loaded)
+    rule_names = {r.get("record") or r.get("alert") for r in all_rules}
+    assert rule_names == set(loaded), rule_names ^ set(loaded)
     bad = {n: r.get("lastError") for n, r in loaded.items() if r["health"] != "ok"}
     assert not bad, bad
