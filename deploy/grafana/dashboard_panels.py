@@ -1,6 +1,6 @@
 """The vocabulary of Ramjet's dashboard table: `Panel`, `Dashboard`, and query helpers.
 
-The table itself is `dashboards_router.py` (routing, cache, observation) and
+The table itself is `dashboards_router.py` (routing, cache, observation, priority) and
 `dashboards_fleet.py` (engines, reports, Redis); after editing it run
 `python deploy/grafana/generate_dashboards.py` (the renderer, which turns the table into
 deploy/grafana/dashboards/*.json). Queries use `$__rate_interval`

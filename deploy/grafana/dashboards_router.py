@@ -1,4 +1,5 @@
-"""Dashboard table, router side: routing, cache, observation (`dashboard_panels`)."""
+"""Dashboard table, router side: routing, cache, observation, priority hints
+(`dashboard_panels`)."""
 
 from __future__ import annotations
 
@@ -325,6 +326,102 @@ OBSERVE = Dashboard(
                 (
                     f"sum by (role, kind) (rate(ramjet_policy_errors_total[{RI}]))",
                     "{{role}} {{kind}}",
+                )
+            ),
+            unit="reqps",
+        ),
+    ),
+)
+
+PRIORITY = Dashboard(
+    "ramjet-priority",
+    "Ramjet / Priority",
+    "Priority hints (docs/priority.md): what the routers compute and send per pool, and "
+    "how the engines serve by them: queue wait by the hint's band, the oldest waiting "
+    "request, preemptions. The engine panels read the reference engine's metrics "
+    "(engine_stub); vLLM and SGLang export none of them.",
+    (
+        Panel(
+            "Hints by pool and outcome",
+            "Hints computed per second, by pool and outcome: sent (in the body), observe "
+            "(mode observe: logged, not sent), canary_out (session outside the pool's "
+            "share), client_kept and client_invalid (the request carried its own priority). "
+            "Normal: in mode on with share 1, sent is the pool's request rate; canary_out "
+            "is about 1 - share of it. A rising client_kept/client_invalid means clients "
+            "send their own priority (invalid: not an integer, or over 1000 under combine); "
+            "sent falling to 0 while requests flow means the pool is off or its engines "
+            "were renamed.",
+            q(
+                (
+                    f"sum by (pool, outcome) (rate(ramjet_priority_hints_total[{RI}]))",
+                    "{{pool}} {{outcome}}",
+                )
+            ),
+            unit="reqps",
+        ),
+        Panel(
+            "Predicted work of hints (p50, p99)",
+            "The prompt work each hint carries (restore + replay + prefill on the chosen "
+            "engine), per pool. The key caps it at aging x horizon_s (1 s by default): "
+            "requests above the cap keep arrival order among themselves. Normal: p50 well "
+            "under the cap (warm turns), p99 at the cold prompts. A p50 rising towards the "
+            "cap means the cache stopped helping (Ramjet / Cache); a p50 equal to the cold "
+            "work of every prompt means the router has no residency (no reports), so every "
+            "hint is cold work.",
+            q(
+                (
+                    f"histogram_quantile(0.5, sum by (le, pool) (rate(ramjet_priority_hint_work_seconds_bucket[{RI}])))",
+                    "p50 {{pool}}",
+                ),
+                (
+                    f"histogram_quantile(0.99, sum by (le, pool) (rate(ramjet_priority_hint_work_seconds_bucket[{RI}])))",
+                    "p99 {{pool}}",
+                ),
+            ),
+            unit="s",
+        ),
+        Panel(
+            "Engine queue wait p99 by priority band",
+            "Arrival to first prefill chunk, p99, per engine and the hint's work band as the "
+            "engine decodes it (lt_0.1s, 0.1_1s, 1_10s, ge_10s; a hint over the cap decodes "
+            "as the cap). band=fcfs: the engine does not schedule by priority (hints are "
+            "ignored); band=other: no decodable hint (no hint sent, a client's own priority, "
+            "or the engine's --priority-aging differs from the pool's aging). Normal: short "
+            "bands wait least, long bands longer but bounded: a request is overtaken only "
+            "by arrivals within horizon_s (20 s) of its own. Short bands waiting as long as "
+            "long ones: the hints are not honoured (convention). A long band's p99 climbing "
+            "past the horizon: starvation, see the oldest waiting request.",
+            q(
+                (
+                    f"histogram_quantile(0.99, sum by (le, engine, band) (rate(engine_queue_wait_by_band_seconds_bucket[{RI}])))",
+                    "{{engine}} {{band}}",
+                )
+            ),
+            unit="s",
+            width=24,
+        ),
+        Panel(
+            "Oldest waiting request",
+            "Age of each engine's oldest request without its first token (waiting or "
+            "prefilling). Normal: a sawtooth of a few seconds that falls back to 0 when the "
+            "queue drains. A line that keeps climbing is one request never served: "
+            "starvation (overtaken without bound: the engine does not read the key as sent, "
+            "or aging is 0) or a stuck engine. Alert RamjetPriorityStarvation above 60 s "
+            "for 2 minutes.",
+            q(("max by (engine) (engine_oldest_waiting_seconds)", "{{engine}}")),
+            unit="s",
+        ),
+        Panel(
+            "Priority preemptions",
+            "Prefilling requests per second that gave their slot to a better waiting one "
+            "(the reference engine's chunk variant; always 0 under fcfs and the vllm "
+            "variant). Normal: a trickle during bursts of short turns. A rate near the "
+            "request rate means long prompts are set aside again and again: expect their "
+            "band's queue wait and the oldest waiting age to rise.",
+            q(
+                (
+                    f"sum by (engine) (rate(engine_priority_preemptions_total[{RI}]))",
+                    "{{engine}}",
                 )
             ),
             unit="reqps",

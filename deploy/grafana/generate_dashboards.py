@@ -17,13 +17,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the panel table sits next to this script, outside any package
 from dashboard_panels import Dashboard, Panel  # noqa: E402
 from dashboards_fleet import ENGINES, REDIS, REPORTS  # noqa: E402
-from dashboards_router import CACHE, OBSERVE, ROUTING  # noqa: E402
+from dashboards_router import CACHE, OBSERVE, PRIORITY, ROUTING  # noqa: E402
 
 from ramjet.metric_catalogue import check_queries  # noqa: E402
 
 DATASOURCE = {"type": "prometheus", "uid": "ramjet-prometheus"}
 OUT = HERE / "dashboards"
-DASHBOARDS = (ROUTING, CACHE, OBSERVE, ENGINES, REPORTS, REDIS)
+DASHBOARDS = (ROUTING, CACHE, OBSERVE, PRIORITY, ENGINES, REPORTS, REDIS)
 
 
 def _panel(p: Panel, pid: int, x: int, y: int) -> dict[str, object]:

@@ -89,6 +89,24 @@ def test_promtool_alert_unit_test_catches_a_silent_healthy_target(tmp_path: Path
     assert r.returncode != 0 and 'engine="e1"' in r.stdout + r.stderr, r.stdout + r.stderr
 
 
+def test_promtool_alert_unit_test_catches_a_starving_busy_engine(tmp_path: Path) -> None:
+    """The starvation test can fail too: let e1's oldest request keep waiting and
+    RamjetPriorityStarvation fires for e1, which the test does not expect."""
+    src = DEPLOY / "prometheus" / "tests" / "ramjet-alerts.test.yml"
+    text = src.read_text()
+    busy = "values: '0 15 30 45 55 0 15 30 45 55 0 15 30 45 55 0 15 30 45 55 0 15 30 45 55'"
+    assert text.count(busy) == 1
+    broken = tmp_path / "broken.test.yml"
+    broken.write_text(
+        text.replace(busy, "values: '0 15 30 45 55 70 85 100 115 130 145 160 175 190 205'").replace(
+            "../rules/", str(DEPLOY / "prometheus" / "rules") + "/"
+        )
+    )
+    r = _run(PROMTOOL, "test", "rules", str(broken))
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "RamjetPriorityStarvation" in out and 'engine="e1"' in out, out
+
+
 # -- Grafana -----------------------------------------------------------------------------------
 
 
@@ -114,7 +132,7 @@ def test_committed_dashboards_are_the_generated_ones() -> None:
 def test_dashboards_cover_the_issue_and_use_the_provisioned_datasource() -> None:
     gen = _generator()
     titles = {d.title for d in gen.DASHBOARDS}
-    for part in ("Routing", "Cache", "Observation", "Engines", "reports", "Redis"):
+    for part in ("Routing", "Cache", "Observation", "Priority", "Engines", "reports", "Redis"):
         assert any(part in t for t in titles), part
     ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/ramjet.yml").read_text())
     uid = ds["datasources"][0]["uid"]
@@ -128,6 +146,30 @@ def test_dashboards_cover_the_issue_and_use_the_provisioned_datasource() -> None
             assert p["description"].strip() and p["targets"], p["title"]
             assert p["datasource"]["uid"] == uid
             assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+
+
+# What priority scheduling needs an operator to see (issue 18's metrics, docs/priority.md):
+# a series -> how a panel of "Ramjet / Priority" must read it.
+PRIORITY_PANELS = {
+    "ramjet_priority_hints_total": "sum by (pool, outcome) (rate(",
+    "ramjet_priority_hint_work_seconds_bucket": "sum by (le, pool) (rate(",
+    "engine_queue_wait_by_band_seconds_bucket": "sum by (le, engine, band) (rate(",
+    "engine_oldest_waiting_seconds": "max by (engine) (",
+    "engine_priority_preemptions_total": "sum by (engine) (rate(",
+}
+
+
+def test_priority_dashboard_shows_hints_and_engine_scheduling() -> None:
+    gen = _generator()
+    board = next(d for d in gen.DASHBOARDS if d.title == "Ramjet / Priority")
+    exprs = [e for p in board.panels for e, _ in p.targets]
+    for series, shape in PRIORITY_PANELS.items():
+        assert any(series in e and shape in e for e in exprs), f"no panel reads {series}"
+    quantiles = [e for e in exprs if "ramjet_priority_hint_work_seconds_bucket" in e]
+    assert {e.split(",")[0] for e in quantiles} == {
+        "histogram_quantile(0.5",
+        "histogram_quantile(0.99",
+    }
 
 
 # -- Kubernetes --------------------------------------------------------------------------------

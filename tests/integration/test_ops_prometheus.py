@@ -1,6 +1,7 @@
 """Every dashboard panel and every rule returns data from a real Prometheus scraping a
 running system: two router replicas (observe mode, Redis-shared residency, signed reports
-pulled from the engines) in front of two real reference-engine processes.
+pulled from the engines, priority hints sent) in front of two real reference-engine
+processes that schedule by priority.
 
 Prometheus (`/usr/bin/prometheus`) runs with the repository's rule files and a scrape
 config derived from `deploy/prometheus/prometheus.yml` (same jobs and labels; targets
@@ -66,6 +67,7 @@ MUST_NOT_FIRE = {
     "RamjetHighErrorRate",
     "RamjetDecisionLogDropping",
     "RamjetReportPullSilent",
+    "RamjetPriorityStarvation",
 }
 _COMPARISON = re.compile(
     r"^(?P<lhs>.+?)\s*(?P<op>>=|<=|==|!=|>|<)\s*(?P<thr>-?[0-9.]+(?:e-?\d+)?)$"
@@ -130,12 +132,13 @@ def alert_signal(expr: str) -> tuple[str, str, float]:
 @contextlib.contextmanager
 def two_engines(keys_dir: Path) -> Iterator[dict[str, tuple[EngineProcess, Any]]]:
     """Two real engines, started in parallel (each takes seconds to import torch),
-    signing their reports with keys made here."""
+    signing their reports with keys made here and serving the lowest `priority` first
+    (the priority dashboard's band, oldest-waiting and preemption series)."""
     procs: dict[str, tuple[EngineProcess, Any]] = {}
     for eid in ENGINE_IDS:
         priv, _pub, key = write_keypair(keys_dir, f"{eid}-k1")
         flags = {"window": 16, "profile": "skip", "log_level": "WARNING", "key": priv,
-                 "key_id": f"{eid}-k1"}  # fmt: skip
+                 "key_id": f"{eid}-k1", "scheduling_policy": "priority"}  # fmt: skip
         cache = keys_dir.parent / eid
         cache.mkdir()
         procs[eid] = (EngineProcess(eid, free_port(), cache, flags), key)
@@ -172,6 +175,9 @@ def policy(engines: dict[str, tuple[EngineProcess, Any]], redis_url: str) -> Pol
             "timeouts": {"drain_s": 2.0},
             "store": {"kind": "redis", "url": redis_url, "sync_interval_ms": 50},
             "reports": {"poll": {"wait_s": 1, "timeout_s": 3}},
+            "priority": [
+                {"name": "fleet", "engines": list(engines), "mode": "on", "convention": "reference"}
+            ],
             "keys": {
                 "engines": {
                     eid: [{"key_id": f"{eid}-k1", "public_key": public_key_b64(k.public_key())}]
@@ -401,9 +407,17 @@ async def check_prometheus(s: aiohttp.ClientSession, prom: str, tmp: Path) -> No
                 assert not firing, f"{rule['alert']} fires in a healthy run: {firing}"
     assert not empty, "queries without data:\n" + "\n".join(empty)
 
+    # The priority panels show priority scheduling, not FCFS: the routers sent hints, and
+    # the engines banded their queue waits by them.
+    sent = await query(s, prom, 'sum(ramjet_priority_hints_total{outcome="sent"})')
+    assert sent and float(sent[0]["value"][1]) > 0, sent
+    waits = await query(s, prom, "sum by (band) (engine_queue_wait_by_band_seconds_count)")
+    bands = {r["metric"]["band"] for r in waits}
+    assert bands and "fcfs" not in bands, bands
+
     groups = (await api(s, prom, "/api/v1/rules"))["groups"]
     loaded = {r["name"]: r for g in groups for r in g["rules"]}
-    names = {r.get("record") or r.get("alert") for r in all_rules}
-    assert names == set(loaded), names ^ set(loaded)
+    rule_names = {r.get("record") or r.get("alert") for r in all_rules}
+    assert rule_names == set(loaded), rule_names ^ set(loaded)
     bad = {n: r.get("lastError") for n, r in loaded.items() if r["health"] != "ok"}
     assert not bad, bad
