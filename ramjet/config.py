@@ -183,9 +183,9 @@ DEFAULT_AGING = 0.05
 DEFAULT_HORIZON_S = 20.0
 """The priority hint's defaults (`PriorityConfig`; the key: `ramjet.policy.priority_key`),
 the choice of the aging x horizon sweep of `benchmarks/priority_sim.py` (docs/priority.md):
-on the Mooncake trace at 68% utilisation, the lowest mean TTFT whose worst TTFT stays
-within 1.1x and p99 within 1x of FCFS's, for both the chunk-preemptive and vLLM's
-scheduler."""
+on the Mooncake trace at 68% utilisation, routed as a pool in mode `on` is (keyed wait,
+jumps charged), the lowest mean TTFT whose worst TTFT stays within 1.1x and p99 within 1x
+of FCFS's, for both the chunk-preemptive and vLLM's scheduler."""
 
 
 class PriorityConfig(_Frozen):
