@@ -199,7 +199,7 @@ def simulate(
     charged = policy.endswith(JUMPS)
     name = policy.removesuffix(JUMPS) if charged else policy
     keyed = charged or name.endswith(KEYED)
-    [ent] = resolve(name.removesuffix(KEYED))
+    [ent] = (e.on(scheduler) for e in resolve(name.removesuffix(KEYED)))
     # replace(): engine_spec drops None overrides, and None here means "no horizon"
     spec = replace(engine_spec(scheduler=scheduler, aging=aging), horizon_s=horizon)
     reqs = w.at(load)

@@ -211,7 +211,9 @@ def checked_rows(
 
 def cmd_run(a: argparse.Namespace) -> int:
     try:
-        entrants = resolve(a.policies) + [variant(v) for v in a.variant]
+        entrants = [
+            e.on(a.scheduler) for e in resolve(a.policies) + [variant(v) for v in a.variant]
+        ]
         reqs, block = load_trace(
             a.trace, block_tokens=a.block_tokens, jitter_s=a.jitter_s, seed=a.seed
         )

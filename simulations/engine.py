@@ -52,7 +52,7 @@ from ramjet.policy.cost import prompt_work
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.types import EngineId, PrefixKey
 from simulations.cache import SwaPool, TieredCache
-from simulations.preset import EngineSpec
+from simulations.preset import PACKING_SCHEDULERS, EngineSpec
 from simulations.workload import Request
 
 
@@ -123,7 +123,7 @@ class Engine:
         """A heap on the key orders the waiting jobs."""
         self.preempt = spec.scheduler == "priority"
         """The running job is re-queued at each chunk boundary."""
-        self.pack = spec.scheduler in ("vllm-fcfs", "vllm-priority")
+        self.pack = spec.scheduler in PACKING_SCHEDULERS
         """vLLM: a job's last chunk leaves the step's budget to the next job."""
         self._carry = 0
         self._left = 0

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ramjet.policy.base import RoutingPolicy
 from ramjet.policy.registry import create_policy, validate_params
+from ramjet.policy.tier_aware import TierAware
 from simulations.peers.dynamo import DynamoKv
 from simulations.peers.llmd import LlmdScorers
 from simulations.peers.prodstack import ProdstackPrefix
 from simulations.peers.smg import SmgCacheAware, SmgLeastLoad
+from simulations.preset import PACKING_SCHEDULERS
 from simulations.simulator import Knowledge
 
 EXACT = Knowledge("exact")
@@ -39,6 +41,27 @@ class Entrant:
     knowledge: Knowledge = field(default=EXACT)
     shared_cache: bool = False
     origin: str = "ramjet"
+
+    def on(self, scheduler: str) -> Entrant:
+        """This entrant as an operator configures it for engines of `scheduler`'s model
+        (`simulations.preset.EngineSpec.scheduler`): `tier_aware` in front of engines that
+        pack prompts into a step (vLLM's model) runs with `per_job_prefill: false`, as
+        policies/vllm_pair.yaml does, unless its params set `per_job_prefill` themselves
+        (an ablation). Every other entrant, and every engine model that prefills one
+        request per step, is returned unchanged."""
+        if scheduler not in PACKING_SCHEDULERS:
+            return self
+        make = self.make
+
+        def packed(seed: int) -> RoutingPolicy:
+            policy = make(seed)
+            if isinstance(policy, TierAware) and "per_job_prefill" not in (
+                policy.params.model_fields_set
+            ):
+                policy.params = policy.params.model_copy(update={"per_job_prefill": False})
+            return policy
+
+        return replace(self, make=packed)
 
 
 def _ramjet(

@@ -20,6 +20,10 @@ from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE
 from ramjet.policy.profile import EngineProfile
 from simulations.plan import Deployment
 
+PACKING_SCHEDULERS = ("vllm-fcfs", "vllm-priority")
+"""Engine models that pack several prompts into one step's token budget, as vLLM does
+(`simulations.engine`); the others prefill one request per step, as the reference engine."""
+
 PRESETS = ("v41-flash-tp4-rtx6000",)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from ramjet.policy.tier_aware import TierAware
 from simulations import __main__ as cli
-from simulations.lineup import variant
+from simulations.lineup import resolve, variant
 
 TRACE = (
     Path(__file__).resolve().parents[3] / "shared/data/traces/agent/miniswe_interleaved_b64.jsonl"
@@ -60,3 +60,37 @@ def test_cli_runs_a_variant_as_its_own_row(tmp_path: Path) -> None:
     rows = (out / "results.csv").read_text().splitlines()
     assert sum(r.startswith("v:x0,") for r in rows) == 1
     assert sum(r.startswith("tier_aware,") for r in rows) == 1
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "per_job"),
+    [("fcfs", True), ("priority", True), ("vllm-fcfs", False), ("vllm-priority", False)],
+)
+def test_tier_aware_is_configured_for_the_engine_model_it_routes_to(
+    scheduler: str, per_job: bool
+) -> None:
+    """In front of vLLM's model (prompts packed into a step) tier_aware runs with
+    `per_job_prefill: false`, as policies/vllm_pair.yaml configures it; the oracle too."""
+    for name in ("tier_aware", "oracle:tier_aware"):
+        [ent] = resolve(name)
+        policy = ent.on(scheduler).make(0)
+        assert isinstance(policy, TierAware)
+        assert policy.params.per_job_prefill is per_job
+        assert policy.name == name
+        assert ent.make(0).params.per_job_prefill is True  # the entrant itself is unchanged
+
+
+def test_an_ablation_that_sets_per_job_prefill_keeps_it_on_vllm() -> None:
+    ent = variant('tier_aware:perjob={"per_job_prefill": true, "externality_scale": 0.5}')
+    policy = ent.on("vllm-fcfs").make(0)
+    assert isinstance(policy, TierAware)
+    assert policy.params.per_job_prefill is True
+    assert policy.params.externality_scale == 0.5
+
+
+def test_other_entrants_and_one_request_per_step_engines_are_left_as_made() -> None:
+    [peer] = resolve("smg_cache_aware:exact")
+    assert type(peer.on("vllm-priority").make(0)) is type(peer.make(0))
+    [ta] = resolve("tier_aware")
+    assert ta.on("fcfs") is ta
+    assert ta.on("priority") is ta
