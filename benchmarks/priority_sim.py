@@ -199,9 +199,9 @@ def simulate(
     charged = policy.endswith(JUMPS)
     name = policy.removesuffix(JUMPS) if charged else policy
     keyed = charged or name.endswith(KEYED)
-    [ent] = (e.on(scheduler) for e in resolve(name.removesuffix(KEYED)))
     # replace(): engine_spec drops None overrides, and None here means "no horizon"
     spec = replace(engine_spec(scheduler=scheduler, aging=aging), horizon_s=horizon)
+    [ent] = (e.on(spec) for e in resolve(name.removesuffix(KEYED)))
     reqs = w.at(load)
     routing = ent.make(0)
     sim = Simulation(

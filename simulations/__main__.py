@@ -211,9 +211,7 @@ def checked_rows(
 
 def cmd_run(a: argparse.Namespace) -> int:
     try:
-        entrants = [
-            e.on(a.scheduler) for e in resolve(a.policies) + [variant(v) for v in a.variant]
-        ]
+        entrants = resolve(a.policies) + [variant(v) for v in a.variant]
         reqs, block = load_trace(
             a.trace, block_tokens=a.block_tokens, jitter_s=a.jitter_s, seed=a.seed
         )
@@ -230,6 +228,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             aging=a.aging,
             horizon_s=a.horizon,
         )
+        entrants = [e.on(spec) for e in entrants]  # as configured for these engines
         fleet_cfg = load_policy(a.policy_file).fleet_stats if a.policy_file else FleetStatsConfig()
         closed = closed_loop_wanted(a.closed_loop, reqs)
         if a.limit:

@@ -23,7 +23,7 @@ from simulations.peers.dynamo import DynamoKv
 from simulations.peers.llmd import LlmdScorers
 from simulations.peers.prodstack import ProdstackPrefix
 from simulations.peers.smg import SmgCacheAware, SmgLeastLoad
-from simulations.preset import PACKING_SCHEDULERS
+from simulations.preset import PACKING_SCHEDULERS, EngineSpec
 from simulations.simulator import Knowledge
 
 EXACT = Knowledge("exact")
@@ -42,26 +42,26 @@ class Entrant:
     shared_cache: bool = False
     origin: str = "ramjet"
 
-    def on(self, scheduler: str) -> Entrant:
-        """This entrant as an operator configures it for engines of `scheduler`'s model
-        (`simulations.preset.EngineSpec.scheduler`): `tier_aware` in front of engines that
-        pack prompts into a step (vLLM's model) runs with `per_job_prefill: false`, as
-        policies/vllm_pair.yaml does, unless its params set `per_job_prefill` themselves
-        (an ablation). Every other entrant, and every engine model that prefills one
-        request per step, is returned unchanged."""
-        if scheduler not in PACKING_SCHEDULERS:
-            return self
+    def on(self, spec: EngineSpec) -> Entrant:
+        """This entrant as an operator configures it for the engines it routes to
+        (`policies/vllm_pair.yaml`): `tier_aware`'s `chunk_tokens` is the engines' chunk
+        (`spec.chunk_tokens`, vLLM's `--max-num-batched-tokens`), and in front of engines
+        that pack prompts into a step (vLLM's model) it runs with `per_job_prefill:
+        false`. A parameter the entrant's params set themselves (an ablation) keeps its
+        value. Every other entrant is returned as made."""
         make = self.make
+        want: dict[str, object] = {"chunk_tokens": spec.chunk_tokens}
+        if spec.scheduler in PACKING_SCHEDULERS:
+            want["per_job_prefill"] = False
 
-        def packed(seed: int) -> RoutingPolicy:
+        def configured(seed: int) -> RoutingPolicy:
             policy = make(seed)
-            if isinstance(policy, TierAware) and "per_job_prefill" not in (
-                policy.params.model_fields_set
-            ):
-                policy.params = policy.params.model_copy(update={"per_job_prefill": False})
+            if isinstance(policy, TierAware):
+                update = {k: v for k, v in want.items() if k not in policy.params.model_fields_set}
+                policy.params = policy.params.model_copy(update=update)
             return policy
 
-        return replace(self, make=packed)
+        return replace(self, make=configured)
 
 
 def _ramjet(

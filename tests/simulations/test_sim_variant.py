@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ramjet.policy.base import RoutingPolicy
 from ramjet.policy.tier_aware import TierAware
 from simulations import __main__ as cli
 from simulations.lineup import resolve, variant
+from simulations.preset import engine_spec
 
 TRACE = (
     Path(__file__).resolve().parents[3] / "shared/data/traces/agent/miniswe_interleaved_b64.jsonl"
@@ -66,31 +69,58 @@ def test_cli_runs_a_variant_as_its_own_row(tmp_path: Path) -> None:
     ("scheduler", "per_job"),
     [("fcfs", True), ("priority", True), ("vllm-fcfs", False), ("vllm-priority", False)],
 )
-def test_tier_aware_is_configured_for_the_engine_model_it_routes_to(
+def test_tier_aware_is_configured_for_the_engines_it_routes_to(
     scheduler: str, per_job: bool
 ) -> None:
     """In front of vLLM's model (prompts packed into a step) tier_aware runs with
-    `per_job_prefill: false`, as policies/vllm_pair.yaml configures it; the oracle too."""
+    `per_job_prefill: false`, and everywhere with the engines' chunk as `chunk_tokens`,
+    as policies/vllm_pair.yaml configures it; the oracle too."""
+    spec = engine_spec(scheduler=scheduler, chunk_tokens=2048)
     for name in ("tier_aware", "oracle:tier_aware"):
         [ent] = resolve(name)
-        policy = ent.on(scheduler).make(0)
+        policy = ent.on(spec).make(0)
         assert isinstance(policy, TierAware)
         assert policy.params.per_job_prefill is per_job
+        assert policy.params.chunk_tokens == 2048
         assert policy.name == name
-        assert ent.make(0).params.per_job_prefill is True  # the entrant itself is unchanged
+        made = ent.make(0)  # the entrant itself is unchanged
+        assert isinstance(made, TierAware)
+        assert (made.params.per_job_prefill, made.params.chunk_tokens) == (True, 8192)
 
 
-def test_an_ablation_that_sets_per_job_prefill_keeps_it_on_vllm() -> None:
-    ent = variant('tier_aware:perjob={"per_job_prefill": true, "externality_scale": 0.5}')
-    policy = ent.on("vllm-fcfs").make(0)
+def test_an_ablation_keeps_the_engine_parameters_it_sets() -> None:
+    ent = variant(
+        'tier_aware:perjob={"per_job_prefill": true, "chunk_tokens": 512, "externality_scale": 0.5}'
+    )
+    policy = ent.on(engine_spec(scheduler="vllm-fcfs", chunk_tokens=2048)).make(0)
     assert isinstance(policy, TierAware)
     assert policy.params.per_job_prefill is True
+    assert policy.params.chunk_tokens == 512
     assert policy.params.externality_scale == 0.5
 
 
-def test_other_entrants_and_one_request_per_step_engines_are_left_as_made() -> None:
+def test_other_entrants_are_left_as_made() -> None:
     [peer] = resolve("smg_cache_aware:exact")
-    assert type(peer.on("vllm-priority").make(0)) is type(peer.make(0))
-    [ta] = resolve("tier_aware")
-    assert ta.on("fcfs") is ta
-    assert ta.on("priority") is ta
+    spec = engine_spec(scheduler="vllm-priority", chunk_tokens=2048)
+    assert type(peer.on(spec).make(0)) is type(peer.make(0))
+
+
+def test_the_cli_configures_tier_aware_for_its_engines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`simulations run --scheduler vllm-fcfs --chunk-tokens N`: the policy that routes is
+    configured as `Entrant.on` says, not left at the reference engine's defaults."""
+    seen: list[tuple[str, bool, int]] = []
+    real = cli.RunSetup.simulation
+
+    def spy(self: cli.RunSetup, policy: RoutingPolicy, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(policy, TierAware):
+            seen.append((policy.name, policy.params.per_job_prefill, policy.params.chunk_tokens))
+        return real(self, policy, *args, **kwargs)
+
+    monkeypatch.setattr(cli.RunSetup, "simulation", spy)
+    argv = ["run", "--trace", str(TRACE), "--policies", "tier_aware", "--sessions", "8"]
+    argv += ["--load", "0.4", "--scheduler", "vllm-fcfs", "--chunk-tokens", "4096"]
+    assert cli.main([*argv, "--out", str(tmp_path / "out"), "--quiet", "--no-plot"]) == 0
+    assert ("tier_aware", False, 4096) in seen
+    assert {(p, c) for _, p, c in seen} == {(False, 4096)}
