@@ -201,7 +201,8 @@ def simulate(
     keyed = charged or name.endswith(KEYED)
     # replace(): engine_spec drops None overrides, and None here means "no horizon"
     spec = replace(engine_spec(scheduler=scheduler, aging=aging), horizon_s=horizon)
-    [ent] = (e.on(spec) for e in resolve(name.removesuffix(KEYED)))
+    [made] = resolve(name.removesuffix(KEYED))
+    ent = made.on(spec)  # configured for these engines
     reqs = w.at(load)
     routing = ent.make(0)
     sim = Simulation(

@@ -87,23 +87,23 @@ class ModeOutcome:
         self.deferred = deferred
 
 
-@dataclass(init=False, frozen=True, slots=True)
+@dataclass(init=False, slots=True)
 class DeferredPick:
-    """An accounting-only pick left for `ModeRunner.settle`: whose (`role`: "candidate"
-    or "incumbent") and what it is given, the views already pinned (`pin_views`)."""
+    """An accounting-only pick left for `ModeRunner.settle`: what it is given, the views
+    already pinned (`pin_views`). Whose it is follows from the live pick: the incumbent's
+    when the candidate's is live, else the candidate's. Never changed after its init
+    (not `frozen`, as `ModeOutcome`: it is made per request)."""
 
-    role: str
     request: RequestView
     engines: Sequence[EngineView]
     fleet: FleetStats
 
     def __init__(
-        self, role: str, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
+        self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> None:
-        object.__setattr__(self, "role", role)
-        object.__setattr__(self, "request", request)
-        object.__setattr__(self, "engines", engines)
-        object.__setattr__(self, "fleet", fleet)
+        self.request = request
+        self.engines = engines
+        self.fleet = fleet
 
 
 def pin_views(request: RequestView, engines: Sequence[EngineView]) -> None:
@@ -204,7 +204,7 @@ class ModeRunner:
             took = self._timer() - t0
             if cand is not None and defer:
                 pin_views(request, engines)
-                later = DeferredPick("incumbent", request, engines, fleet)
+                later = DeferredPick(request, engines, fleet)
                 return ModeOutcome(cand, "candidate", None, cand, None, took, later)
             # The incumbent's pick too: for the accounting only (agreement, estimated
             # gain) when the candidate picked, else as the live fallback. Contained and
@@ -222,7 +222,7 @@ class ModeRunner:
             return ModeOutcome(live, live_role, inc, None)
         if defer:
             pin_views(request, engines)
-            later = DeferredPick("candidate", request, engines, fleet)
+            later = DeferredPick(request, engines, fleet)
             return ModeOutcome(live, live_role, inc, None, None, 0.0, later)
         cand, err, took = self._observe(request, engines, fleet)
         return ModeOutcome(live, live_role, inc, cand, err, took)
@@ -234,7 +234,7 @@ class ModeRunner:
         if later is None:
             return False
         outcome.deferred = None
-        if later.role == "incumbent":
+        if outcome.live_role == "candidate":  # the incumbent's pick was deferred
             outcome.incumbent, _ = self._try(
                 self.incumbent, later.request, later.engines, later.fleet, "incumbent"
             )
