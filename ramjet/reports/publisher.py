@@ -259,7 +259,8 @@ class ReportPublisher:
             if frames or remaining <= 0 or self._closing:
                 return self._batch(frames, head, snapshot_needed=False)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await event.wait()
 
     def _batch(self, frames: list[bytes], head: int, snapshot_needed: bool) -> web.Response:
         headers = {
@@ -289,8 +290,8 @@ class ReportPublisher:
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
         await cancel_and_wait(tasks)
-        # then answer parked long-polls (woken before the cancel, a task's wait_for could
-        # finish with the wake and swallow the cancellation)
+        # then answer parked long-polls (after the cancel: the wake ends the push loop's
+        # idle wait, which would otherwise race the cancellation)
         self._closing = True
         self._wake()
 
@@ -317,7 +318,8 @@ class ReportPublisher:
                 if not self._push_q:
                     event = self._bind_loop()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(event.wait(), 0.5)
+                        async with asyncio.timeout(0.5):
+                            await event.wait()
                     continue
                 frame = self._push_q[0]
                 try:

@@ -165,9 +165,10 @@ class RedisLink:
         self.metrics.degraded.set(1 if self.degraded else 0)
         t0 = time.perf_counter()
         try:
-            result = await asyncio.wait_for(
-                fn(self.client), timeout_s or self.settings.timeout_ms / 1000
-            )
+            # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that lands as
+            # the reply arrives (`ramjet.runtime.tasks`)
+            async with asyncio.timeout(timeout_s or self.settings.timeout_ms / 1000):
+                result = await fn(self.client)
         except NoScriptError:
             self._succeeded()  # the server answered: healthy; the script helper reloads
             raise

@@ -218,7 +218,9 @@ async def replicas(config: PolicyConfig, n: int = 2) -> AsyncIterator[list[Repli
         yield started
     finally:
         for r in started:
-            await r.stop()
+            # a stop that hangs fails here, by name, instead of using up the test's timeout
+            async with asyncio.timeout(20):
+                await r.stop()
 
 
 def prometheus_config(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import time
@@ -98,3 +99,25 @@ def test_store_config_refuses_bad_values() -> None:
     with pytest.raises(ValueError):
         StoreConfig(kind="cassandra")  # type: ignore[arg-type]
     assert StoreConfig().kind == "memory"
+
+
+async def test_a_cancel_that_lands_with_the_reply_is_not_lost() -> None:
+    """A call cancelled in the turn its reply arrives ends cancelled (3.11's wait_for
+    returned the reply and lost the cancel, so a report pull looped on after its stop)."""
+    reg = CollectorRegistry()
+    link = RedisLink(RedisSettings(url="redis://127.0.0.1:1/0", timeout_ms=5000), reg)
+    reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def answer(_client: object) -> bytes:
+        return await reply
+
+    try:
+        call = asyncio.create_task(link.call(answer))
+        await asyncio.sleep(0)  # parked on the reply
+        reply.set_result(b"PONG")
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert not link.degraded  # a cancel is no Redis failure
+    finally:
+        await link.close()
