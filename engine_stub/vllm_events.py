@@ -258,15 +258,16 @@ class VllmEventBridge:
                 self._timer.start()
 
     def flush(self) -> None:
+        """Publish what is pending now. A flush before the batch's timer fired (the
+        engine closing, a test) cancels that timer: it would fire later, early for the
+        next batch, and a thread would wait out `flush_s` for nothing."""
         with self._lock:  # publish under the lock: batches leave in the order they formed
             pending, self._pending = self._pending, []
-            self._timer = None
+            timer, self._timer = self._timer, None
             self.publisher.publish(pending)
+        if timer is not None:
+            timer.cancel()  # a no-op from the timer's own thread (it has fired)
 
     def close(self) -> None:
-        with self._lock:
-            timer = self._timer
-        if timer is not None:
-            timer.cancel()
         self.flush()
         self.publisher.close()

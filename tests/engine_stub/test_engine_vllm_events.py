@@ -5,6 +5,7 @@ prompt's blocks."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -61,3 +62,8 @@ def test_salted_blocks_get_vllms_salted_hashes_and_the_sidecar_maps_none() -> No
     bridge.flush()
     tracker.apply(out.events, DeltaBuilder())
     assert tracker.resident() == {}
+    # each flush ended its batch's timer: no thread is left waiting out the hour
+    timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+    for t in timers:
+        t.join(timeout=5)
+    assert not [t for t in timers if t.is_alive()]
