@@ -73,10 +73,11 @@ check: $(STAMP)
 
 ## unit: the tests, on the compiled build (RAMJET_NATIVE_EXPECT=compiled: a test fails
 ## unless every compiled module loaded); pytest's own exit status is kept in
-## out/pytest.rc, since make itself exits 2 for any failing recipe (.ci/run exits with it)
+## out/pytest.rc, since make itself exits 2 for any failing recipe (.ci/run exits with it);
+## the 15 slowest tests are listed last, so a CI log shows which tests near their timeout
 unit: system-deps $(TEST_ENVS) $(NATIVE)
 	@mkdir -p out; rm -f out/pytest.rc
-	RAMJET_NATIVE_EXPECT=compiled $(BIN)/pytest -q; rc=$$?; echo $$rc > out/pytest.rc; exit $$rc
+	RAMJET_NATIVE_EXPECT=compiled $(BIN)/pytest -q --durations=15; rc=$$?; echo $$rc > out/pytest.rc; exit $$rc
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
