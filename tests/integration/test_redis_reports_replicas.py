@@ -332,8 +332,19 @@ async def test_serve_with_the_replicated_policy_shares_report_cursors(
             assert 'ramjet_reports_rejected_total{engine="e0",reason="replayed"} 1.0' in text
             assert "ramjet_reports_unclaimed_total" in text  # SharedReports is mounted
             assert "ramjet_redis_degraded 0.0" in text  # the Redis store runs the tables
-    finally:
+        # SIGTERM stops it promptly (drain 0.5 s, then the report pulls, the push listener
+        # and the Redis syncs), with every loop ending on its first cancel; the
+        # publisher keeps answering meanwhile (this loop is not blocked)
         proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        served = log.read_text(errors="replace")
+        assert proc.returncode == 0, f"ramjet serve did not stop cleanly:\n{served[-2000:]}"
+        assert "ran on after its cancellation" not in served, served[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
