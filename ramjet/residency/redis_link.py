@@ -2,8 +2,9 @@
 
 Contract: every Redis call the router makes goes through `RedisLink.call` (or
 `RedisLink.script`), which
-- bounds it by `timeout_ms` (asyncio deadline; redis-py drops a connection whose reply
-  never came, so a late reply cannot desynchronise the protocol),
+- bounds it by `timeout_ms` (asyncio deadline, the only one: redis-py gets no socket
+  timeout; it drops a connection whose reply never came, so a late reply cannot
+  desynchronise the protocol),
 - counts failures, and after `breaker_failures` consecutive ones opens the breaker: calls
   then fail fast with `RedisUnavailable` for `breaker_open_ms`, doubling per failed probe
   up to `breaker_max_open_ms`; after that one call is let through as a probe (half-open)
@@ -142,7 +143,12 @@ class RedisLink:
     def _connect(self) -> Client:
         s = self.settings
         common: dict[str, Any] = {
-            "socket_timeout": s.timeout_ms / 1000,
+            # No socket timeout: `call`'s asyncio deadline bounds every read and write.
+            # With one, redis-py (8.2) wraps each send in `asyncio.wait_for`, and Python
+            # 3.11's wait_for loses a cancel that lands as the send completes: a loop of
+            # calls against a live Redis lost more than half its single cancels that way,
+            # and a replica's stop waited on repeated cancels (`ramjet.runtime.tasks`).
+            "socket_timeout": None,
             "socket_connect_timeout": s.connect_timeout_ms / 1000,
             "decode_responses": False,
         }
@@ -166,7 +172,8 @@ class RedisLink:
         t0 = time.perf_counter()
         try:
             # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that lands as
-            # the reply arrives (`ramjet.runtime.tasks`)
+            # the reply arrives (`ramjet.runtime.tasks`); the client has no socket timeout
+            # of its own for the same reason (`_connect`)
             async with asyncio.timeout(timeout_s or self.settings.timeout_ms / 1000):
                 result = await fn(self.client)
         except NoScriptError:

@@ -4,13 +4,14 @@ checks, residency and cursor sync, the engine's sweeper and flusher) goes throug
 
 A cancellation can be lost. Python 3.11's `asyncio.wait_for`, for one, returns the
 awaited call's result when that call finishes in the same loop turn as the cancel, and
-the task carries on as if nobody had asked it to stop; a library may do the same. A loop
-that lost its one cancel runs forever, and a stop that waited for it with
-`suppress(CancelledError): await task` hung with it, then swallowed its own caller's
-cancellation when someone gave up on it (CI saw a router replica's stop hang that way
-until the test's timeout, the lost cancel a report pull's Redis claim). So a task still
-running `recancel_s` after its cancel is cancelled again, until it ends, and the wait
-never hides a cancellation of the task that waits.
+the task carries on as if nobody had asked it to stop; a library that uses wait_for
+inside loses cancels the same way (redis-py's socket timeout did, so
+`ramjet.residency.redis_link` gives it none). A loop that lost its one cancel runs
+forever, and a stop that waited for it with `suppress(CancelledError): await task` hung
+with it, then swallowed its own caller's cancellation when someone gave up on it (CI saw
+a router replica's stop hang that way until the test's timeout, the lost cancel a report
+pull's Redis claim). So a task still running `recancel_s` after its cancel is cancelled
+again, until it ends, and the wait never hides a cancellation of the task that waits.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -242,3 +243,46 @@ async def test_redis_restarted_empty_is_reseeded_and_the_other_replica_converges
     finally:
         for s in (a, b):
             await s.link.close()
+
+
+async def test_a_loop_of_calls_ends_on_its_first_cancel_and_a_paused_redis_still_times_out(
+    server: RedisProcess,
+) -> None:
+    """A background loop of link calls (a report pull's shape) against a live Redis ends on
+    the one cancel its stop sends, wherever in a call the cancel lands: redis-py's own
+    socket timeout wrapped each send in 3.11's `wait_for`, which lost more than half of
+    them. Without it the link's deadline alone bounds a call to a hung server."""
+    settings = RedisSettings(url=server.url, timeout_ms=200, breaker_failures=100)
+    link = RedisLink(settings, CollectorRegistry())
+
+    async def pull_loop() -> None:
+        while True:
+            await link.call(lambda c: c.ping())
+
+    rng = random.Random(7)
+    lost = 0
+    try:
+        for _ in range(200):
+            task = asyncio.create_task(pull_loop())
+            await asyncio.sleep(rng.uniform(0.001, 0.005))  # mid-call, a different point each time
+            task.cancel()
+            await asyncio.wait((task,), timeout=1.0)
+            if not task.done():
+                lost += 1
+                while not task.done():  # stop it for real before the next trial
+                    task.cancel()
+                    await asyncio.wait((task,), timeout=0.1)
+        assert lost == 0, f"{lost} of 200 single cancels were lost"
+        assert not link.degraded  # a cancel is no Redis failure
+
+        server.pause()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RedisUnavailable):
+                await link.call(lambda c: c.ping())
+            assert time.monotonic() - t0 < 1.0  # the 200 ms deadline, not a socket's
+        finally:
+            server.resume()
+        assert await link.call(lambda c: c.ping())
+    finally:
+        await link.close()
