@@ -13,12 +13,11 @@ which no online router can have; the gap to the better of them (the `oracle` row
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from ramjet.policy.base import RoutingPolicy
 from ramjet.policy.registry import create_policy, validate_params
-from ramjet.policy.tier_aware import TierAware
 from simulations.peers.dynamo import DynamoKv
 from simulations.peers.llmd import LlmdScorers
 from simulations.peers.prodstack import ProdstackPrefix
@@ -41,6 +40,9 @@ class Entrant:
     knowledge: Knowledge = field(default=EXACT)
     shared_cache: bool = False
     origin: str = "ramjet"
+    tier_aware: Mapping[str, object] | None = None
+    """A `tier_aware` entrant's own params over the defaults (None: another policy), from
+    which `on` makes it again for the engines."""
 
     def on(self, spec: EngineSpec) -> Entrant:
         """This entrant as an operator configures it for the engines it routes to
@@ -49,26 +51,19 @@ class Entrant:
         that pack prompts into a step (vLLM's model) it runs with `per_job_prefill:
         false`. A parameter the entrant's params set themselves (an ablation) keeps its
         value. Every other entrant is returned as made."""
-        make = self.make
-        want: dict[str, object] = {"chunk_tokens": spec.chunk_tokens}
+        if self.tier_aware is None:
+            return self
+        engines: dict[str, object] = {"chunk_tokens": spec.chunk_tokens}
         if spec.scheduler in PACKING_SCHEDULERS:
-            want["per_job_prefill"] = False
-
-        def configured(seed: int) -> RoutingPolicy:
-            policy = make(seed)
-            if isinstance(policy, TierAware):
-                update = {k: v for k, v in want.items() if k not in policy.params.model_fields_set}
-                policy.params = policy.params.model_copy(update=update)
-            return policy
-
-        return replace(self, make=configured)
+            engines["per_job_prefill"] = False
+        return replace(self, make=_ramjet("tier_aware", {**engines, **self.tier_aware}, self.name))
 
 
 def _ramjet(
-    name: str, params: dict[str, object] | None = None, label: str | None = None
+    name: str, params: Mapping[str, object] | None = None, label: str | None = None
 ) -> Callable[[int], RoutingPolicy]:
     def make(seed: int) -> RoutingPolicy:
-        policy = create_policy(name, params or {})
+        policy = create_policy(name, dict(params or {}))
         if label:
             policy.name = label
         return policy
@@ -76,22 +71,32 @@ def _ramjet(
     return make
 
 
+def _tier_aware(
+    name: str,
+    params: Mapping[str, object] | None = None,
+    *,
+    shared_cache: bool = False,
+    origin: str = "ramjet",
+) -> Entrant:
+    """A `tier_aware` entrant named `name` (its rows' and decisions' name), `params` over
+    the policy's defaults."""
+    own = dict(params or {})
+    return Entrant(
+        name,
+        _ramjet("tier_aware", own, name),
+        shared_cache=shared_cache,
+        origin=origin,
+        tier_aware=own,
+    )
+
+
 ENTRANTS: dict[str, Entrant] = {
     e.name: e
     for e in [
-        Entrant("tier_aware", _ramjet("tier_aware")),
-        Entrant(
-            "tier_aware_selfish",
-            _ramjet("tier_aware", {"externality_scale": 0.0}, "tier_aware_selfish"),
-        ),
-        Entrant(
-            "tier_aware:tokens",
-            _ramjet("tier_aware", {"per_job_prefill": False}, "tier_aware:tokens"),
-        ),
-        Entrant(
-            "tier_aware:session",
-            _ramjet("tier_aware", {"session_scale": 1.0}, "tier_aware:session"),
-        ),
+        _tier_aware("tier_aware"),
+        _tier_aware("tier_aware_selfish", {"externality_scale": 0.0}),
+        _tier_aware("tier_aware:tokens", {"per_job_prefill": False}),
+        _tier_aware("tier_aware:session", {"session_scale": 1.0}),
         Entrant("prefix_affinity", _ramjet("prefix_affinity")),
         Entrant("round_robin", _ramjet("round_robin"), NONE),
         Entrant("least_loaded", _ramjet("least_loaded"), NONE),
@@ -107,13 +112,7 @@ ENTRANTS: dict[str, Entrant] = {
         Entrant(
             "prodstack_prefix:real", lambda s: ProdstackPrefix(seed=s), HBM_ONLY, origin="peer"
         ),
-        Entrant(
-            "oracle:tier_aware",
-            _ramjet("tier_aware", None, "oracle:tier_aware"),
-            EXACT,
-            shared_cache=True,
-            origin="bound",
-        ),
+        _tier_aware("oracle:tier_aware", shared_cache=True, origin="bound"),
         Entrant(
             "oracle:least_work",
             _ramjet("least_loaded", None, "oracle:least_work"),
@@ -168,4 +167,4 @@ def variant(spec: str) -> Entrant:
     if not isinstance(params, dict):
         raise ValueError(f"--variant {name!r}: params must be a JSON object")
     validate_params("tier_aware", params, path=f"--variant {name}")  # a ValueError
-    return Entrant(name, _ramjet("tier_aware", params, name))
+    return _tier_aware(name, params)

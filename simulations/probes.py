@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "each oracle routing's on the partitioned caches (partitioned:as:NAME)",
     )
     a = p.parse_args(argv)
+    spec = engine_spec()
     try:
         seeds = [int(x) for x in a.seeds.split(",")]
         lineup: list[tuple[str, Maker]] = []
@@ -370,13 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in [n.strip() for n in a.policies.split(",") if n.strip()]:
             if name not in ENTRANTS or name in flags:
                 raise ValueError(f"unknown policy or named twice: {name!r}")
-            lineup.append((name, _entrant(ENTRANTS[name])))
+            lineup.append((name, _entrant(ENTRANTS[name].on(spec))))
             flags[name] = (ENTRANTS[name].knowledge, ENTRANTS[name].shared_cache)
         for text in a.variant:
             ent = variant(text)
             if ent.name in flags:
                 raise ValueError(f"{ent.name!r} named twice")
-            lineup.append((ent.name, _entrant(ent)))
+            lineup.append((ent.name, _entrant(ent.on(spec))))
             flags[ent.name] = (ent.knowledge, False)
         for name in a.probe:
             if name in flags:
@@ -390,7 +391,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    spec = engine_spec()
     problems: list[str] = []
     oracle_runs: list[tuple[float, float, float]] = []
     figures: dict[str, list[tuple[float, float, float]]] = {n: [] for n, _ in lineup}
