@@ -172,6 +172,15 @@ class FleetStatsConfig(_Frozen):
     work_tau_s: float = Field(default=2.0, gt=0)
     """Per-engine routed-work-rate EWMA time constant (the packing term of engines with
     `per_job_prefill: false`): about the span in which later prompts still join a step."""
+    calibrate: bool = True
+    """Fit the cost model's term weights per engine online to realised TTFTs
+    (`ramjet.policy.calibration`); false: the profiles as probed."""
+    calibration_forgetting: float = Field(default=0.95, gt=0.5, le=1.0)
+    """The calibration's forgetting factor: a sample's weight falls by this per later
+    sample (0.95: about the last 20 requests on the engine count)."""
+    calibration_clip: float = Field(default=2.5, gt=0)
+    """A sample's relative error is clipped to this many running mean |errors| before it
+    moves the weights, so one outlier cannot swing them."""
 
 
 class AdminConfig(_Frozen):

@@ -57,6 +57,7 @@ from ramjet.fleet.views import engine_views, retry_engine
 from ramjet.keys.pools import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.policy.base import EngineView
+from ramjet.policy.calibration import Calibrations
 from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.fleet_stats import WorkRates, fleet_stats
 from ramjet.policy.registry import create_policy
@@ -100,6 +101,10 @@ class Router:
         self.signals: EngineSignals = signals or NoSignals()
         self.clock = clock
         lg = config.logging
+        fs = config.fleet_stats
+        self.calibration = (
+            Calibrations(fs.calibration_forgetting, fs.calibration_clip) if fs.calibrate else None
+        )
         self.accounting = Accounting(
             self.metrics.registry,
             log_path=lg.decisions_path,
@@ -109,6 +114,7 @@ class Router:
             downstream=sink,
             clock=clock,
             wait_tau_s=config.fleet_stats.wait_tau_s,
+            calibration=self.calibration,
         )
         self.sink: DecisionSink = self.accounting
         self.fleet = Fleet(
@@ -271,7 +277,9 @@ class Router:
         )
         # engines that serve by the hint's key (`ramjet.app.priority`), where any pool does
         keyed = self.priority.keyed(views, session_key) if self.priority.queues else None
-        fleet = fleet_stats(t0, self.arrivals, self.accounting.waits, self.work_rates, keyed)
+        fleet = fleet_stats(
+            t0, self.arrivals, self.accounting.waits, self.work_rates, keyed, self.calibration
+        )
         # The accounting-only pick is deferred (`ramjet.app.modes`) unless a priority pool
         # needs every pick's figures for its hint now.
         outcome = self.modes.decide(rv, views, fleet, session_key, defer=not self.priority)

@@ -14,7 +14,10 @@ router's own state (health, in-flight counters), the residency tables, and an
   running requests, HBM KV utilization). The report is older than the router's
   bookkeeping, so the policies correct one by the other
   (`ramjet.policy.candidates.outstanding_prompt_tokens`: the larger of the reported
-  queue and the router's in-flight prompt tokens).
+  queue and the router's in-flight prompt tokens). Fresh load: a report received before
+  the latest first byte the router saw from the engine (`EngineState.started_at`) may
+  still count work that has since started, so its queue (tokens and waiting requests)
+  is left out until the next report; its running requests and KV use still count.
 
 Staleness (RELIABILITY row 9): a load report older than `reports.stale_after_s` is
 dropped (the view carries only the router's own counters, as for an engine that never
@@ -94,6 +97,15 @@ class ReportSignals:
             return EngineLoad(
                 inflight_requests=engine.inflight_requests,
                 inflight_prompt_tokens=engine.inflight_prompt_tokens,
+            )
+        received = self.processor.load_received_at(engine.id)
+        if received is not None and received < engine.started_at:
+            # a request started after the report: its queue may count finished work
+            return EngineLoad(
+                inflight_requests=engine.inflight_requests,
+                inflight_prompt_tokens=engine.inflight_prompt_tokens,
+                running_requests=reported.running_requests,
+                kv_utilization=reported.kv_utilization,
             )
         return EngineLoad(
             inflight_requests=engine.inflight_requests,

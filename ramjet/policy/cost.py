@@ -52,7 +52,12 @@ For request r (n prompt tokens) on engine e, with profile P:
   charges it (`jump_seconds`, with the queue's `charge_jumps`): jump_e = scale ·
   n_jumped_e · service_e. A started prefill is not counted (`keyed_jumped`). Under FCFS
   nothing queued can be jumped and the term is 0.
-- TTFT_e = wait_e + work_e + packing_e.
+- TTFT_e = wait_e + work_e + packing_e, each term weighted by the engine's calibration
+  (`FleetStats.calibration`, `ramjet.policy.calibration`): prefill by w_prefill at
+  context 0 and by w_context for what its context adds, restore and replay by w_resume, the wait by w_wait, packing by w_packing, plus a fixed
+  per-request time. The raw, profile-priced terms are the calibration's features and are
+  kept in the components (`x_*_s`, `ttft_raw_s`); every other figure, the externality's
+  Δ included, is calibrated. With no calibration the weights are 1 and the fixed term 0.
 - Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
   requests queued behind it. By Little's law about λ·W of them wait at any time, where λ
   is the fleet's measured arrival rate and W its measured mean wait (both from
@@ -92,6 +97,7 @@ from ramjet.policy.base import (
     KeyedQueue,
     RequestView,
 )
+from ramjet.policy.calibration import PROFILE, TtftWeights
 from ramjet.policy.candidates import outstanding_prompt_tokens
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
@@ -403,6 +409,17 @@ class EngineEstimate:
     """On an engine that serves by key (`FleetStats.keyed`): the jump term, what the
     requests this one overtakes wait longer (`jump_seconds`); already in
     `externality_s`. None elsewhere."""
+    fixed_s: float = 0.0
+    """The calibration's fixed per-request time (`TtftWeights.fixed_s`)."""
+    raw: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    """The profile-priced terms before calibration, the calibration's features
+    (`ramjet.policy.calibration.FEATURES`): prefill at context 0, what the context adds
+    to it, restore + replay, wait, packing."""
+    beyond_profile: bool = False
+    """The prompt is longer than the largest context the engine's profile was probed at:
+    its prefill is extrapolated."""
+    weights: TtftWeights = PROFILE
+    """The calibration's weights applied to `raw` (`FleetStats.calibration`)."""
 
     def __init__(
         self,
@@ -419,6 +436,10 @@ class EngineEstimate:
         stand_in: EngineId | None = None,
         packing_s: float = 0.0,
         jump_s: float | None = None,
+        fixed_s: float = 0.0,
+        raw: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0),
+        beyond_profile: bool = False,
+        weights: TtftWeights = PROFILE,
     ) -> None:
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "work", work)
@@ -433,10 +454,14 @@ class EngineEstimate:
         object.__setattr__(self, "stand_in", stand_in)
         object.__setattr__(self, "packing_s", packing_s)
         object.__setattr__(self, "jump_s", jump_s)
+        object.__setattr__(self, "fixed_s", fixed_s)
+        object.__setattr__(self, "raw", raw)
+        object.__setattr__(self, "beyond_profile", beyond_profile)
+        object.__setattr__(self, "weights", weights)
 
     @property
     def ttft_s(self) -> float:
-        return self.wait_s + self.work.work_s + self.packing_s
+        return self.wait_s + self.work.work_s + self.packing_s + self.fixed_s
 
     @property
     def cost_s(self) -> float:
@@ -445,7 +470,8 @@ class EngineEstimate:
     def components(self) -> dict[str, float]:
         w, m = self.work, self.match
         work = w.restore_s + w.replay_s + w.prefill_s  # the properties' sums, in their order
-        ttft = self.wait_s + work + self.packing_s
+        ttft = self.wait_s + work + self.packing_s + self.fixed_s
+        x_prefill, x_context, x_resume, x_wait, x_packing = self.raw
         return {
             "hbm_tokens": float(m.hbm),
             "host_tokens": float(m.host),
@@ -466,6 +492,19 @@ class EngineEstimate:
             "session_s": self.session_s,
             "cost_s": ttft + self.externality_s + self.session_s,
             "default_profile": 1.0 if self.default_profile else 0.0,
+            "fixed_s": self.fixed_s,
+            "x_prefill_s": x_prefill,
+            "x_context_s": x_context,
+            "x_resume_s": x_resume,
+            "x_wait_s": x_wait,
+            "x_packing_s": x_packing,
+            "ttft_raw_s": x_prefill + x_context + x_resume + x_wait + x_packing,
+            "w_prefill": self.weights.prefill,
+            "w_context": self.weights.context,
+            "w_resume": self.weights.resume,
+            "w_wait": self.weights.wait,
+            "w_packing": self.weights.packing,
+            "calibration_samples": float(self.weights.samples),
         } | ({} if self.jump_s is None else {"jump_s": self.jump_s})
 
 
@@ -506,7 +545,22 @@ def estimate(
     `session_s`: the session term per engine, added to the cost (absent: 0)."""
     n = request.prompt_tokens
     stand_in, stand_in_id = _stand_in(engines, default_profile, n)
-    staged: list[tuple[EngineView, Work, GlobalMatch, int, float, float | None, bool, bool]] = []
+    staged: list[
+        tuple[
+            EngineView,
+            Work,
+            GlobalMatch,
+            int,
+            float,
+            float,
+            TtftWeights,
+            tuple[float, float, float, float, float],
+            float | None,
+            bool,
+            bool,
+            bool,
+        ]
+    ] = []
     for e in engines:
         degraded = e.trust == TrustGrade.DEGRADED
         use_default = e.profile is None or degraded
@@ -518,29 +572,63 @@ def estimate(
             swa = 0
         else:
             swa = e.residency.swa_match(request.boundary_keys) if request.boundary_keys else 0
-        work = prompt_work(profile, n, match, swa, swa_reach(request, match))
-        new_tokens = max(n - work.resume_tokens, 0)
+        raw_work = prompt_work(profile, n, match, swa, swa_reach(request, match))
+        new_tokens = max(n - raw_work.resume_tokens, 0)
         queue = fleet.keyed.get(e.id) if fleet.keyed else None
         jump: float | None = None
         if queue is None:
-            wait = wait_seconds(profile, e, new_tokens, chunk_tokens, per_job)
+            raw_wait = wait_seconds(profile, e, new_tokens, chunk_tokens, per_job)
         else:  # the engine serves by the priority hint's key
-            args = (profile, e, queue, work.work_s, new_tokens, chunk_tokens, per_job, fleet)
-            wait = keyed_wait(*args)
+            args = (profile, e, queue, raw_work.work_s, new_tokens, chunk_tokens, per_job, fleet)
+            raw_wait = keyed_wait(*args)
             jump = jump_seconds(*args, externality_scale)
-        staged.append((e, work, match, swa, wait, jump, use_default, degraded))
+        raw_packing = 0.0
+        if not per_job:  # later arrivals join this request's step (vLLM's packing)
+            raw_packing = _work_rate(fleet, e.id) * (raw_wait + raw_work.work_s)
+        w = fleet.calibration.get(e.id, PROFILE) if fleet.calibration else PROFILE
+        flat = min(profile.prefill_seconds(new_tokens, 0), raw_work.prefill_s)
+        context = raw_work.prefill_s - flat
+        work = _calibrated(raw_work, flat, context, w)
+        raw = (flat, context, raw_work.restore_s + raw_work.replay_s, raw_wait, raw_packing)
+        beyond = n > profile.prefill_curve[-1].context_tokens if profile.prefill_curve else False
+        staged.append(
+            (
+                e,
+                work,
+                match,
+                swa,
+                w.wait * raw_wait,
+                w.packing * raw_packing,
+                w,
+                raw,
+                jump,
+                use_default,
+                degraded,
+                beyond,
+            )
+        )
     least = min(s[1].work_s for s in staged)
     rate = externality_rate(fleet, externality_scale)
     out: list[EngineEstimate] = []
-    for e, work, match, swa, wait, jump, use_default, degraded in staged:
+    for (
+        e,
+        work,
+        match,
+        swa,
+        wait,
+        packing,
+        weights,
+        raw,
+        jump,
+        use_default,
+        degraded,
+        beyond,
+    ) in staged:
         delta = work.work_s - least
         externality = rate * delta
         if jump:
             externality += jump
         extra = session_s.get(e.id, 0.0) if session_s else 0.0
-        packing = 0.0
-        if not per_job:  # later arrivals join this request's step (vLLM's packing)
-            packing = _work_rate(fleet, e.id) * (wait + work.work_s)
         out.append(
             EngineEstimate(
                 e.id,
@@ -556,6 +644,24 @@ def estimate(
                 stand_in=stand_in_id if use_default else None,
                 packing_s=packing,
                 jump_s=jump,
+                fixed_s=weights.fixed_s,
+                raw=raw,
+                beyond_profile=beyond,
+                weights=weights,
             )
         )
     return out
+
+
+def _calibrated(work: Work, flat: float, context: float, w: TtftWeights) -> Work:
+    """`work` with its terms weighted by the engine's calibration (module docstring);
+    its prefill is `flat` (at context 0) + `context` (what the context adds)."""
+    if w is PROFILE:
+        return work
+    return Work(
+        work.resume,
+        work.resume_tokens,
+        w.resume * work.restore_s,
+        w.resume * work.replay_s,
+        w.prefill * flat + w.context * context,
+    )

@@ -11,8 +11,9 @@ Decision.components[engine] holds every figure of `EngineEstimate.components()`
 engine has not reported a profile, `degraded:<engine>` when its view is degraded,
 `estimate_profile:<engine>` for each of those priced with the built-in
 `V41_FLASH_TP4_ESTIMATE` (the default unless `params.default_profile` is set: an
-estimate, not a measurement of the engine), `externality_off` while the fleet has no
-measured arrival rate or wait yet.
+estimate, not a measurement of the engine), `beyond_profile:<engine>` when the prompt is
+longer than the largest context the engine's profile was probed at (its prefill is
+extrapolated), `externality_off` while the fleet has no measured arrival rate or wait yet.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class TierAware:
                     estimated.append(f"estimate_profile:{s.engine}")
         notes += estimated
         notes += degraded
+        notes += [f"beyond_profile:{s.engine}" for s in ests if s.beyond_profile]
         if fleet.arrival_rate_per_s <= 0 or fleet.mean_wait_s <= 0:
             notes.append("externality_off")
         return Decision(

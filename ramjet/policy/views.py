@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ramjet.policy.calibration import TtftWeights
 from ramjet.policy.profile import EngineProfile
 from ramjet.types import EngineId, PrefixKey, TrustGrade
 
@@ -238,6 +239,9 @@ class FleetStats:
     keyed: Mapping[EngineId, KeyedQueue] = field(default_factory=dict)
     """Engines that serve by the priority hint's key (a pool in mode `on`): the cost
     model's wait counts only the work queued there with a lower key. Absent: FCFS."""
+    calibration: Mapping[EngineId, TtftWeights] = field(default_factory=dict)
+    """Per engine: the weights of the cost model's terms fitted online to realised TTFTs
+    (`ramjet.policy.calibration`). Absent: the profile as probed."""
 
     def __init__(
         self,
@@ -246,12 +250,14 @@ class FleetStats:
         mean_wait_s: float = 0.0,
         work_rate: Mapping[EngineId, float] | None = None,
         keyed: Mapping[EngineId, KeyedQueue] | None = None,
+        calibration: Mapping[EngineId, TtftWeights] | None = None,
     ) -> None:
         object.__setattr__(self, "now_s", now_s)
         object.__setattr__(self, "arrival_rate_per_s", arrival_rate_per_s)
         object.__setattr__(self, "mean_wait_s", mean_wait_s)
         object.__setattr__(self, "work_rate", {} if work_rate is None else work_rate)
         object.__setattr__(self, "keyed", {} if keyed is None else keyed)
+        object.__setattr__(self, "calibration", {} if calibration is None else calibration)
 
 
 @dataclass(init=False, frozen=True, slots=True)

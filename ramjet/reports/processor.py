@@ -182,6 +182,12 @@ class ReportProcessor:
             return None
         return st.load
 
+    def load_received_at(self, engine: EngineId) -> float | None:
+        """When (this processor's clock, the router's) the engine's last load report was
+        received; None before one."""
+        st = self._states.get(engine)
+        return None if st is None else st.load_at
+
     def profile(self, engine: EngineId) -> EngineProfile | None:
         st = self._states.get(engine)
         return None if st is None else st.profile
