@@ -99,7 +99,7 @@ class TtftCalibration:
         self,
         forgetting: float = 0.95,
         clip: float = 2.5,
-        prior: Sequence[float] = (1.0, 1.0, 1.0, 1.0, 1.0, 0.0025),
+        prior: Sequence[float] = (4.0, 4.0, 4.0, 4.0, 4.0, 0.01),
         start: TtftWeights = PROFILE,
     ) -> None:
         if not 0.5 < forgetting <= 1.0:

@@ -162,3 +162,29 @@ def test_a_bad_time_constant_is_refused() -> None:
         parse_policy({**POLICY, "fleet_stats": {"arrival_tau_s": 0}})
     with pytest.raises(ValueError):
         ArrivalRate(0.0)
+
+
+def test_the_simulator_calibrates_as_the_router_does() -> None:
+    """The simulator feeds the router's calibration (`ramjet.policy.calibration`) every
+    simulated TTFT of a tier_aware pick, with the raw terms the pick recorded; its
+    engines run the profile the cost model prices, so the predictions it learns are
+    close. With `fleet_stats.calibrate: false` there is none."""
+    config = parse_policy(POLICY)
+    reqs = _workload()
+    sim = Simulation(
+        reqs, spec(), create_policy("tier_aware", {}), block_tokens=64,
+        fleet_stats=config.fleet_stats,
+    )  # fmt: skip
+    out = sim.run()
+    cal = sim.estimators.calibration
+    assert cal is not None
+    weights = cal.weights()
+    assert set(weights) == {"e0", "e1"}
+    assert sum(w.samples for w in weights.values()) == len(reqs)
+    assert all(not math.isnan(t) for t in out.ttft)
+    off = parse_policy(POLICY | {"fleet_stats": {"calibrate": False}}).fleet_stats
+    sim = Simulation(
+        reqs, spec(), create_policy("tier_aware", {}), block_tokens=64, fleet_stats=off
+    )
+    sim.run()
+    assert sim.estimators.calibration is None
