@@ -27,11 +27,18 @@ Requests stream (`stream_options.include_usage`), so TTFT is the first content c
 Every response is checked: status 200, content chunks, `[DONE]` last, usage with
 `prompt_tokens_details.cached_tokens`; anything else stops the run with the reply.
 
-Printed per router: mean/p50/p99 TTFT, cached-token share (vLLM's cached tokens / prompt
-tokens), prompt tokens prefilled, requests per engine; for Ramjet also the agreement of
-the router's predicted cached tokens with vLLM's (per request; a hit is capped as vLLM
-caps it, at (n-1)//B blocks) and the median relative error of the candidate's predicted
-TTFT for the engine that served the request; then the ratios to SMG. Also the cost of
+A second shape (`--shapes agent,long_tools`, both by default): `--long-sessions` sessions
+whose every turn appends a tool output of 2,000-6,000 tokens (a session that would
+outgrow the engine's 8,192-token context starts a new conversation), so the calibrated
+model is checked on a workload it was not tuned on.
+
+Printed per shape and router: mean/p50/p99 TTFT, cached-token share (vLLM's cached
+tokens / prompt tokens), prompt tokens prefilled, requests per engine; for Ramjet also
+the agreement of the router's predicted cached tokens with vLLM's (per request; a hit is
+capped as vLLM caps it, at (n-1)//B blocks), the |relative error| p50/p90 of the
+candidate's online-calibrated TTFT prediction for the engine that served the request
+(over all requests) beside the profile's as probed, and how many decisions had the λ·W
+externality live; then the ratios to SMG, and the issue's bars as `ok`/`MISS` lines. Also the cost of
 a cold 4k-token prefill on one engine (the model is sized so it is >= 0.5 s).
 """
 
@@ -42,6 +49,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -73,6 +81,8 @@ class BenchError(RuntimeError):
 class Turn:
     new_blocks: int
     max_tokens: int
+    reset: bool = False
+    """The session starts a new conversation at this turn (its context is full)."""
 
 
 @dataclass
@@ -86,6 +96,10 @@ class Result:
     predicted_cached: int | None = None
     predicted_ttft_s: float | None = None
     predicted_wait_s: float | None = None
+    predicted_raw_s: float | None = None
+    """The same prediction with the profile as probed (no calibration)."""
+    externality_live: bool | None = None
+    """The decision's λ·W term was on (the fleet had a measured arrival rate and wait)."""
     sent_s: float = 0.0
     """When the request was sent, seconds after the run's workload began."""
 
@@ -119,6 +133,28 @@ def load_sessions(n: int, turns: int, max_output: int) -> list[list[Turn]]:
             new = [h for h in r["hash_ids"] if h not in seen]
             seen.update(r["hash_ids"])
             s.append(Turn(max(1, len(new)), max(1, min(max_output, r["output_length"]))))
+        out.append(s)
+    return out
+
+
+def long_tool_sessions(
+    n: int, turns: int, max_output: int, block_tokens: int, system_tokens: int, context: int
+) -> list[list[Turn]]:
+    """The second shape: `n` sessions whose every turn appends a tool output of 2,000-6,000
+    tokens (seeded); a session whose next turn would not fit `context` tokens starts a
+    new conversation there (as an agent compacts), so prompts stay within the engine."""
+    rng = random.Random(4242)
+    out = []
+    for _ in range(n):
+        s: list[Turn] = []
+        used = system_tokens
+        for _ in range(turns):
+            tokens = rng.randint(2000, 6000)
+            reset = used + tokens + 2 * max_output + 64 > context
+            if reset:
+                used = system_tokens
+            used += tokens + max_output + 16
+            s.append(Turn(max(1, tokens // block_tokens), max_output, reset))
         out.append(s)
     return out
 
@@ -195,6 +231,8 @@ async def workload(
     async def one(si: int, turns: list[Turn], http: aiohttp.ClientSession) -> None:
         msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
         for ti, t in enumerate(turns):
+            if t.reset:
+                msgs = [{"role": "system", "content": system}]
             parts = [text_block(si * 1000 + ti * 50 + b, block_tokens) for b in range(t.new_blocks)]
             msgs.append({"role": "user", "content": f"Session {si} turn {ti}: " + " ".join(parts)})
             rid = f"bench-s{si}-t{ti}-{time.monotonic_ns()}"
@@ -211,6 +249,8 @@ async def workload(
                     res.predicted_cached = min(int(comp["hbm_tokens"]), cap)
                     res.predicted_ttft_s = comp["ttft_s"]
                     res.predicted_wait_s = comp["wait_s"]
+                    res.predicted_raw_s = comp.get("ttft_raw_s")
+                    res.externality_live = "externality_off" not in rec.candidate.notes
             out.append(res)
             print(f"\r  {len(out)}/{total} requests", end="", flush=True)
             msgs.append({"role": "assistant", "content": answer})
@@ -370,6 +410,15 @@ def summary(run: Run) -> dict[str, float]:
         out["agree_of"] = float(len(pred))
         errs = [(r.predicted_ttft_s - r.ttft_s) / r.ttft_s for r in pred if r.predicted_ttft_s]
         out["ttft_err_median"] = statistics.median(errs) if errs else float("nan")
+        rel = [abs(e) for e in errs]
+        raw = [abs(r.predicted_raw_s - r.ttft_s) / r.ttft_s for r in pred if r.predicted_raw_s]
+        out["rel_err_p50"] = pct(rel, 0.5) if rel else float("nan")
+        out["rel_err_p90"] = pct(rel, 0.9) if rel else float("nan")
+        out["raw_err_p50"] = pct(raw, 0.5) if raw else float("nan")
+        out["raw_err_p90"] = pct(raw, 0.9) if raw else float("nan")
+        live = [r for r in pred if r.externality_live is not None]
+        out["externality_live"] = float(sum(bool(r.externality_live) for r in live))
+        out["externality_of"] = float(len(live))
     return out
 
 
@@ -389,10 +438,15 @@ def table_row(label: str, r: Run) -> str:
     for x in r.results:
         per[x.engine or "?"] = per.get(x.engine or "?", 0) + 1
     agree = f"{int(s['agree'])}/{int(s['agree_of'])}" if "agree" in s else "-"
-    err = f"{s['ttft_err_median']:+.1%}" if "ttft_err_median" in s else "-"
+    err = raw = live = "-"
+    if "rel_err_p50" in s:
+        err = f"{s['rel_err_p50']:.0%} / {s['rel_err_p90']:.0%}"
+        raw = f"{s['raw_err_p50']:.0%} / {s['raw_err_p90']:.0%}"
+        live = f"{int(s['externality_live'])}/{int(s['externality_of'])}"
     load = f"{r.load[0]:.2f}-{r.load[1]:.2f}" if r.round else "-"
     return (f"| {label} | {int(s['requests'])} | {s['mean']:.3f} | {s['p50']:.3f} | {s['p99']:.3f} "
-            f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {per} | {agree} | {err} | {load} |")  # fmt: skip
+            f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {per} | {agree} | {err} | {raw} "
+            f"| {live} | {load} |")  # fmt: skip
 
 
 def ratios(label: str, runs: list[Run]) -> None:
@@ -413,8 +467,9 @@ def print_table(runs: list[Run]) -> None:
     rounds = sorted({r.round for r in runs})
     print()
     print("| router | requests | mean TTFT s | p50 s | p99 s | cached share | prompt tokens prefilled "
-          "| per engine | predicted cached = vLLM | predicted TTFT error (median) | load 1m |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| per engine | predicted cached = vLLM | TTFT \\|rel err\\| p50 / p90 "
+          "| as profiled p50 / p90 | externality live | load 1m |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     if len(rounds) > 1:
         for r in runs:
             print(table_row(f"{r.name} (round {r.round})", r))
@@ -426,10 +481,39 @@ def print_table(runs: list[Run]) -> None:
     ratios("all rounds" if len(rounds) > 1 else "one round", pooled(runs))
 
 
+def verdict(shape: str, runs: list[Run]) -> list[str]:
+    """The issue's bars on one shape, each as a line; failures start with "MISS"."""
+    pooled_runs = {r.name: summary(r) for r in pooled(runs)}
+    lines = []
+    for name, s in pooled_runs.items():
+        if "rel_err_p50" not in s:
+            continue
+        ok = s["rel_err_p50"] <= 0.15 and s["rel_err_p90"] <= 0.40
+        lines.append(
+            f"{'ok  ' if ok else 'MISS'} {shape}: {name} TTFT |rel err| p50 {s['rel_err_p50']:.0%} "
+            f"(<= 15%), p90 {s['rel_err_p90']:.0%} (<= 40%); as profiled "
+            f"{s['raw_err_p50']:.0%} / {s['raw_err_p90']:.0%}"
+        )
+    base, enf = pooled_runs.get("smg_cache_aware"), pooled_runs.get("ramjet_enforce")
+    if base is not None and enf is not None:
+        m, p = enf["mean"] / base["mean"], enf["p99"] / base["p99"]
+        ok = m <= 0.70 and p <= 0.70
+        lines.append(
+            f"{'ok  ' if ok else 'MISS'} {shape}: ramjet_enforce / smg_cache_aware mean {m:.2f}x, "
+            f"p99 {p:.2f}x (<= 0.70x each, same run)"
+        )
+    return lines
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="agent,long_tools",
+                    help="workload shapes, in order: agent (the trace's sessions), "
+                         "long_tools (tool outputs of 2,000-6,000 tokens)")  # fmt: skip
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--long-sessions", type=int, default=3, help="long_tools: sessions")
+    ap.add_argument("--long-turns", type=int, default=8, help="long_tools: turns per session")
     ap.add_argument("--system-tokens", type=int, default=500)
     ap.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block")
     ap.add_argument("--max-output", type=int, default=16)
@@ -453,8 +537,52 @@ async def main() -> int:
     only = args.only.split(",")
     if len(set(only)) != len(only):
         raise SystemExit(f"--only names a router twice: {args.only!r}")
-    sessions = load_sessions(args.sessions, args.turns, args.max_output)
+    shapes = args.shapes.split(",")
+    if not shapes or any(x not in ("agent", "long_tools") for x in shapes):
+        raise SystemExit(f"--shapes takes agent and/or long_tools, not {args.shapes!r}")
     system = "You are one of a fleet of coding agents. " + text_block(7, args.system_tokens - 10)
+    results: dict[str, Any] = {}
+    verdicts: list[str] = []
+    for shape in shapes:
+        if shape == "agent":
+            sessions = load_sessions(args.sessions, args.turns, args.max_output)
+        else:
+            sessions = long_tool_sessions(
+                args.long_sessions, args.long_turns, args.max_output, args.block_tokens,
+                args.system_tokens, VllmEngine.max_model_len,
+            )  # fmt: skip
+        n = sum(len(x) for x in sessions)
+        print(f"== shape {shape}: {len(sessions)} sessions, {n} requests", flush=True)
+        runs = await run_shape(args, only, sessions, system)
+        if args.verbose:
+            for r in runs:
+                for x in sorted(r.results, key=lambda x: x.sent_s):
+                    print(f"{r.name} r{r.round} s{x.session}t{x.turn} {x.engine} sent={x.sent_s:.3f} "
+                          f"n={x.prompt_tokens} cached={x.cached_tokens}/{x.predicted_cached} "
+                          f"ttft={x.ttft_s:.3f} pred={x.predicted_ttft_s} raw={x.predicted_raw_s} "
+                          f"wait={x.predicted_wait_s}")  # fmt: skip
+        print(f"\nshape {shape}:")
+        print_table(runs)
+        verdicts += verdict(shape, runs)
+        results[shape] = {
+            "summary": {r.name: summary(r) for r in pooled(runs)},
+            "runs": [{"name": r.name, "round": r.round, "load": r.load, "summary": summary(r),
+                      "began_at": r.began_at, "wall_s": r.wall_s,
+                      "requests": [vars(x) for x in r.results]} for r in runs],
+        }  # fmt: skip
+    print("\nbars (issue 28):")
+    for line in verdicts:
+        print("  " + line)
+    checked = sum(len(rs["runs"]) for rs in results.values())
+    print(f"self-check: every response of {checked} runs was 200 with content, usage and [DONE]")
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+async def run_shape(
+    args: argparse.Namespace, only: list[str], sessions: list[list[Turn]], system: str
+) -> list[Run]:
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="e2e-vllm-") as d:
         measured = False
@@ -478,22 +606,7 @@ async def main() -> int:
                     f"  {summary(run)['mean']:.3f} s mean TTFT, load {run.load[0]:.2f}-{run.load[1]:.2f}"
                 )
                 runs.append(run)
-    if args.verbose:
-        for r in runs:
-            for x in sorted(r.results, key=lambda x: x.sent_s):
-                print(f"{r.name} r{r.round} s{x.session}t{x.turn} {x.engine} sent={x.sent_s:.3f} "
-                      f"n={x.prompt_tokens} cached={x.cached_tokens}/{x.predicted_cached} "
-                      f"ttft={x.ttft_s:.3f} pred={x.predicted_ttft_s} wait={x.predicted_wait_s}")  # fmt: skip
-    print_table(runs)
-    if args.out is not None:
-        out = {
-            "summary": {r.name: summary(r) for r in pooled(runs)},
-            "runs": [{"name": r.name, "round": r.round, "load": r.load, "summary": summary(r),
-                      "began_at": r.began_at, "wall_s": r.wall_s,
-                      "requests": [vars(x) for x in r.results]} for r in runs],
-        }  # fmt: skip
-        args.out.write_text(json.dumps(out, indent=1))
-    return 0
+    return runs
 
 
 if __name__ == "__main__":
