@@ -44,6 +44,9 @@ _NOTES = {
     "externality_off": "no measured arrival rate or wait yet: externality term is zero",
     "beyond_profile": "the prompt is longer than the largest context its profile was "
     "probed at: its prefill is extrapolated from the curve's last point",
+    "profile_off": "the online calibration finds its probed prefill more than 2x off (a "
+    "profile probed while the host was busy?): calibration has taken over; re-probe it "
+    "on an idle host",
     "estimate_profile": "priced with the built-in DeepSeek-V4.1-Flash TP4 ESTIMATE "
     "(ramjet/policy/cost.py), not a measured profile: its predicted times are guesses; "
     "let the engine report a profile (the sidecar probes it) or set "

@@ -13,7 +13,9 @@ engine has not reported a profile, `degraded:<engine>` when its view is degraded
 `V41_FLASH_TP4_ESTIMATE` (the default unless `params.default_profile` is set: an
 estimate, not a measurement of the engine), `beyond_profile:<engine>` when the prompt is
 longer than the largest context the engine's profile was probed at (its prefill is
-extrapolated), `externality_off` while the fleet has no measured arrival rate or wait yet.
+extrapolated), `profile_off:<engine>` when the online calibration finds its probed prefill
+more than 2x off (`profile_off`), `externality_off` while the fleet has no measured
+arrival rate or wait yet.
 """
 
 from __future__ import annotations
@@ -23,10 +25,24 @@ from collections.abc import Sequence
 from mypy_extensions import mypyc_attr
 
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
+from ramjet.policy.calibration import TtftWeights
 from ramjet.policy.candidates import eligible
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, EngineEstimate, estimate
 from ramjet.policy.params import TierAwareParams as TierAwareParams
 from ramjet.policy.session_load import SessionLoad
+
+PROFILE_OFF_SAMPLES = 16
+PROFILE_OFF_FACTOR = 2.0
+
+
+def profile_off(w: TtftWeights) -> bool:
+    """The calibration, after `PROFILE_OFF_SAMPLES` samples, finds the engine's probed
+    prefill more than `PROFILE_OFF_FACTOR` off (a profile probed while the host was busy,
+    or on other hardware): calibration has taken over; the note says to re-probe."""
+    if w.samples < PROFILE_OFF_SAMPLES:
+        return False
+    lo, hi = 1.0 / PROFILE_OFF_FACTOR, PROFILE_OFF_FACTOR
+    return not (lo <= w.prefill <= hi)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # simulations/probes.py subclasses it
@@ -92,6 +108,7 @@ class TierAware:
         notes += estimated
         notes += degraded
         notes += [f"beyond_profile:{s.engine}" for s in ests if s.beyond_profile]
+        notes += [f"profile_off:{s.engine}" for s in ests if profile_off(s.weights)]
         if fleet.arrival_rate_per_s <= 0 or fleet.mean_wait_s <= 0:
             notes.append("externality_off")
         return Decision(

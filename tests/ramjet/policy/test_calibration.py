@@ -174,3 +174,16 @@ def test_a_prompt_past_the_probed_context_is_flagged() -> None:
     view = EngineView(EngineId("e0"), True, EngineLoad(), _Residency())
     assert "beyond_profile:e0" in TierAware().pick(long, [view], FleetStats()).notes
     assert "beyond_profile:e0" not in TierAware().pick(short, [view], FleetStats()).notes
+
+
+def test_a_profile_the_calibration_finds_2x_off_is_noted() -> None:
+    from ramjet.policy.tier_aware import TierAware
+
+    req = RequestView("r", "m", 1000, [PrefixKey(1)], [1000], [])
+    view = EngineView(EngineId("e0"), True, EngineLoad(), _Residency())
+    cals = Calibrations()
+    for i in range(20):  # the engine runs 3x slower than its profile says
+        f = [0.1 + 0.01 * i, 0.0, 0.0, 0.0, 0.0]
+        cals.observe(EngineId("e0"), f, 3.0 * f[0])
+        notes = TierAware().pick(req, [view], FleetStats(calibration=cals.weights())).notes
+        assert ("profile_off:e0" in notes) == (i >= 15), (i, notes)
