@@ -243,6 +243,75 @@ class PriorityConfig(_Frozen):
         return self
 
 
+class PoolMemberConfig(_Frozen):
+    """One member's path from a pool, where it differs from the pool's default."""
+
+    bandwidth_bytes_per_s: float | None = Field(default=None, gt=0)
+    latency_s: float | None = Field(default=None, ge=0)
+
+
+class FabricPoolConfig(_Frozen):
+    """A tier shared by a set of engines on one server (ARCHITECTURE 5b): a host-memory or
+    SSD pool of global KV, or the SWA pool. Its residency comes from signed reports whose
+    envelope names the pool as the reporter (`id`, with keys under `keys.engines.<id>`);
+    the cost model prices pulling a prefix from it into each member by the bandwidth and
+    latency here (a member's own entry in `members` overrides them)."""
+
+    id: str
+    """Unique among engines and pools; the reporting identity of the pool's reports."""
+    tier: Literal["host", "ssd", "swa"]
+    engines: tuple[str, ...] = Field(min_length=1)
+    """The members: engines that read and write the pool."""
+    bandwidth_bytes_per_s: float = Field(gt=0)
+    """Pull bandwidth from the pool into one member (probed where possible)."""
+    latency_s: float = Field(default=0.0, ge=0)
+    """Fixed cost of one pull."""
+    members: dict[str, PoolMemberConfig] = {}
+    """Per-member overrides of bandwidth and latency (keys: member engine ids)."""
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, v: str) -> str:
+        if not _ENGINE_ID.match(v):
+            raise ValueError("must be 1-64 characters of letters, digits, '_', '.', '-'")
+        return v
+
+    def cost_into(self, engine: str) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of a pull into `engine`."""
+        m = self.members.get(engine)
+        bw = m.bandwidth_bytes_per_s if m is not None and m.bandwidth_bytes_per_s else None
+        lat = m.latency_s if m is not None and m.latency_s is not None else None
+        return (bw or self.bandwidth_bytes_per_s, self.latency_s if lat is None else lat)
+
+
+class FabricConfig(_Frozen):
+    """The fleet's shared tiers. No pools: every engine is an island (as before)."""
+
+    pools: tuple[FabricPoolConfig, ...] = ()
+
+    def pools_of(self, engine: str) -> tuple[FabricPoolConfig, ...]:
+        return tuple(p for p in self.pools if engine in p.engines)
+
+    def check(self, engines: Sequence[str]) -> None:
+        known = set(engines)
+        seen: set[str] = set()
+        for i, p in enumerate(self.pools):
+            where = f"fabric.pools[{i}]"
+            if p.id in known:
+                raise ValueError(f"{where}.id: {p.id!r} is an engine id; a pool needs its own")
+            if p.id in seen:
+                raise ValueError(f"{where}.id: pool {p.id!r} declared twice")
+            seen.add(p.id)
+            for e in p.engines:
+                if e not in known:
+                    raise ValueError(f"{where}.engines: {e!r} is not a declared engine")
+            if len(set(p.engines)) != len(p.engines):
+                raise ValueError(f"{where}.engines: a member is listed twice")
+            for e in p.members:
+                if e not in p.engines:
+                    raise ValueError(f"{where}.members.{e}: not a member of the pool")
+
+
 class PolicyConfig(_Frozen):
     engines: tuple[EngineConfig, ...] = Field(min_length=1)
     mode: ModeConfig = ModeConfig()
@@ -267,6 +336,8 @@ class PolicyConfig(_Frozen):
     """Key mode per engine pool: text or token-block keys (`ramjet.keys.pools`)."""
     priority: tuple[PriorityConfig, ...] = ()
     """Priority hints per engine pool (`PriorityConfig`); engines in no pool get none."""
+    fabric: FabricConfig = FabricConfig()
+    """Tiers shared by several engines (host, SSD, SWA pools); none: islands."""
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -288,6 +359,13 @@ class PolicyConfig(_Frozen):
             raise ValueError(f"mode {self.mode.kind} needs a candidate policy")
         check_pools(self.key_pools, (e.id for e in self.engines))
         check_pools(self.priority, [e.id for e in self.engines], "priority pool")
+        self.fabric.check([e.id for e in self.engines])
+        known = {e.id for e in self.engines} | {p.id for p in self.fabric.pools}
+        for who in self.keys.engines:
+            # a pool reports under its own keys: a reporter that is neither a declared
+            # engine nor a declared pool would fill residency that nothing prices
+            if who not in known:
+                raise ValueError(f"keys.engines.{who}: not a declared engine or fabric pool")
         return self
 
 

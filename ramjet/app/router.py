@@ -53,7 +53,7 @@ from ramjet.decisions.accounting import Accounting
 from ramjet.decisions.record import DecisionRecord, DecisionSink
 from ramjet.fleet.engines import EngineState, Fleet, HealthProber
 from ramjet.fleet.signals import EngineSignals, NoSignals
-from ramjet.fleet.views import engine_views, retry_engine
+from ramjet.fleet.views import PoolSpec, engine_views, retry_engine
 from ramjet.keys.pools import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.policy.base import EngineView
@@ -137,6 +137,14 @@ class Router:
             lambda: (p for p in (self.modes.candidate, self.modes.incumbent) if p is not None),
         )
         self.metrics.registry.register(self.profile_sources)
+        self.pools: dict[EngineId, tuple[PoolSpec, ...]] = {
+            EngineId(e.id): tuple(
+                (p.id, p.tier, *p.cost_into(e.id)) for p in config.fabric.pools_of(e.id)
+            )
+            for e in config.engines
+            if config.fabric.pools_of(e.id)
+        }
+        """Each engine's shared tiers (`ramjet.config.FabricConfig`); empty: islands."""
         self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
         self.work_rates = WorkRates(config.fleet_stats.work_tau_s)
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
@@ -238,7 +246,7 @@ class Router:
             return resp
         request_id = request.headers.get("X-Request-Id", "")[:64] or self._new_id()
         views, serving, retry_after = engine_views(
-            self.fleet, self.signals, self.residency, parsed.model, t0
+            self.fleet, self.signals, self.residency, parsed.model, t0, self.pools
         )
         if not serving:
             return reject(

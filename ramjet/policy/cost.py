@@ -73,6 +73,14 @@ For request r (n prompt tokens) on engine e, with profile P:
   The engine of least cost wins; ties go to the shorter wait. Affinity needs no separate
   load gate: a busy engine's wait is in its cost.
 
+Pools. An engine of a shared fabric (`EngineView.pools`, `ramjet.config.FabricConfig`)
+pulls on a local miss: a host or SSD pool that holds a longer prefix than the engine
+extends g by the difference, priced as bytes / the pool's bandwidth into that engine +
+its latency (`pool_pull`, the longest pull, ties to the cheaper), and an SWA pool that
+holds the session's state at a further boundary lets the engine resume there at the
+cost of pulling the SWA state (`profile.swa_bytes_per_sequence`, `pool_swa`). HBM stays
+local; a pool whose reports are degraded is not used.
+
 Trust and profiles. An engine that has not reported a profile is priced with the
 policy's default profile, or with a profile measured on another engine of the fleet when
 that one is dearer for the request: an engine is never cheaper for lack of a measured
@@ -200,20 +208,28 @@ def prompt_work(
     match: GlobalMatch,
     swa_tokens: int,
     reach: int | None = None,
+    pool_tokens: int = 0,
+    pool_s: float = 0.0,
+    swa_pull_s: float = 0.0,
 ) -> Work:
     """The cheapest of the swa, global and cold resume points (see module docstring).
     `reach` is `swa_reach`: a boundary q with g < q < min(reach, n) is credited, one
-    further out is not; None clips q to g."""
+    further out is not; None clips q to g. A shared pool ("Pools" in the module
+    docstring) extends the match by `pool_tokens` past the engine's own, pulled in
+    `pool_s`; `swa_pull_s` is the pull of SWA state held in a shared SWA pool."""
     n = max(prompt_tokens, 0)
     hbm, host, ssd = _clip(match, n)
-    g = hbm + host + ssd
+    pool = min(max(pool_tokens, 0), n - hbm - host - ssd)
+    if pool < pool_tokens and pool_tokens > 0:
+        pool_s *= pool / pool_tokens
+    g = hbm + host + ssd + pool
     # Only the winner becomes a `Work` (this runs per engine per decision); each point is
     # compared by its sum restore + replay + prefill, as `Work.work_s` adds it.
     resume, tokens, restore, replay = "cold", 0, 0.0, 0.0
     prefill = profile.prefill_seconds(n, 0)
     best = restore + replay + prefill
     if g > 0:
-        r, f = _restore(profile, host, ssd), profile.replay_floor_s
+        r, f = _restore(profile, host, ssd) + pool_s, profile.replay_floor_s
         p = profile.prefill_seconds(n - g, g)
         if r + f + p <= best:
             resume, tokens, restore, replay, prefill, best = "global", g, r, f, p, r + f + p
@@ -224,11 +240,50 @@ def prompt_work(
         q = swa_tokens if swa_tokens < min(reach, n) else 0
     if q > 0:
         share = min(q / g, 1.0) if g > 0 else 0.0
-        r = _restore(profile, host * share, ssd * share)
+        r = _restore(profile, host * share, ssd * share) + pool_s * share + swa_pull_s
         p = profile.prefill_seconds(n - q, q)
         if r + 0.0 + p <= best:
             resume, tokens, restore, replay, prefill = "swa", q, r, 0.0, p
     return Work(resume, tokens, restore, replay, prefill)
+
+
+def pool_pull(
+    request: RequestView, engine: EngineView, own: GlobalMatch, bytes_per_token: float
+) -> tuple[int, float, str | None, GlobalMatch]:
+    """The engine's best pull from its shared global-KV pools ("Pools"): (tokens past its
+    own match, seconds to pull them, the pool's id, the match to reach SWA boundaries
+    from); (0, 0, None, own) when no pool extends the match. Pools whose reports are
+    degraded are not used."""
+    n = request.prompt_tokens
+    mine = min(own.total, n)
+    best: tuple[int, float, str | None, GlobalMatch] = (0, 0.0, None, own)
+    for p in engine.pools:
+        if p.tier == "swa" or p.trust == TrustGrade.DEGRADED:
+            continue
+        pm = p.residency.global_match(request.block_keys, request.block_tokens)
+        extra = min(pm.total, n) - mine
+        if extra <= 0:
+            continue
+        s = p.pull_seconds(extra * bytes_per_token)
+        if extra > best[0] or (extra == best[0] and s < best[1]):
+            reach = GlobalMatch(mine + extra, 0, 0, blocks=pm.blocks)
+            best = (extra, s, p.id, reach)
+    return best
+
+
+def pool_swa(request: RequestView, engine: EngineView, swa_bytes: float) -> tuple[int, float]:
+    """(boundary tokens, pull seconds) of the furthest SWA state a shared SWA pool holds
+    for the request; (0, 0) when none does."""
+    best, best_s = 0, 0.0
+    if not request.boundary_keys:
+        return 0, 0.0
+    for p in engine.pools:
+        if p.tier != "swa" or p.trust == TrustGrade.DEGRADED:
+            continue
+        q = p.residency.swa_match(request.boundary_keys)
+        if q > best:
+            best, best_s = q, p.pull_seconds(swa_bytes)
+    return best, best_s
 
 
 def wait_seconds(
@@ -420,6 +475,8 @@ class EngineEstimate:
     its prefill is extrapolated."""
     weights: TtftWeights = PROFILE
     """The calibration's weights applied to `raw` (`FleetStats.calibration`)."""
+    pool_tokens: int = 0
+    """Tokens past the engine's own match pulled from a shared pool (`pool_pull`)."""
 
     def __init__(
         self,
@@ -440,6 +497,7 @@ class EngineEstimate:
         raw: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0),
         beyond_profile: bool = False,
         weights: TtftWeights = PROFILE,
+        pool_tokens: int = 0,
     ) -> None:
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "work", work)
@@ -458,6 +516,7 @@ class EngineEstimate:
         object.__setattr__(self, "raw", raw)
         object.__setattr__(self, "beyond_profile", beyond_profile)
         object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "pool_tokens", pool_tokens)
 
     @property
     def ttft_s(self) -> float:
@@ -476,6 +535,7 @@ class EngineEstimate:
             "hbm_tokens": float(m.hbm),
             "host_tokens": float(m.host),
             "ssd_tokens": float(m.ssd),
+            "pool_tokens": float(self.pool_tokens),
             "pending_tokens": float(m.pending),
             "swa_tokens": float(self.swa_tokens),
             "resume_tokens": float(w.resume_tokens),
@@ -559,6 +619,7 @@ def estimate(
             bool,
             bool,
             bool,
+            int,
         ]
     ] = []
     for e in engines:
@@ -567,12 +628,21 @@ def estimate(
         profile = stand_in if use_default else e.profile
         assert profile is not None
         match = e.residency.global_match(request.block_keys, request.block_tokens)
+        pooled, pool_s, reach_match, swa_pull_s = 0, 0.0, match, 0.0
         if degraded:
             match = GlobalMatch(0, 0, match.total)
             swa = 0
         else:
             swa = e.residency.swa_match(request.boundary_keys) if request.boundary_keys else 0
-        raw_work = prompt_work(profile, n, match, swa, swa_reach(request, match))
+            if e.pools:  # shared tiers: pull a longer prefix, or SWA state, from a pool
+                bpt = profile.global_kv_bytes_per_token
+                pooled, pool_s, _, reach_match = pool_pull(request, e, match, bpt)
+                q, q_s = pool_swa(request, e, profile.swa_bytes_per_sequence)
+                if q > swa:
+                    swa, swa_pull_s = q, q_s
+        raw_work = prompt_work(
+            profile, n, match, swa, swa_reach(request, reach_match), pooled, pool_s, swa_pull_s
+        )
         new_tokens = max(n - raw_work.resume_tokens, 0)
         queue = fleet.keyed.get(e.id) if fleet.keyed else None
         jump: float | None = None
@@ -605,6 +675,7 @@ def estimate(
                 use_default,
                 degraded,
                 beyond,
+                pooled,
             )
         )
     least = min(s[1].work_s for s in staged)
@@ -623,6 +694,7 @@ def estimate(
         use_default,
         degraded,
         beyond,
+        pooled,
     ) in staged:
         delta = work.work_s - least
         externality = rate * delta
@@ -648,6 +720,7 @@ def estimate(
                 raw=raw,
                 beyond_profile=beyond,
                 weights=weights,
+                pool_tokens=pooled,
             )
         )
     return out

@@ -125,6 +125,41 @@ class EngineLoad:
 
 
 @dataclass(init=False, frozen=True, slots=True)
+class PoolView:
+    """A shared tier an engine can pull from (`ramjet.config.FabricPoolConfig`), as that
+    engine sees it: the pool's residency (from the pool's own signed reports) and the cost
+    of a pull into this engine."""
+
+    id: str
+    tier: str
+    """"host" or "ssd" (global KV), or "swa" (SWA state)."""
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    residency: ResidencyView
+    trust: TrustGrade = TrustGrade.APPROXIMATE
+
+    def __init__(
+        self,
+        id: str,
+        tier: str,
+        bandwidth_bytes_per_s: float,
+        latency_s: float,
+        residency: ResidencyView,
+        trust: TrustGrade = TrustGrade.APPROXIMATE,
+    ) -> None:
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "tier", tier)
+        object.__setattr__(self, "bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+        object.__setattr__(self, "latency_s", latency_s)
+        object.__setattr__(self, "residency", residency)
+        object.__setattr__(self, "trust", trust)
+
+    def pull_seconds(self, nbytes: float) -> float:
+        """Time to pull `nbytes` from the pool into the engine."""
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(init=False, frozen=True, slots=True)
 class EngineView:
     id: EngineId
     healthy: bool
@@ -134,6 +169,8 @@ class EngineView:
     """None until the engine has reported one; policies then use their defaults."""
     trust: TrustGrade = TrustGrade.APPROXIMATE
     models: frozenset[str] = frozenset()
+    pools: tuple[PoolView, ...] = ()
+    """Shared tiers the engine pulls from on a local miss (none: an island)."""
 
     def __init__(
         self,
@@ -144,6 +181,7 @@ class EngineView:
         profile: EngineProfile | None = None,
         trust: TrustGrade = TrustGrade.APPROXIMATE,
         models: frozenset[str] = frozenset(),
+        pools: tuple[PoolView, ...] = (),
     ) -> None:
         object.__setattr__(self, "id", id)
         object.__setattr__(self, "healthy", healthy)
@@ -152,6 +190,7 @@ class EngineView:
         object.__setattr__(self, "profile", profile)
         object.__setattr__(self, "trust", trust)
         object.__setattr__(self, "models", models)
+        object.__setattr__(self, "pools", pools)
 
 
 @dataclass(init=False, frozen=True, slots=True)
