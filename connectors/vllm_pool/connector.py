@@ -7,7 +7,10 @@ a `kvpool.Pool` directory (host memory, `/dev/shm` by default).
                            "kv_connector_extra_config": {"pool_dir": "/dev/shm/ramjet-kv"}}'
 
 Extra config (all optional): `pool_dir` (default `/dev/shm/ramjet-kv`), `capacity_gb`
-(default 4), `durable` (fsync each block; for a disk pool, default false).
+(default 4), `durable` (fsync each block; for a disk pool, default false), `stats_path`
+(a JSON file the scheduler side rewrites, atomically, whenever its counters change:
+`loaded_tokens` and `loaded_blocks` from the pool, `lease_misses`, `save_blocks` asked
+of the worker; default none).
 
 What one pool block is. The block of `block_size` tokens whose vLLM block hash is `h`
 (`request.block_hashes[i]`, the chained hash of the prefix caching; the engines must
@@ -151,7 +154,7 @@ class PoolConnector(KVConnectorBase_V1):
                 f"this one has {len(kv_cache_config.kv_cache_groups)}"
             )
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        unknown = set(extra) - {"pool_dir", "capacity_gb", "durable"}
+        unknown = set(extra) - {"pool_dir", "capacity_gb", "durable", "stats_path"}
         if unknown:
             raise ValueError(f"PoolConnector: unknown kv_connector_extra_config {sorted(unknown)}")
         capacity_gb = extra.get("capacity_gb", 4)
@@ -163,6 +166,10 @@ class PoolConnector(KVConnectorBase_V1):
         self.pool = Pool(root, int(capacity_gb * 2**30), durable=bool(extra.get("durable", False)))
         logger.info("PoolConnector (%s): pool %s", role.name, root)
         # scheduler side
+        stats_path = extra.get("stats_path")
+        self._stats_path = Path(str(stats_path)) if stats_path else None
+        self.stats = {"loaded_tokens": 0, "loaded_blocks": 0, "lease_misses": 0, "save_blocks": 0}
+        self._stats_written: dict[str, int] = {}
         self._requests: dict[str, Request] = {}
         self._matched: dict[str, int] = {}  # req_id -> first block index the pool supplies
         self._leases: dict[str, list[Lease]] = {}
@@ -205,6 +212,10 @@ class PoolConnector(KVConnectorBase_V1):
             lease = self.pool.lease(key)
             if lease is not None:
                 self._leases.setdefault(req_id, []).append(lease)
+                self.stats["loaded_blocks"] += 1
+                self.stats["loaded_tokens"] += self.block_size
+            else:  # evicted since get_num_new_matched_tokens: the worker reports it
+                self.stats["lease_misses"] += 1
             self._loads.append(LoadItem(req_id, block_ids[i], key, lease))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -227,7 +238,20 @@ class PoolConnector(KVConnectorBase_V1):
                 key = request.block_hashes[i].hex()
                 if not self.pool.contains(key):
                     meta.saves.append(SaveItem(block_ids[i], key))
+        self.stats["save_blocks"] += len(meta.saves)
+        self._write_stats()
         return meta
+
+    def _write_stats(self) -> None:
+        if self._stats_path is None or self.stats == self._stats_written:
+            return
+        tmp = self._stats_path.with_name(self._stats_path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self.stats))
+            tmp.replace(self._stats_path)
+            self._stats_written = dict(self.stats)
+        except OSError as err:
+            logger.warning("PoolConnector: stats not written to %s: %s", self._stats_path, err)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

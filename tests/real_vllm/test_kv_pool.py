@@ -150,15 +150,16 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolPair]:
     env = vllm_env()  # raises with the reason: these tests never skip
     work = tmp_path_factory.mktemp("kv-pool")
     pool_dir = Path("/dev/shm") / f"ramjet-test-pool-{secrets.token_hex(4)}"
-    config = {
-        "kv_connector": "PoolConnector",
-        "kv_connector_module_path": "vllm_pool.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"pool_dir": str(pool_dir), "capacity_gb": CAPACITY_GB},
-    }
-    args = ("--dtype", "float32", "--kv-transfer-config", json.dumps(config))
+
+    def args(eid: str) -> tuple[str, ...]:
+        extra = {"pool_dir": str(pool_dir), "capacity_gb": CAPACITY_GB,
+                 "stats_path": str(work / f"{eid}-pool-stats.json")}  # fmt: skip
+        config = {"kv_connector": "PoolConnector", "kv_connector_module_path": "vllm_pool.connector",
+                  "kv_role": "kv_both", "kv_connector_extra_config": extra}  # fmt: skip
+        return ("--dtype", "float32", "--kv-transfer-config", json.dumps(config))
+
     engines = [
-        VllmEngine(eid, env, core=core, extra_args=args, workdir=work / eid)
+        VllmEngine(eid, env, core=core, extra_args=args(eid), workdir=work / eid)
         for eid, core in (("pool-a", 0), ("pool-b", 1))
     ]
     raw: RawEvents | None = None
@@ -181,6 +182,16 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolPair]:
         for e in engines:
             e.stop()
         shutil.rmtree(pool_dir, ignore_errors=True)
+
+
+def pool_stats(engine: VllmEngine) -> dict[str, int]:
+    """The connector's counters (its `stats_path`): tokens loaded from the pool, ..."""
+    path = engine.workdir.parent / f"{engine.engine_id}-pool-stats.json"
+    try:
+        out: dict[str, int] = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"loaded_tokens": 0, "loaded_blocks": 0, "lease_misses": 0, "save_blocks": 0}
+    return out
 
 
 def stored_hashes(raw: RawEvents) -> set[Any]:
@@ -230,8 +241,10 @@ def test_engine_b_loads_a_prefix_engine_a_computed(pair: PoolPair) -> None:
     assert pair.pool.active_leases() == 0
 
     # B warm: the prefix comes from the pool
+    loaded = pool_stats(pair.b)["loaded_tokens"]
     warm = complete(pair.b, extended, 16)
     assert warm.cached_tokens == len(prompt), warm
+    assert pool_stats(pair.b)["loaded_tokens"] - loaded == len(prompt)
     assert warm.tokens == cold.tokens, (warm.tokens, cold.tokens)
     assert logprob_gap(warm, cold) < 1e-4, (warm.logprobs, cold.logprobs)
     print(f"largest logprob difference to the cold run: {logprob_gap(warm, cold):.2e}")
@@ -247,6 +260,7 @@ def test_two_engines_share_the_pool_under_concurrent_sessions(pair: PoolPair) ->
     sessions = [system + [rng.randrange(10, 2000) for _ in range(300)] for _ in range(4)]
     engines = (pair.a, pair.b)
     answers: list[tuple[int, int, list[int], Answer]] = []
+    loaded0 = sum(pool_stats(e)["loaded_tokens"] for e in engines)
     failures: list[str] = []
     peak = 0
     done = threading.Event()
@@ -298,6 +312,9 @@ def test_two_engines_share_the_pool_under_concurrent_sessions(pair: PoolPair) ->
     # engine holds at most the shared system prompt
     moved = [a.cached_tokens for _, turn, _, a in answers if turn == 1]
     assert sum(c > len(system) for c in moved) >= len(sessions) // 2, moved
+    loaded = sum(pool_stats(e)["loaded_tokens"] for e in engines) - loaded0
+    print(f"pool-loaded tokens {loaded}, pool peak {peak / 2**20:.0f} MiB")
+    assert loaded > 0
     assert 0 < peak <= pair.pool.capacity_bytes
     assert pair.pool.used_bytes() <= pair.pool.capacity_bytes
     assert pair.pool.active_leases() == 0
