@@ -238,6 +238,10 @@ CATALOGUE: tuple[Metric, ...] = (
            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)),
     Metric("ramjet_sidecar_events_silent", GAUGE, "", (), "ramjet.sidecar.metrics",
            "1 while no KV event arrived within --events-warn-after seconds of start"),
+    Metric("ramjet_sidecar_events_down", GAUGE, "", (), "ramjet.sidecar.metrics",
+           "1 while the KV-event path is down (its thread died): residency purged, load reports paused"),
+    Metric("ramjet_sidecar_event_path_restarts_total", COUNTER, "", (), "ramjet.sidecar.metrics",
+           "Restarts of the KV-event path after it died"),
 )
 # fmt: on
 

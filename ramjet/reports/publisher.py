@@ -107,6 +107,9 @@ class ReportPublisher:
         self._closing = False
         self._profile: EngineProfile | None = None
         """The last published profile: carried by every snapshot, re-sent in a new epoch."""
+        self.load_paused = False
+        """While True the periodic load reports are not sent (a sidecar whose event path
+        is down: routers then see the engine go silent and degrade its trust)."""
 
     # -- signing ---------------------------------------------------------------------------
 
@@ -299,7 +302,8 @@ class ReportPublisher:
         assert self._load is not None
         while True:
             try:
-                self.publish_load(self._load())
+                if not self.load_paused:
+                    self.publish_load(self._load())
             except Exception:  # a broken load figure must not stop the reports
                 log.exception("load report failed")
             await asyncio.sleep(self._load_interval)

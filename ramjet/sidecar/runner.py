@@ -17,6 +17,17 @@ types, malformed events) are counted (`ramjet.sidecar.metrics`, served on `/metr
 a batch whose dropped event may have removed blocks (`EventBatch.resync_from`) starts a
 new epoch, as lost history does, and only its events after the drop are applied.
 
+Event-path liveness: the stream runs in a thread; any exception that escapes it (a bug
+in the tracker, a ZMQ error) ends it. `_supervise` notices within a second and the path
+is *down*: logged with the error, `ramjet_sidecar_events_down` 1, `/health` answers 503
+with `events.alive: false`, the residency is forgotten with a new epoch (routers purge
+what the sidecar said: frozen residency must not steer), and load reports pause, so
+routers see the engine go silent and degrade its trust (DEGRADED after
+`reports.stale_after_s`, residency off after `stale_ttl_s`) rather than trusting a view
+that no longer moves. The path is restarted (a new stream, replay from seq 0) after
+`event_restart_min_s`, doubling up to `event_restart_max_s` while it keeps dying; once
+the new stream has caught up it is up again and load reports resume.
+
 Locks: the tracker and the delta builder are guarded by `_lock`; the publisher has its
 own. `_lock` is never held while calling into the publisher except through its snapshot
 callback (which takes `_lock` under the publisher's lock), so the order is always
@@ -82,6 +93,15 @@ class SidecarSettings:
     reset_timeout_s: float = 10.0
     events_warn_after_s: float = 30.0
     """Warn (log, `ramjet_sidecar_events_silent`) when no event arrived by then."""
+    event_restart_min_s: float = 1.0
+    """A dead event path is restarted after this long, doubling while it keeps dying..."""
+    event_restart_max_s: float = 30.0
+    """... up to this long."""
+    control_token_file: str | None = None
+    """File holding the bearer token `POST /reset_prefix_cache` and `GET /ramjet/snapshot`
+    require; None: the reset is refused (403) and the snapshot needs no token."""
+    snapshot_min_interval_s: float = 0.5
+    """At most one snapshot is signed per this long; requests meanwhile get the last one."""
 
 
 class Sidecar:
@@ -110,15 +130,7 @@ class Sidecar:
             load_interval_s=settings.load_interval_s,
             push_url=settings.push_url,
         )
-        self.stream = EventStream(
-            settings.events_url,
-            settings.replay_url,
-            on_batch=self._on_batch,
-            on_reset=self._on_reset,
-            on_flush=self.flush,
-            topic=settings.topic,
-            replay_timeout_s=settings.replay_timeout_s,
-        )
+        self.stream = self._new_stream()
         self.profile: EngineProfile | None = None
         self._oldest_unsigned: float | None = None
         """Engine timestamp of the oldest batch applied since the last signed delta."""
@@ -129,6 +141,44 @@ class Sidecar:
         self._tasks: list[asyncio.Task[None]] = []
         self._probing: asyncio.Task[None] | None = None
         """The profile probe started with the sidecar, while it runs (a reset waits for it)."""
+        self.events_error: str | None = None
+        """Why the event path died, while it is down (None: up)."""
+        self._down_since: float | None = None
+        self.event_path_restarts = 0
+        self._stopping = False
+
+    def _new_stream(self) -> EventStream:
+        s = self.settings
+        return EventStream(
+            s.events_url,
+            s.replay_url,
+            on_batch=self._on_batch,
+            on_reset=self._on_reset,
+            on_flush=self.flush,
+            topic=s.topic,
+            replay_timeout_s=s.replay_timeout_s,
+        )
+
+    def _run_stream(self, stream: EventStream) -> None:
+        """The event thread's body: record why it ends, when that is not a stop."""
+        try:
+            stream.run()
+        except BaseException as exc:
+            self.events_error = f"{type(exc).__name__}: {exc}"
+            log.exception("KV-event path died")
+            return
+        if not self._stopping:
+            self.events_error = "event stream ended"
+
+    def _start_stream(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run_stream, args=(self.stream,), name="kv-events", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def events_alive(self) -> bool:
+        return self._down_since is None and (self._thread is None or self._thread.is_alive())
 
     # -- events (stream thread) ------------------------------------------------------------
 
@@ -262,9 +312,17 @@ class Sidecar:
         with self._lock:
             resident = len(self.tracker.resident())
             stats = dict(self.tracker.stats)
+        alive = self.events_alive
+        down = self._down_since
         return web.json_response(
             {
                 "engine_id": self.settings.engine_id,
+                "events": {
+                    "alive": alive,
+                    "error": None if alive else self.events_error or "event thread not running",
+                    "down_s": None if down is None else round(time.monotonic() - down, 3),
+                    "restarts": self.event_path_restarts,
+                },
                 "epoch": self.publisher.epoch,
                 "seq": self.publisher.seq,
                 "last_event_seq": self.stream.last,
@@ -274,14 +332,16 @@ class Sidecar:
                 "decoder": dict(self.metrics.stats),
                 "groups": {str(k): v for k, v in self.tracker.group_kinds().items()},
                 "profile": None if self.profile is None else self.profile.model_dump(),
-            }
+            },
+            status=200 if alive else 503,
         )
 
     async def start(self) -> None:
         await self.publisher.start()
-        self._thread = threading.Thread(target=self.stream.run, name="kv-events", daemon=True)
-        self._thread.start()
+        self._stopping = False
+        self._start_stream()
         await asyncio.get_running_loop().run_in_executor(None, self.stream.connected.wait, 5.0)
+        self._tasks.append(asyncio.create_task(self._supervise()))
         if self.settings.scrape_metrics:
             self._tasks.append(asyncio.create_task(self._scrape_loop()))
         self._tasks.append(asyncio.create_task(self._watch_silence()))
@@ -294,6 +354,7 @@ class Sidecar:
             self._tasks.append(self._probing)
 
     async def stop(self) -> None:
+        self._stopping = True
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         self.stream.stop()
@@ -301,6 +362,56 @@ class Sidecar:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
         self.flush()
         await self.publisher.stop()
+
+    async def _supervise(self) -> None:
+        """Watch the event thread; a dead path goes down and is restarted (module doc)."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        backoff = s.event_restart_min_s
+        while True:
+            await asyncio.sleep(0.2)
+            thread = self._thread
+            if thread is None or thread.is_alive():
+                continue
+            self._path_down()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, s.event_restart_max_s)
+            self.stream = self._new_stream()
+            self.events_error = None
+            self.event_path_restarts += 1
+            self.metrics.event_path_restarts.inc()
+            log.warning("restarting the KV-event path (restart %d)", self.event_path_restarts)
+            self._start_stream()
+            await loop.run_in_executor(None, self.stream.connected.wait, 5.0)
+            if (
+                self.stream.connected.is_set()
+                and self._thread is not None
+                and self._thread.is_alive()
+            ):
+                self._path_up()
+                backoff = s.event_restart_min_s
+
+    def _path_down(self) -> None:
+        if self._down_since is not None:
+            return
+        self._down_since = time.monotonic()
+        why = self.events_error or "event thread not running"
+        self.metrics.events_down.set(1)
+        self.publisher.load_paused = True
+        log.error(
+            "KV-event path down (%s): residency forgotten with a new epoch and load reports "
+            "paused until it is back, so routers stop trusting this engine's view",
+            why,
+        )
+        self._on_reset(f"KV-event path down ({why})")
+
+    def _path_up(self) -> None:
+        down = self._down_since
+        self._down_since = None
+        self.metrics.events_down.set(0)
+        self.publisher.load_paused = False
+        if down is not None:
+            log.warning("KV-event path up again after %.1f s", time.monotonic() - down)
 
     async def _probe(self) -> None:
         s = self.settings
