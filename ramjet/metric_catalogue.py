@@ -164,6 +164,8 @@ CATALOGUE: tuple[Metric, ...] = (
            "Snapshots the router fetched"),
     Metric("ramjet_reports_epoch_changes_total", COUNTER, "", ("engine",), "ramjet.reports.metrics",
            "New engine epochs seen"),
+    Metric("ramjet_reports_revoked_purges_total", COUNTER, "", ("engine",), "ramjet.reports.metrics",
+           "Engine views purged because a key that signed them was revoked by a reload"),
     Metric("ramjet_reports_epoch", GAUGE, "", ("engine",), "ramjet.reports.metrics",
            "Current epoch", at_scrape=True),
     Metric("ramjet_reports_trust_grade", GAUGE, "", ("engine",), "ramjet.reports.metrics",

@@ -180,3 +180,35 @@ async def test_redis_away_fails_open_and_the_batch_is_deduplicated_later(
     finally:
         for r in (a, b):
             await r.store.link.close()
+
+
+async def test_shared_claim_takes_a_lower_epoch_only_after_silence(server: RedisProcess) -> None:
+    """Issue 29: an engine restarted under a clock stepped back (a lower epoch) was refused
+    by the shared claim forever; it is taken once the current epoch has been silent for
+    `stale_after_s` and the report is issued after the last accepted one."""
+    from ramjet.reports.config import ReportsConfig
+
+    def fresh() -> Replica:
+        reg = CollectorRegistry()
+        cfg = ResidencyConfig()
+        link = RedisLink(RedisSettings(url=server.url, timeout_ms=150, breaker_open_ms=50), reg)
+        store = RedisStore(link, cfg, engines=(E0,), registry=reg)
+        tables = ResidencyTables(cfg, store)
+        proc = ReportProcessor(RING, tables, ReportsConfig(stale_after_s=0.3), registry=reg)
+        return Replica(store, tables, proc, SharedReports(proc, store, (E0,), reg), reg)
+
+    a, c, d = fresh(), fresh(), fresh()
+    try:
+        old = frame(5, 1, keys=(1,))
+        assert isinstance(await a.shared.submit(old, E0), Accepted)
+        # c has no local state: only the shared claim can refuse; epoch 5 still reports
+        early = await c.shared.submit(frame(4, 1, keys=(2,)), E0)
+        assert isinstance(early, Rejected) and early.reason is Reason.EPOCH_OLD, early
+        time.sleep(0.4)
+        assert isinstance(await c.shared.submit(frame(4, 1, keys=(2,)), E0), Accepted)
+        # the old process's frame, replayed to a replica that never saw epoch 4, is refused
+        again = await d.shared.submit(old, E0)
+        assert isinstance(again, Rejected) and again.reason is Reason.REPLAYED, again
+    finally:
+        for r in (a, c, d):
+            await r.store.link.close()
