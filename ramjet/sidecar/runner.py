@@ -4,6 +4,12 @@
         --> ReportPublisher (signed with the sidecar's own Ed25519 key, as the engine id)
         --> GET /ramjet/reports, /ramjet/snapshot (routers pull) or POST (push)
 
+Control: `--token-file` holds a bearer token. With it, `POST /reset_prefix_cache` takes
+`Authorization: Bearer <token>` (without it the reset is off, 403) and so do the pull
+endpoints (routers send it from `reports.pull_token_file`; without a token they are open:
+what they serve is signed). A snapshot over HTTP is signed at most once per
+`snapshot_min_interval_s` (`ReportPublisher.served_snapshot`), whoever asks.
+
 The publisher is the shared `ramjet.reports.publisher.ReportPublisher`, so a router
 trusts a sidecar exactly as it trusts the reference engine: by the key id listed under
 the engine in its `keys:` section. Each burst of events becomes one delta. A restart of
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import threading
@@ -97,11 +104,11 @@ class SidecarSettings:
     """A dead event path is restarted after this long, doubling while it keeps dying..."""
     event_restart_max_s: float = 30.0
     """... up to this long."""
-    control_token_file: str | None = None
-    """File holding the bearer token `POST /reset_prefix_cache` and `GET /ramjet/snapshot`
-    require; None: the reset is refused (403) and the snapshot needs no token."""
+    token: str | None = None
+    """Bearer token (`--token-file`) that `POST /reset_prefix_cache`, `GET /ramjet/reports`
+    and `GET /ramjet/snapshot` require; None: the reset is off (403) and pulls are open."""
     snapshot_min_interval_s: float = 0.5
-    """At most one snapshot is signed per this long; requests meanwhile get the last one."""
+    """Snapshots served over HTTP are signed at most once per this long."""
 
 
 class Sidecar:
@@ -129,6 +136,8 @@ class Sidecar:
             load=lambda: self._load,
             load_interval_s=settings.load_interval_s,
             push_url=settings.push_url,
+            pull_token=settings.token,
+            snapshot_min_interval_s=settings.snapshot_min_interval_s,
         )
         self.stream = self._new_stream()
         self.profile: EngineProfile | None = None
@@ -239,10 +248,20 @@ class Sidecar:
         blocks. So the sidecar sends the reset, then nudges the engine with a one-token
         request (no full block: it stores nothing) until the clear arrives.
 
+        Needs `Authorization: Bearer <token>` (`--token-file`); off (403) without one: a
+        reset empties the engine's cache for every client.
+
         A profile probe still running (the sidecar's start) is finished first: its
         prompts fill blocks, and a reset answered in the middle of it would leave the
         engine holding the probe's later blocks after "cleared"."""
         s = self.settings
+        if s.token is None:
+            return web.json_response(
+                {"error": "cache reset is off: start the sidecar with --token-file"}, status=403
+            )
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {s.token}".encode()):
+            return web.json_response({"error": "bad or missing token"}, status=401)
         if self._probing is not None and not self._probing.done():
             log.info("cache reset waits for the profile probe to finish")
             await asyncio.wait([self._probing])
@@ -256,13 +275,18 @@ class Sidecar:
             # just answered frees its blocks at the engine's next step) and says so only
             # in the body, {"success": false}, with status 200: retry until it succeeds.
             while True:
-                async with http.post(s.engine_url.rstrip("/") + path) as resp:
-                    text = await resp.text()
-                    if resp.status != 200:
-                        return web.json_response(
-                            {"error": f"engine {path}: HTTP {resp.status}: {text[:300]}"},
-                            status=502,
-                        )
+                try:
+                    async with http.post(s.engine_url.rstrip("/") + path) as resp:
+                        text = await resp.text()
+                        status = resp.status
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    return web.json_response(
+                        {"error": f"engine {path}: unreachable: {exc!r}"}, status=502
+                    )
+                if status != 200:
+                    return web.json_response(
+                        {"error": f"engine {path}: HTTP {status}: {text[:300]}"}, status=502
+                    )
                 if not _reset_refused(text):
                     break
                 log.info("engine %s refused the cache reset (blocks still held); retrying", path)
