@@ -30,6 +30,7 @@ Public API for tests and the CLI:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from typing import Any
@@ -303,8 +304,16 @@ class RouterServer:
         await self._runner.cleanup()
 
 
-async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain for `timeouts.drain_s` and exit. SIGHUP
+async def serve(
+    config: PolicyConfig,
+    host: str,
+    port: int,
+    policy_path: str | None = None,
+    shutdown_delay_s: float = 0.0,
+) -> None:
+    """Run until SIGTERM/SIGINT; then, for `shutdown_delay_s`, fail /readyz while still
+    serving (load balancers that poll it stop sending first), then drain for
+    `timeouts.drain_s` and exit; a second signal cuts the delay short. SIGHUP
     reloads mode and policies from `policy_path` (`ramjet.app.reload`). With `store.kind:
     redis` the residency is shared with other replicas (docs/redis.md; built and started
     by `ramjet.app.wiring`)."""
@@ -319,5 +328,11 @@ async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | N
     if policy_path is not None:
         loop.add_signal_handler(signal.SIGHUP, on_sighup, server.router, policy_path)
     await stop.wait()
+    if shutdown_delay_s > 0:
+        server.router.leaving = True
+        stop.clear()
+        log.info("leaving: /readyz fails, still serving for %.1fs", shutdown_delay_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), shutdown_delay_s)
     log.info("draining (up to %.0fs)", config.timeouts.drain_s)
     await server.stop()
