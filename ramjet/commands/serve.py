@@ -1,6 +1,6 @@
-"""`ramjet serve --policy FILE [--host H] [--port P] [--shutdown-delay S]`: run the router
-(uvloop) until SIGTERM/SIGINT, then (after S seconds of failing /readyz while serving)
-drain."""
+"""`ramjet serve --policy FILE [--host H] [--port P] [--ops-port O] [--shutdown-delay S]`:
+run the router (uvloop) until SIGTERM/SIGINT, then (after S seconds of failing /readyz
+while serving) drain. With O, /metrics and /admin/reload are served on port O only."""
 
 from __future__ import annotations
 
@@ -26,12 +26,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "load balancer polling /readyz stops sending first (Kubernetes: a preStop sleep "
         "does this; see docs/operations.md)",
     )
+    p.add_argument(
+        "--ops-port",
+        type=int,
+        default=None,
+        help="serve /metrics and /admin/reload (and /healthz, /readyz) on this port only, "
+        "not on the client port (a Service or firewall then keeps them from clients)",
+    )
     p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     if not 0 <= args.shutdown_delay <= 600:
         print("--shutdown-delay: seconds in [0, 600]", file=sys.stderr)
+        return 2
+    if args.ops_port is not None and not (0 < args.ops_port < 65536 and args.ops_port != args.port):
+        print("--ops-port: a port in 1-65535 other than --port", file=sys.stderr)
         return 2
     try:
         config = load_policy(args.policy)
@@ -56,6 +66,7 @@ def _run(args: argparse.Namespace) -> int:
                 args.port,
                 policy_path=args.policy,
                 shutdown_delay_s=args.shutdown_delay,
+                ops_port=args.ops_port,
             )
         )
     except PolicyConfigError as exc:

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +49,15 @@ def _serve(tmp: Path, url: str, *extra: str) -> tuple[subprocess.Popen[bytes], s
 def engine_url() -> Iterator[str]:
     with start_engine("e0") as eng:
         yield eng.url
+
+
+def _status(url: str, body: bytes | None = None) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=10) as r:
+            r.read()
+            return int(r.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -116,3 +127,41 @@ def test_a_bad_delay_is_refused(tmp_path: Path) -> None:
         timeout=30,
     )
     assert out.returncode == 2 and b"--shutdown-delay" in out.stderr
+
+
+def test_ops_port_takes_metrics_and_admin_off_the_client_port(
+    tmp_path: Path, engine_url: str
+) -> None:
+    ops = free_port()
+    proc, base = _serve(tmp_path, engine_url, "--ops-port", str(ops))
+    ops_url = f"http://127.0.0.1:{ops}"
+    try:
+        assert http_json(base + "/v1/chat/completions", BODY)[0] == 200
+        assert _status(base + "/metrics") == 404
+        assert _status(base + "/admin/reload", b"{}") in (404, 405)
+        assert _status(ops_url + "/metrics") == 200
+        assert _status(ops_url + "/readyz") == 200 and _status(ops_url + "/healthz") == 200
+        assert _status(ops_url + "/admin/reload", b"{}") == 403  # admin.token unset
+        assert _status(ops_url + "/v1/chat/completions", b"{}") == 404
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+        _stop(proc)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ramjet",
+            "serve",
+            "--policy",
+            str(tmp_path / "policy.yaml"),
+            "--port",
+            "8123",
+            "--ops-port",
+            "8123",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2 and b"--ops-port" in bad.stderr
