@@ -148,17 +148,17 @@ async def test_snapshots_over_http_are_signed_at_most_once_per_interval() -> Non
     url = f"http://127.0.0.1:{port}/ramjet/snapshot"
     try:
         # a flood while nothing changes: one signature, every answer the same frame
+        t0 = time.monotonic()
         got = await asyncio.gather(*(_call("GET", url) for _ in range(50)))
         assert {s for s, _ in got} == {200} and len({f for _, f in got}) == 1
         assert pub.snapshots_signed == 1
         # the state moves between requests: no more than one signature per interval
-        t0 = time.monotonic()
         from ramjet.reports.bodies import DeltaBody
 
         for _ in held:
             pub.publish_delta(DeltaBody())
             assert (await _call("GET", url))[0] == 200
         assert pub.snapshots_signed == 4
-        assert time.monotonic() - t0 >= 3 * 0.3 - 0.05
+        assert time.monotonic() - t0 >= 3 * 0.3  # 4 signatures: 3 intervals at least
     finally:
         await runner.cleanup()
