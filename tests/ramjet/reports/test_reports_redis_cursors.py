@@ -212,3 +212,29 @@ async def test_shared_claim_takes_a_lower_epoch_only_after_silence(server: Redis
     finally:
         for r in (a, c, d):
             await r.store.link.close()
+
+
+async def test_revoking_a_key_drops_the_shared_cursor_it_moved(
+    pair: tuple[Replica, Replica],
+) -> None:
+    """Issue 29: a revoked key's last word must not hold the engine back on any replica:
+    the purge drops the engine's shared cursor too, so the engine's real key starts over
+    at any epoch."""
+    import asyncio
+
+    a, _b = pair
+    assert isinstance(await a.shared.submit(frame(50, 3, keys=(1,)), E0), Accepted)
+    vc = a.shared._keys[E0].vc
+    assert await a.store.link.call(lambda c: c.exists(vc)) == 1
+    other = Ed25519PrivateKey.generate()
+    out = a.processor.replace_keyring(KeyRing({"k1": (E0, other.public_key())}))
+    assert out == {"revoked": ["k0"], "purged": ["e0"]}
+    for _ in range(50):
+        if await a.store.link.call(lambda c: c.exists(vc)) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await a.store.link.call(lambda c: c.exists(vc)) == 0
+    env = Envelope(
+        E0, "k1", 2, 1, int(time.time() * 1000), "delta", encode_body(DeltaBuilder().build())
+    )
+    assert isinstance(await a.shared.submit(sign(env, other), E0), Accepted)
