@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from engines import free_port  # noqa: E402
 from vllm_engines import BLOCK, MODEL, VllmEngine, post_json, vllm_env  # noqa: E402
-from vllm_stack import Records, Stack  # noqa: E402
+from vllm_stack import Records, Stack, sidecar_auth  # noqa: E402
 
 TRACE = Path("/work/shared/data/traces/agent/miniswe_interleaved_b64.jsonl")
 SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
@@ -386,7 +386,9 @@ async def run_ramjet(
         for eid, prof in (await asyncio.to_thread(st.wait_profiles, 300.0)).items():
             print(f"  {eid} profile: {json.dumps(prof)}")
         for eid, sc in st.sidecars.items():  # start cold, as SMG's run does
-            status, data = await asyncio.to_thread(post_json, sc.url + "/reset_prefix_cache", {})
+            status, data = await asyncio.to_thread(
+                post_json, sc.url + "/reset_prefix_cache", {}, 120.0, sidecar_auth()
+            )
             if status != 200:
                 raise BenchError(f"reset {eid}: {data}")
         loaded0 = 0

@@ -174,6 +174,8 @@ CATALOGUE: tuple[Metric, ...] = (
            "Snapshots the router fetched"),
     Metric("ramjet_reports_epoch_changes_total", COUNTER, "", ("engine",), "ramjet.reports.metrics",
            "New engine epochs seen"),
+    Metric("ramjet_reports_revoked_purges_total", COUNTER, "", ("engine",), "ramjet.reports.metrics",
+           "Engine views purged because a key that signed them was revoked by a reload"),
     Metric("ramjet_reports_epoch", GAUGE, "", ("engine",), "ramjet.reports.metrics",
            "Current epoch", at_scrape=True),
     Metric("ramjet_reports_trust_grade", GAUGE, "", ("engine",), "ramjet.reports.metrics",
@@ -248,6 +250,10 @@ CATALOGUE: tuple[Metric, ...] = (
            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)),
     Metric("ramjet_sidecar_events_silent", GAUGE, "", (), "ramjet.sidecar.metrics",
            "1 while no KV event arrived within --events-warn-after seconds of start"),
+    Metric("ramjet_sidecar_events_down", GAUGE, "", (), "ramjet.sidecar.metrics",
+           "1 while the KV-event path is down (its thread died): residency purged, load reports paused"),
+    Metric("ramjet_sidecar_event_path_restarts_total", COUNTER, "", (), "ramjet.sidecar.metrics",
+           "Restarts of the KV-event path after it died"),
 )
 # fmt: on
 

@@ -152,6 +152,9 @@ class Router:
         self.priority = PriorityHints(config.priority, self.metrics.registry)
         self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
         self.draining = False
+        self.leaving = False
+        """Set on SIGTERM before the drain (`ramjet serve --shutdown-delay`): /readyz
+        answers 503 so load balancers stop sending, while requests are still served."""
         # Request ids without a getrandom() call each: a random per-process prefix and a
         # counter (16 hex digits, as before).
         prefix, counter = secrets.token_hex(4), itertools.count()
@@ -464,9 +467,9 @@ class Router:
             e.id: {"healthy": e.healthy, "probe_ok": e.probe_ok, "ejected": e.ejected}
             for e in self.fleet.engines
         }
-        ready = self.fleet.ready() and not self.draining
+        ready = self.fleet.ready() and not self.draining and not self.leaving
         return web.json_response(
-            {"ready": ready, "draining": self.draining, "engines": engines},
+            {"ready": ready, "draining": self.draining or self.leaving, "engines": engines},
             status=200 if ready else 503,
         )
 

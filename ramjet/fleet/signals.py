@@ -46,6 +46,7 @@ from aiohttp import web
 from ramjet.fleet.engines import EngineState
 from ramjet.policy.base import EngineLoad
 from ramjet.policy.profile import EngineProfile
+from ramjet.reports.keys import KeyRing
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.runtime import ReportsRuntime
 from ramjet.types import EngineId, TrustGrade
@@ -62,6 +63,11 @@ class EngineSignals(Protocol):
 
     def load(self, engine: EngineState) -> EngineLoad: ...
 
+    def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
+        """Swap in a reloaded key ring, purging what revoked keys signed (None: no
+        reports, nothing to swap)."""
+        ...
+
 
 class NoSignals:
     """No reports: approximate trust, no profile, the router's own counters only."""
@@ -70,6 +76,9 @@ class NoSignals:
         return TrustGrade.APPROXIMATE
 
     def profile(self, engine: EngineId) -> EngineProfile | None:
+        return None
+
+    def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
         return None
 
     def load(self, engine: EngineState) -> EngineLoad:
@@ -90,6 +99,9 @@ class ReportSignals:
 
     def profile(self, engine: EngineId) -> EngineProfile | None:
         return self.processor.profile(engine)
+
+    def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
+        return self.processor.replace_keyring(ring)
 
     def load(self, engine: EngineState) -> EngineLoad:
         reported = self.processor.load(engine.id)  # None once older than stale_after_s

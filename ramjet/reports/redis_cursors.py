@@ -65,7 +65,7 @@ from ramjet.reports.bodies import (
     profile_body,
 )
 from ramjet.reports.processor import ReportProcessor
-from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected
+from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected, cursor_newer
 from ramjet.residency.redis_link import LuaScript, RedisLink, RedisUnavailable
 from ramjet.residency.redis_scripts import EngineKeys
 from ramjet.residency.store import SharedStore
@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 CLAIM = LuaScript(
     "ramjet_reports_claim",
     r"""
--- KEYS: vc.  ARGV: epoch, seq, kind, issued_at_ms, now_ms, retention_ms, body.
+-- KEYS: vc.  ARGV: epoch, seq, kind, issued_at_ms, now_ms, retention_ms, body, quiet_ms.
 -- Returns {status, epoch, seq, issued, gap}: the shared cursor before this claim.
 local vc = KEYS[1]
 local epoch, seq, kind = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
@@ -86,7 +86,14 @@ local cur = redis.call('HMGET', vc, 'epoch', 'seq', 'issued', 'gap')
 local cepoch, cseq, cissued = tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3])
 local gap = tonumber(cur[4]) or 0
 if cepoch ~= nil then
-  if epoch < cepoch then return {'epoch_old', cepoch, cseq, cissued, gap} end
+  -- epochs as ramjet.reports.verify.epoch_change: a lower one issued after the last
+  -- accepted report, the engine silent for quiet_ms, is a restart under a clock stepped
+  -- back; a higher one issued before it is a replay of an older process
+  local quiet = now - (tonumber(redis.call('HGET', vc, 'at')) or 0) > tonumber(ARGV[8])
+  if epoch < cepoch and (issued <= cissued or not quiet) then
+    return {'epoch_old', cepoch, cseq, cissued, gap}
+  end
+  if epoch > cepoch and issued < cissued then return {'replayed', cepoch, cseq, cissued, gap} end
   if epoch == cepoch then
     local stale
     if kind == 'snapshot' then stale = seq < cseq or issued <= cissued else stale = seq <= cseq end
@@ -94,7 +101,7 @@ if cepoch ~= nil then
   end
 end
 local before = {'ok', cepoch or -1, cseq or -1, cissued or 0, gap}
-if cepoch == nil or epoch > cepoch then cseq, cissued, gap = 0, 0, 0 end
+if cepoch == nil or epoch ~= cepoch then cseq, cissued, gap = 0, 0, 0 end
 if kind == 'snapshot' then gap = 0 elseif seq > cseq + 1 then gap = 1 end
 if issued < cissued then issued = cissued end
 redis.call('HSET', vc, 'epoch', epoch, 'seq', seq, 'issued', issued, 'gap', gap, 'at', now)
@@ -133,6 +140,33 @@ class SharedReports:
         self.absorbed = counter(reg, "ramjet_reports_shared_absorbed_total")
         for engine in (*engines, *processor.engines()):
             self._track(engine)
+        processor.on_purged.append(self._forget_soon)
+        self._forgetting: set[asyncio.Task[None]] = set()
+
+    def _forget_soon(self, engines: list[EngineId]) -> None:
+        """Engines purged by a key revocation: drop their shared cursors too (best
+        effort: a cursor a revoked key moved must not hold back the engine's reports)."""
+        if not engines:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self.forget(engines))
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgetting.discard)
+
+    async def forget(self, engines: Iterable[EngineId]) -> None:
+        for engine in engines:
+            vc = self._track(engine).vc
+
+            async def delete(c: Any, vc: str = vc) -> Any:
+                return await c.delete(vc)
+
+            try:
+                await self.link.call(delete)
+            except RedisUnavailable:
+                log.warning("could not drop the shared report cursor of %s", engine)
 
     def _track(self, engine: EngineId) -> EngineKeys:
         keys = self._keys.get(engine)
@@ -208,6 +242,7 @@ class SharedReports:
                     int(self.wall() * 1000),
                     self.store.retention_ms,
                     body,
+                    int(p.config.stale_after_s * 1000),
                 ],
             )
         except RedisUnavailable:
@@ -226,10 +261,10 @@ class SharedReports:
             return rejected
         # another replica may have accepted reports this one has not absorbed yet:
         # start from the shared cursor so the processor judges gaps as Redis did
-        shared = (int(res[1]), int(res[2]))
+        shared = Cursor(int(res[1]), int(res[2]), int(res[3]))
         st = p.state(engine)
-        if shared[0] >= 0 and (st.cursor is None or shared > (st.cursor.epoch, st.cursor.seq)):
-            st.cursor = Cursor(shared[0], shared[1], int(res[3]))
+        if shared.epoch >= 0 and (st.cursor is None or cursor_newer(shared, st.cursor)):
+            st.cursor = shared
             st.gap = int(res[4]) == 1
         return outcome
 
@@ -276,7 +311,7 @@ class SharedReports:
         epoch, seq, issued = int(rec["epoch"]), int(rec["seq"]), int(rec["issued"])
         now, wall = self.clock(), self.wall()
         moved = False
-        if st.cursor is None or (epoch, seq) > (st.cursor.epoch, st.cursor.seq):
+        if st.cursor is None or cursor_newer(Cursor(epoch, seq, issued), st.cursor):
             # residency (purges included) arrives through the store's log, not here
             st.cursor = Cursor(epoch, seq, issued)
             st.gap = rec.get("gap") == "1"
