@@ -36,8 +36,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from mypy_extensions import mypyc_attr
-
 from ramjet.policy.base import FleetStats, KeyedQueue
 from ramjet.types import EngineId
 
@@ -164,7 +162,6 @@ def fleet_stats(
     )
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (ramjet/native.py); a test subclasses it
 class FleetEstimators:
     """λ, W and the work rates together, for a caller that owns all three (the simulator)."""
 
