@@ -37,18 +37,22 @@ from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
 
-from ramjet.app.server import RouterServer
-from ramjet.config import parse_policy
-from ramjet.fleet.signals import REPORTS_KEY
-from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body
-from ramjet.reports.config import ReportsConfig
-from ramjet.reports.envelope import Envelope, ReportKind, decode, sign
-from ramjet.reports.ingest import ReportIngest
-from ramjet.reports.keys import KeyRing, public_key_b64
-from ramjet.reports.processor import ReportProcessor
-from ramjet.reports.publisher import ReportPublisher
-from ramjet.residency.tables import ResidencyTables
-from ramjet.types import EngineId, PrefixKey
+from ramjet.native import install_ramjet
+
+install_ramjet()  # the hot modules as `ramjet serve` runs them (ramjet/native.py)
+
+from ramjet.app.server import RouterServer  # noqa: E402
+from ramjet.config import parse_policy  # noqa: E402
+from ramjet.fleet.signals import REPORTS_KEY  # noqa: E402
+from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body  # noqa: E402
+from ramjet.reports.config import ReportsConfig  # noqa: E402
+from ramjet.reports.envelope import Envelope, ReportKind, decode, sign  # noqa: E402
+from ramjet.reports.ingest import ReportIngest  # noqa: E402
+from ramjet.reports.keys import KeyRing, public_key_b64  # noqa: E402
+from ramjet.reports.processor import ReportProcessor  # noqa: E402
+from ramjet.reports.publisher import ReportPublisher  # noqa: E402
+from ramjet.residency.tables import ResidencyTables  # noqa: E402
+from ramjet.types import EngineId, PrefixKey  # noqa: E402
 
 E0 = EngineId("e0")
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
