@@ -1,5 +1,5 @@
-"""`python -m simulations.probes`: the session-placement probes of docs/results.md's
-ablation, averaged over seeds (run to run the mean moves by about 2%). Traces with
+"""`python -m simulations.probes`: the session-placement probes of
+docs/results/history-results.md's ablation, averaged over seeds (run to run the mean moves by about 2%). Traces with
 sessions and turns replay closed-loop (`simulations.sessions`), others open-loop at the
 rate that makes `--load` the floor's share of capacity, as `simulations run` does.
 
