@@ -184,6 +184,12 @@ class _Finder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, f, loader=loader)
 
 
+def _str_map(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
+
+
 def _unbound(
     package: str, files: dict[str, str], suffix: str, allowed: Sequence[str] | None
 ) -> str | None:
@@ -232,6 +238,12 @@ def check_build(
         return status("invalid", f"{path}: {exc}"), {}
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return status("invalid", f"{path}: not a format-{FORMAT} manifest (make native)"), {}
+    for key in ("sources", "files", "sha256"):
+        if not _str_map(manifest.get(key)):
+            return status("invalid", f"{path}: {key} is not a map of strings"), {}
+    modules_listed = manifest.get("modules")
+    if not isinstance(modules_listed, list) or not all(isinstance(m, str) for m in modules_listed):
+        return status("invalid", f"{path}: modules is not a list of names"), {}
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     if manifest.get("ext_suffix") != suffix:
         return status("invalid", f"built for {manifest.get('ext_suffix')}, not {suffix}"), {}
@@ -240,7 +252,7 @@ def check_build(
         return status(
             "stale", f"built by mypyc {manifest.get('mypyc')}, not {mypyc} (make native)"
         ), {}
-    built: dict[str, str] = manifest.get("sources", {})
+    built: dict[str, str] = manifest["sources"]
     now = source_hashes(package_dir)
     changed = sorted(k for k in built.keys() | now.keys() if built.get(k) != now.get(k))
     if changed:
@@ -248,7 +260,7 @@ def check_build(
             f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         )
         return status("stale", f"changed since the build: {shown} (make native)", changed), {}
-    rels: dict[str, str] = manifest.get("files", {})
+    rels: dict[str, str] = manifest["files"]
     why = _unbound(package_dir.name, rels, suffix, allowed)
     if why is not None:
         return status("invalid", f"{path}: {why}"), {}
@@ -256,11 +268,11 @@ def check_build(
     missing = sorted(str(p) for p in files.values() if not p.is_file())
     if missing:
         return status("invalid", f"missing extension files: {missing[:3]}"), {}
-    sums: dict[str, str] = manifest.get("sha256", {})
+    sums: dict[str, str] = manifest["sha256"]
     for rel in sorted(rels.values()):
         if sums.get(rel) != file_sha256(build_dir / rel):
             return status("invalid", f"{build_dir / rel}: sha256 differs from {path}"), {}
-    modules = tuple(m for m in manifest.get("modules", []) if m in files)
+    modules = tuple(m for m in modules_listed if m in files)
     if set(modules) != {n for n in files if "." in n}:
         return status("invalid", f"{path}: its modules and files differ"), {}
     return NativeStatus("compiled", "", build_dir, modules), files

@@ -237,11 +237,12 @@ def test_the_build_script_rebuilds_only_what_the_loader_would_not_load(tree: Pat
     before = manifest.read_text()
     assert "is current" in build()
     assert manifest.read_text() == before
-    (tree / "toy" / "extra.py").write_text("X = 1\n")
-    build()
-    (tree / "toy" / "extra.py").unlink()
+    m = json.loads(before)
+    m["sources"]["toy/gone.py"] = "0" * 64  # a file the build had and the tree lost
+    manifest.write_text(json.dumps(m))
     out = build()
-    assert "rebuilding" in out and "toy/extra.py" in out
+    assert "rebuilding" in out and "toy/gone.py" in out
+    assert "toy/gone.py" not in json.loads(manifest.read_text())["sources"]
     assert _probe(tree)["state"] == "compiled"
     _edit_manifest(tree, mypyc="0.0.1")
     assert "built by mypyc 0.0.1" in build()
@@ -276,7 +277,13 @@ def test_each_module_is_bound_to_its_own_name_and_path(tree: Path) -> None:
         r = _probe(tree)
         assert (r["state"], r["loaded"], r["answer"]) == ("invalid", [], 42), bad
         assert why in str(r["reason"]), (why, r["reason"])
-    _edit_manifest(tree, files=files, modules=["toy.core"])
+    good = {k: m[k] for k in ("files", "sha256", "modules")}
+    for key, bad_value in [("files", ["x"]), ("sha256", {"a": 1}), ("modules", "toy.core")]:
+        _edit_manifest(tree, **{**good, key: bad_value})
+        r = _probe(tree)  # a well-formed JSON of the wrong shape: refused, not a traceback
+        assert (r["state"], r["loaded"], r["answer"]) == ("invalid", [], 42), key
+        assert f"{key} is not a" in str(r["reason"]), r["reason"]
+    _edit_manifest(tree, **{**good, "modules": ["toy.core"]})
     assert "its modules and files differ" in str(_probe(tree)["reason"])
     _edit_manifest(tree, files=files, modules=["toy.core", "toy.user"])
     assert _probe(tree)["state"] == "compiled"
