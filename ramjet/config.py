@@ -191,7 +191,8 @@ class AdminConfig(_Frozen):
 DEFAULT_AGING = 0.05
 DEFAULT_HORIZON_S = 20.0
 """The priority hint's defaults (`PriorityConfig`; the key: `ramjet.policy.priority_key`),
-the choice of the aging x horizon sweep of `benchmarks/priority_sim.py` (docs/priority.md):
+the choice of the aging x horizon sweep of `benchmarks/priority_sim.py`
+(docs/results/history-priority.md):
 on the Mooncake trace at 68% utilisation, routed as a pool in mode `on` is (keyed wait,
 jumps charged), the lowest mean TTFT whose worst TTFT stays within 1.1x and p99 within 1x
 of FCFS's, for both the chunk-preemptive and vLLM's scheduler."""
@@ -217,7 +218,7 @@ class PriorityConfig(_Frozen):
     horizon_s: float | None = Field(default=DEFAULT_HORIZON_S, gt=0.0, le=86400.0)
     """No request is overtaken by one that arrived more than this many seconds after it
     (the hint's work is capped at aging x horizon_s); null: no cap, only aging bounds it.
-    The defaults (0.05, 20 s) are the sweep's choice (docs/priority.md)."""
+    The defaults (0.05, 20 s) are the sweep's choice (docs/results/history-priority.md)."""
     client: Literal["keep", "override", "combine"] = "keep"
     """A request that carries its own `priority`: keep it (no hint), override it with the
     hint, or combine: the client's value is a class above the hint."""

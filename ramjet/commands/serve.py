@@ -54,9 +54,10 @@ def _run(args: argparse.Namespace) -> int:
     import uvloop
 
     from ramjet.app.server import serve
-    from ramjet.native import install_ramjet
+    from ramjet.native import current
 
-    logging.getLogger("ramjet.native").info("%s", install_ramjet().line())
+    # installed by ramjet/cli.py before anything imported the hot modules
+    logging.getLogger("ramjet.native").info("%s", current().line())
 
     try:
         uvloop.run(

@@ -45,7 +45,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from mypy_extensions import mypyc_attr
 from prometheus_client import CollectorRegistry
 
 from ramjet.decisions.log import (
@@ -167,7 +166,6 @@ class _ModeSeries:
         return self.cached
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (ramjet/native.py); a test subclasses it
 class Accounting:
     """The router's decision sink (see module docstring). `log` may be None (no file);
     `downstream` receives every record afterwards (tests, other consumers)."""

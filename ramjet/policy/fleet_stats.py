@@ -37,8 +37,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from mypy_extensions import mypyc_attr
-
 from ramjet.policy.base import FleetStats, KeyedQueue
 from ramjet.policy.calibration import Calibrations
 from ramjet.types import EngineId
@@ -169,7 +167,6 @@ def fleet_stats(
     )
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (ramjet/native.py); a test subclasses it
 class FleetEstimators:
     """λ, W and the work rates together, for a caller that owns all three (the simulator)."""
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mypy_extensions import mypyc_attr
-
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
 from ramjet.policy.calibration import TtftWeights
 from ramjet.policy.candidates import eligible
@@ -45,7 +43,6 @@ def profile_off(w: TtftWeights) -> bool:
     return not (lo <= w.prefill <= hi)
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # simulations/probes.py subclasses it
 class TierAware:
     """Least `cost_s` among eligible engines; ties to the shorter wait, then in turn (a
     cursor that moves only on a tie, so idle engines share the new sessions that reach
@@ -83,7 +80,13 @@ class TierAware:
     def pick(
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> Decision:
-        ests = self.estimates(request, engines, fleet)
+        return self.decide(request, self.estimates(request, engines, fleet), fleet)
+
+    def decide(
+        self, request: RequestView, ests: Sequence[EngineEstimate], fleet: FleetStats
+    ) -> Decision:
+        """`pick` from given estimates: the least cost, its notes and session bookkeeping
+        (a probe that prices engines its own way composes `estimates` and this)."""
         ranks = [(s.cost_s, s.wait_s) for s in ests]
         low = min(ranks)
         tied = [s for s, r in zip(ests, ranks, strict=True) if r == low]

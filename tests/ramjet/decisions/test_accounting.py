@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from ramjet.decisions.accounting import Accounting, MeanWait
+from ramjet.decisions.log import parse_realized
 from ramjet.decisions.record import DecisionRecord
 from ramjet.policy.base import Decision
 from ramjet.proxy.exchange import Attempt
@@ -183,12 +184,23 @@ def test_accounting_feeds_mean_wait_and_downstream(tmp_path: Path) -> None:
     assert [json.loads(line)["realized"]["queue_ms"] for line in lines] == [200.0, 10.0]
 
 
-class _OldAccounting(Accounting):
+class _OldAccounting:
     """`_measure` as it was before the per-mode children (commit 6d46593): the reference
     the rendered metrics are compared against, step by step (which series exist after each
     record, every bucket). Its engine-side part (usage, waits, realized tokens) is today's
     code unchanged, copied so the method stays whole. A deliberate change to `_measure`'s
-    series changes this reference with it."""
+    series changes this reference with it. It wraps an `Accounting` (its metrics, label
+    cache, waits and clock) and stands in for its `on_decision`: the compiled class is not
+    subclassed."""
+
+    def __init__(self, registry: CollectorRegistry, clock: Any) -> None:
+        self.acc = Accounting(registry, clock=clock)
+        self.metrics, self._of, self.waits = self.acc.metrics, self.acc._of, self.acc.waits
+        self.clock = clock
+
+    def on_decision(self, record: DecisionRecord) -> None:  # Accounting's, with no log
+        realized = parse_realized(record.response_tail) if record.engine is not None else None
+        self._measure(record, realized)
 
     def _measure(self, record: DecisionRecord, realized: Any) -> None:
         from ramjet.decisions.log import predicted_for, realized_ttft
