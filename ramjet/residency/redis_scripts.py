@@ -8,7 +8,7 @@ approximate, `sx` SWA exact, `sa` SWA approximate.
 | key | type | holds | TTL |
 |---|---|---|---|
 | `{P:E}:st` | hash | `epoch`, `seq` (last report applied), `gen` (batch counter) | retention |
-| `{P:E}:<kind>:<key16>` | string | `"<tier>,<confirmed_ms>"`: one entry | its expiry (PXAT) |
+| `{P:E}:<kind>:<key16>` | string | `"<tier>,<confirmed_ms>,<mac>"`: one entry | its expiry (PXAT) |
 | `{P:E}:i:<kind>` | zset | index: key16 → expiry ms (resync, caps, purge) | retention |
 | `{P:E}:log` | stream | one entry per applied batch, tailed by every replica | retention |
 | `{P:E}:vc` | hash | the report verifier's shared cursor (`ramjet.reports.redis_cursors`) | retention |
@@ -32,7 +32,11 @@ Ops (ARGV[5], JSON list), mirroring `ResidencyStore`:
 `["p", kind, tier, confirmed_ms, expires_ms, [key16...]]` put (exact puts drop the
 approximate twin; approximate puts skip keys with a live exact entry),
 `["r", table, [key16...]]` remove both sources, `["R", table, confirmed_ms,
-[[key16, tier, expires_ms]...]]` replace the exact content, `["P"]` purge the engine.
+[[key16, tier, expires_ms]...]]` replace the exact content, `["E", ...]` (same shape)
+more exact entries of the replace before it (a chunked snapshot), `["P"]` purge the
+engine. Each record may carry its MAC (`redis_ops.Sealer`), stored in the entry's value;
+the batch's MAC, epoch and seq go into its log entry. A stored epoch more than the max
+clock skew in the future counts as none (it would refuse every real report).
 Then expired index members go, and caps evict the members that expire soonest
 (ZPOPMIN), deleting their keys; the batch and those evictions are appended to the log
 (XADD MAXLEN ~) with the new `gen`. Entry keys are reached by name from KEYS[1]'s prefix:
@@ -86,7 +90,7 @@ APPLY = LuaScript(
     "ramjet_residency_apply",
     r"""
 -- KEYS: st, log.  ARGV: mode, epoch, seq, retention_ms, ops json, caps "gcap,scap,logmax",
--- origin.  Returns {status, gen, epoch, seq}.
+-- origin, batch mac, max clock skew ms.  Returns {status, gen, epoch, seq}.
 local st, log = KEYS[1], KEYS[2]
 local base = string.sub(st, 1, -4)
 local mode, epoch, seq = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -99,6 +103,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local cur = redis.call('HMGET', st, 'epoch', 'seq', 'gen')
 local cepoch, cseq, gen = tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3])
+-- an epoch is a wall-clock start time: one in the future was not written by a replica
+-- (or its clock is wrong) and would refuse every real report, so it does not count
+if cepoch ~= nil and cepoch > now + tonumber(ARGV[9]) then cepoch, cseq = nil, nil end
 if gen == nil then
   if mode ~= 'seed' then return {'missing', 0, -1, -1} end
   gen = 0
@@ -125,9 +132,9 @@ local function clear(kind)
   end
   redis.call('DEL', idx(kind))
 end
-local function set(kind, k, tier, confirmed, exp)
+local function set(kind, k, tier, confirmed, exp, mac)
   if exp > now then
-    redis.call('SET', ekey(kind, k), tier .. ',' .. confirmed, 'PXAT', exp)
+    redis.call('SET', ekey(kind, k), tier .. ',' .. confirmed .. ',' .. (mac or ''), 'PXAT', exp)
     redis.call('ZADD', idx(kind), exp, k)
   else
     drop(kind, k)
@@ -139,22 +146,23 @@ for _, op in ipairs(ops) do
   if o == 'p' then
     local kind, tier, confirmed, exp = op[2], op[3], op[4], tonumber(op[5])
     local tbl, src = string.sub(kind, 1, 1), string.sub(kind, 2, 2)
-    for _, k in ipairs(op[6]) do
+    local macs = op[7] or {}
+    for i, k in ipairs(op[6]) do
       if src == 'x' then
         drop(tbl .. 'a', k)
-        set(kind, k, tier, confirmed, exp)
+        set(kind, k, tier, confirmed, exp, macs[i])
       elseif redis.call('EXISTS', ekey(tbl .. 'x', k)) == 0 then
-        set(kind, k, tier, confirmed, exp)
+        set(kind, k, tier, confirmed, exp, macs[i])
       end
     end
   elseif o == 'r' then
     for _, k in ipairs(op[3]) do drop(op[2] .. 'x', k); drop(op[2] .. 'a', k) end
-  elseif o == 'R' then
+  elseif o == 'R' or o == 'E' then
     local tbl, confirmed = op[2], op[3]
-    clear(tbl .. 'x')
+    if o == 'R' then clear(tbl .. 'x') end
     for _, e in ipairs(op[4]) do
       drop(tbl .. 'a', e[1])
-      set(tbl .. 'x', e[1], e[2], confirmed, tonumber(e[3]))
+      set(tbl .. 'x', e[1], e[2], confirmed, tonumber(e[3]), e[4])
     end
   elseif o == 'P' then
     for _, kind in ipairs({'gx', 'ga', 'sx', 'sa'}) do clear(kind) end
@@ -181,7 +189,8 @@ redis.call('HSET', st, 'gen', gen)
 local x = '[]'
 if #evicted > 0 then x = cjson.encode(evicted) end
 redis.call('XADD', log, 'MAXLEN', '~', tonumber(logmax), '*',
-  'gen', gen, 'm', mode, 'ops', ARGV[5], 'x', x, 'o', ARGV[7])
+  'gen', gen, 'm', mode, 'e', ARGV[2], 's', ARGV[3], 'ops', ARGV[5], 'x', x, 'o', ARGV[7],
+  'mac', ARGV[8])
 redis.call('PEXPIRE', st, retention)
 redis.call('PEXPIRE', log, retention)
 for _, kind in ipairs({'gx', 'ga', 'sx', 'sa'}) do

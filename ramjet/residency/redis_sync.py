@@ -35,15 +35,25 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from ramjet.metric_catalogue import counter, gauge
-from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
+from ramjet.residency.redis_link import (
+    RedisCommandError,
+    RedisLink,
+    RedisSettings,
+    RedisUnavailable,
+)
 from ramjet.residency.redis_ops import (
     CODE_TABLE,
+    REJECT_REASONS,
     Batch,
     Clocks,
+    InvalidEntry,
+    Sealer,
     fields,
     put_op,
     replay,
+    split_ops,
     text,
+    weight,
 )
 from ramjet.residency.redis_scripts import APPLY, KINDS, TAIL, EngineKeys
 from ramjet.residency.store import MemoryStore, Table
@@ -52,6 +62,7 @@ from ramjet.types import EngineId, PrefixKey, Tier
 log = logging.getLogger(__name__)
 
 TAIL_COUNT = 500
+_TIERS = frozenset(int(t) for t in Tier)
 PULL_PAGE = 2000
 
 
@@ -72,6 +83,9 @@ class StoreMetrics:
         self.dropped = counter(registry, "ramjet_redis_dropped_batches_total")
         self.batches = counter(registry, "ramjet_redis_batches_total")
         self.applied = counter(registry, "ramjet_redis_log_entries_applied_total")
+        self.rejected = counter(registry, "ramjet_redis_rejected_total")
+        for reason in REJECT_REASONS:  # every reason exported from the start (alerts)
+            self.rejected.labels(reason)
 
 
 class RedisSync:
@@ -85,6 +99,7 @@ class RedisSync:
         clocks: Clocks,
         metrics: StoreMetrics,
         origin: str,
+        sealer: Sealer | None = None,
     ) -> None:
         self.link = link
         self.settings: RedisSettings = link.settings
@@ -93,6 +108,9 @@ class RedisSync:
         self.clocks = clocks
         self.metrics = metrics
         self.origin = origin
+        self.sealer = sealer if sealer is not None else Sealer(link.settings.secret())
+        self.chunk = self.settings.snapshot_chunk_entries
+        self.skew_ms = int(self.settings.max_clock_skew_s * 1000)
         self.keys: dict[EngineId, EngineKeys] = {}
         self.tails: dict[EngineId, Tail] = {}
         self.cursor: dict[EngineId, tuple[int, int]] = {}
@@ -117,7 +135,10 @@ class RedisSync:
     # -- the queue ----------------------------------------------------------------------
 
     def enqueue(self, batch: Batch) -> None:
-        self.outbox.append(batch)
+        """Queue a batch; one over `snapshot_chunk_entries` entries goes as chunks, each
+        one script call, in order: later batches stay behind all of them."""
+        for part in self._chunks(batch):
+            self.outbox.append(part)
         while len(self.outbox) > self.settings.max_pending_writes:
             self.outbox.popleft()
             self.metrics.dropped.inc()
@@ -128,13 +149,28 @@ class RedisSync:
         """Queue one unsequenced operation, coalesced into the queue's last batch when
         that is one for `engine`."""
         last = self.outbox[-1] if self.outbox else None
-        if last is not None and last.mode == "free" and last.engine == engine:
+        if (
+            last is not None
+            and last.mode == "free"
+            and last.engine == engine
+            and sum(map(weight, last.ops)) + weight(op) <= self.chunk
+        ):
             last.ops.append(op)  # coalesce: the queue's tail is never in flight
             self.wake.set()
             return
         self.enqueue(Batch(engine, "free", ops=[op]))
 
+    def _chunks(self, batch: Batch) -> list[Batch]:
+        parts = split_ops(batch.ops, self.chunk)
+        if len(parts) <= 1:
+            return [batch]
+        lead = Batch(batch.engine, batch.mode, batch.epoch, batch.seq, parts[0])
+        return [lead] + [Batch(batch.engine, "free", ops=p, lead=lead) for p in parts[1:]]
+
     def note_cursor(self, engine: EngineId, epoch: int, seq: int) -> None:
+        if epoch > self.clocks.wall() * 1000 + self.skew_ms:
+            self.metrics.rejected.labels("epoch").inc()
+            return  # a future epoch read from Redis: not a replica's, never trusted
         cur = self.cursor.get(engine)
         if cur is None or (epoch, seq) > cur:
             self.cursor[engine] = (epoch, seq)
@@ -182,10 +218,22 @@ class RedisSync:
         stale: set[EngineId] = set()
         while self.outbox:
             batch = self.outbox[0]
-            status = await self._apply(batch)
-            if status == "missing":
-                await self._seed(batch.engine)
-                status = await self._apply(batch)
+            if batch.lead is not None and batch.lead.status != "ok":
+                status = "skipped"  # Redis refused the first chunk: drop the rest
+            else:
+                try:
+                    status = await self._apply(batch)
+                    if status == "missing":
+                        await self._seed(batch.engine)
+                        status = await self._apply(batch)
+                except RedisCommandError:
+                    batch.attempts += 1
+                    if batch.attempts < self.settings.max_batch_attempts:
+                        raise  # counted by the link; the next round tries again
+                    status = "refused"  # a poison batch must not block the queue
+                    self.metrics.dropped.inc()
+                    stale.add(batch.engine)
+            batch.status = status
             self.metrics.batches.labels(status).inc()
             if status == "stale":
                 stale.add(batch.engine)  # the mirror took a change Redis refused: undo it
@@ -197,6 +245,7 @@ class RedisSync:
 
     async def _apply(self, batch: Batch) -> str:
         keys = self.keys[batch.engine]
+        ops = json.dumps(self.sealer.seal(batch.engine, batch.ops), separators=(",", ":"))
         res = await self.link.script(
             APPLY,
             [keys.st, keys.log],
@@ -205,9 +254,11 @@ class RedisSync:
                 batch.epoch,
                 batch.seq,
                 self.retention_ms,
-                json.dumps(batch.ops, separators=(",", ":")),
+                ops,
                 self._caps,
                 self.origin,
+                self.sealer.batch_mac(batch.engine, batch.mode, batch.epoch, batch.seq, ops),
+                self.skew_ms,
             ],
         )
         return text(res[0])
@@ -224,9 +275,12 @@ class RedisSync:
                         )
                     )
         epoch, seq = self.cursor.get(engine, (-1, -1))
-        seed = Batch(engine, "seed", epoch, seq, ops)
-        status = await self._apply(seed)
+        parts = self._chunks(Batch(engine, "seed", epoch, seq, ops))
+        status = await self._apply(parts[0])
         self.metrics.batches.labels(f"seed_{status}").inc()
+        if status == "ok":  # this replica's seed won: the rest of it follows, in chunks
+            for part in parts[1:]:
+                self.metrics.batches.labels(f"seed_{await self._apply(part)}").inc()
         if status == "ok":
             self.metrics.resyncs.labels("push", "redis_empty").inc()
         self.tails[engine] = Tail()  # re-read from Redis, whoever seeded
@@ -253,7 +307,12 @@ class RedisSync:
             await self._pull(engine, "gap")
             return
         for entry_id, raw in entries:
-            self._apply_entry(engine, fields(raw))
+            try:
+                self._apply_entry(engine, fields(raw))
+            except InvalidEntry as exc:
+                # skipped and counted, never retried: one bad entry must not halt the sync
+                self.metrics.rejected.labels(exc.reason).inc()
+                log.warning("skipped change-log entry %s of %s: %s", text(entry_id), engine, exc)
             tail.last_id = text(entry_id)
             tail.gen += 1
         if len(entries) < TAIL_COUNT and epoch >= 0:
@@ -261,7 +320,7 @@ class RedisSync:
 
     def _apply_entry(self, engine: EngineId, f: dict[str, str]) -> None:
         """Replay one logged batch on the mirror."""
-        replay(self.local, engine, f, self.clocks)
+        replay(self.local, engine, f, self.clocks, self.sealer)
         self.metrics.applied.inc()
 
     async def _pull(self, engine: EngineId, reason: str) -> None:
@@ -285,13 +344,16 @@ class RedisSync:
             for k, exp_ms, value in rows:
                 if value is None:
                     continue  # expired between ZRANGE and MGET
-                tier_s, confirmed_s = text(value).split(",")
+                rec = self._record(engine, kind, k, exp_ms, text(value))
+                if rec is None:
+                    continue
+                tier, confirmed_ms = rec
                 self.local.put(
                     table,
                     engine,
                     (PrefixKey(int(k, 16)),),
-                    Tier(int(tier_s)),
-                    now_local + (int(confirmed_s) / 1000 - now_wall),
+                    tier,
+                    now_local + (confirmed_ms / 1000 - now_wall),
                     now_local + (exp_ms / 1000 - now_wall),
                     exact,
                 )
@@ -299,6 +361,28 @@ class RedisSync:
         if epoch >= 0:
             self.note_cursor(engine, epoch, seq)
         self.metrics.resyncs.labels("pull", reason).inc()
+
+    def _record(
+        self, engine: EngineId, kind: str, k16: str, exp_ms: int, value: str
+    ) -> tuple[Tier, int] | None:
+        """One stored entry, checked (shape, tier, MAC); None (counted) if it fails."""
+        parts = value.split(",")
+        try:
+            if len(parts) not in (2, 3) or len(k16) != 16:
+                raise ValueError(value)
+            int(k16, 16)
+            tier_i, confirmed_ms = int(parts[0]), int(parts[1])
+        except ValueError:
+            self.metrics.rejected.labels("malformed").inc()
+            return None
+        if tier_i not in _TIERS:
+            self.metrics.rejected.labels("tier").inc()
+            return None
+        mac = parts[2] if len(parts) == 3 else ""
+        if not self.sealer.check_record(mac, engine, kind, k16, tier_i, confirmed_ms, exp_ms):
+            self.metrics.rejected.labels("mac").inc()
+            return None
+        return Tier(tier_i), confirmed_ms
 
     async def _head(self, keys: EngineKeys) -> tuple[int, int, int, str]:
         """(gen, epoch, seq, last log id) of one engine in Redis; gen < 0: none there."""
