@@ -78,7 +78,7 @@ class RedisSettings(BaseModel):
     max_clock_skew_s: float = Field(default=300.0, gt=0)
     """An epoch (a report's wall-clock start time in ms) more than this far in the
     future is refused wherever Redis shows one: it would freeze the engine's reports."""
-    snapshot_chunk_entries: int = Field(default=2_000, ge=16, le=100_000)
+    snapshot_chunk_entries: int = Field(default=500, ge=16, le=100_000)
     """Entries per write batch sent to Redis: a snapshot, or any large write, goes in
     chunks of this many, each one script call well inside `timeout_ms`."""
     max_batch_attempts: int = Field(default=5, ge=1, le=1000)

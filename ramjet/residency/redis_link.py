@@ -35,7 +35,7 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ramjet.errors import RamjetError
@@ -246,6 +246,8 @@ class RedisLink:
 
 def _code(exc: ResponseError) -> str:
     """The error reply's code, e.g. OOM, ERR, WRONGTYPE (script errors arrive as ERR)."""
+    if isinstance(exc, OutOfMemoryError) or "maxmemory" in str(exc):
+        return "OOM"  # redis-py strips the code from the text of its OutOfMemoryError
     return str(exc).split(" ", 1)[0].upper()
 
 

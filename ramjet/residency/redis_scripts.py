@@ -7,7 +7,7 @@ approximate, `sx` SWA exact, `sa` SWA approximate.
 
 | key | type | holds | TTL |
 |---|---|---|---|
-| `{P:E}:st` | hash | `epoch`, `seq` (last report applied), `gen` (batch counter) | retention |
+| `{P:E}:st` | hash | `epoch`, `seq` (last report applied), `gen` (batch counter), `at` (last write ms) | retention |
 | `{P:E}:<kind>:<key16>` | string | `"<tier>,<confirmed_ms>,<mac>"`: one entry | its expiry (PXAT) |
 | `{P:E}:i:<kind>` | zset | index: key16 → expiry ms (resync, caps, purge) | retention |
 | `{P:E}:log` | stream | one entry per applied batch, tailed by every replica | retention |
@@ -116,6 +116,9 @@ if mode == 'seq' and cepoch ~= nil then
   if epoch < cepoch then return {'stale', gen, cepoch, cseq} end
   if epoch == cepoch and seq <= cseq then return {'dup', gen, cepoch, cseq} end
 end
+-- the first write must be one Redis refuses at maxmemory (HSET is deny-oom): after any
+-- write (a DEL), Redis lets the rest of a script write past maxmemory
+redis.call('HSET', st, 'at', now)
 if mode == 'seq' or (mode == 'seed' and epoch >= 0) then
   redis.call('HSET', st, 'epoch', epoch, 'seq', seq)
 end
