@@ -81,6 +81,11 @@ class RedisSettings(BaseModel):
     snapshot_chunk_entries: int = Field(default=500, ge=16, le=100_000)
     """Entries per write batch sent to Redis: a snapshot, or any large write, goes in
     chunks of this many, each one script call well inside `timeout_ms`."""
+    encoding: Literal["packed", "keys"] = "packed"
+    """How entries are stored (docs/redis.md): `packed`, 27-byte records in one hash per
+    engine and kind, bucketed by the key's first 16 bits (about 30 bytes per entry at
+    scale); `keys`, one string key and one index member per entry (the encoding before
+    issue 33, hundreds of bytes per entry). Every replica must use the same."""
     max_batch_attempts: int = Field(default=5, ge=1, le=1000)
     """A batch Redis refuses with an error reply (OOM, script error) this many times is
     dropped (counted) and its engines pulled again, so it cannot block the queue."""

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -55,13 +56,21 @@ from ramjet.residency.redis_ops import (
     text,
     weight,
 )
-from ramjet.residency.redis_scripts import APPLY, KINDS, TAIL, EngineKeys
+from ramjet.residency.redis_scripts import (
+    APPLY,
+    APPLY_PACKED,
+    KINDS,
+    PACKED_RECORD,
+    TAIL,
+    EngineKeys,
+)
 from ramjet.residency.store import MemoryStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 log = logging.getLogger(__name__)
 
-TAIL_COUNT = 500
+TAIL_COUNT = 16
+_RECORD = struct.Struct(">HIBHIHI8s")  # redis_scripts.APPLY_PACKED's 27-byte entry
 _TIERS = frozenset(int(t) for t in Tier)
 PULL_PAGE = 2000
 
@@ -110,6 +119,8 @@ class RedisSync:
         self.origin = origin
         self.sealer = sealer if sealer is not None else Sealer(link.settings.secret())
         self.chunk = self.settings.snapshot_chunk_entries
+        self.packed = self.settings.encoding == "packed"
+        self.apply_script = APPLY_PACKED if self.packed else APPLY
         self.skew_ms = int(self.settings.max_clock_skew_s * 1000)
         self.keys: dict[EngineId, EngineKeys] = {}
         self.tails: dict[EngineId, Tail] = {}
@@ -247,7 +258,7 @@ class RedisSync:
         keys = self.keys[batch.engine]
         ops = json.dumps(self.sealer.seal(batch.engine, batch.ops), separators=(",", ":"))
         res = await self.link.script(
-            APPLY,
+            self.apply_script,
             [keys.st, keys.log],
             [
                 batch.mode,
@@ -291,21 +302,29 @@ class RedisSync:
         if not tail.synced:
             await self._pull(engine, "start")
             return
+        while await self._tail_page(engine, keys, tail):
+            pass  # a full page: more may follow (pages are small: a log entry holds a chunk)
+
+    async def _tail_page(self, engine: EngineId, keys: EngineKeys, tail: Tail) -> bool:
+        """Read and apply one page of the engine's log; True when the page was full."""
         res = await self.link.script(TAIL, [keys.st, keys.log], [tail.last_id, TAIL_COUNT])
         gen, epoch, seq, entries = int(res[0]), int(res[1]), int(res[2]), res[3]
         if gen < 0:  # Redis lost this engine (restart, expiry): seed it, then pull
             if self.local.holds(engine) or engine in self.cursor:
                 await self._seed(engine)
                 await self._pull(engine, "redis_empty")
-            return
+            return False
         if not entries:
             if gen != tail.gen:
                 await self._pull(engine, "gap")
-            return
-        first_gen = int(fields(entries[0][1])["gen"])
+            return False
+        try:
+            first_gen = int(fields(entries[0][1])["gen"])
+        except (KeyError, ValueError):
+            first_gen = -1  # not an entry a replica wrote: pull what Redis holds
         if first_gen != tail.gen + 1:
             await self._pull(engine, "gap")
-            return
+            return False
         for entry_id, raw in entries:
             try:
                 self._apply_entry(engine, fields(raw))
@@ -315,8 +334,11 @@ class RedisSync:
                 log.warning("skipped change-log entry %s of %s: %s", text(entry_id), engine, exc)
             tail.last_id = text(entry_id)
             tail.gen += 1
-        if len(entries) < TAIL_COUNT and epoch >= 0:
-            self.note_cursor(engine, epoch, seq)
+        if len(entries) < TAIL_COUNT:
+            if epoch >= 0:
+                self.note_cursor(engine, epoch, seq)
+            return False
+        return True
 
     def _apply_entry(self, engine: EngineId, f: dict[str, str]) -> None:
         """Replay one logged batch on the mirror."""
@@ -335,8 +357,9 @@ class RedisSync:
                 self.tails[engine] = Tail(synced=True, last_id="0-0", gen=0)
                 return
         loaded: list[tuple[str, list[tuple[str, int, bytes | None]]]] = []
+        dump = self._dump_packed if self.packed else self._dump
         for kind in KINDS:
-            loaded.append((kind, await self._dump(keys, kind)))
+            loaded.append((kind, await dump(keys, kind)))
         self.local.purge(engine)
         now_local, now_wall = self.clocks.clock(), self.clocks.wall()
         for kind, rows in loaded:
@@ -388,6 +411,34 @@ class RedisSync:
         """(gen, epoch, seq, last log id) of one engine in Redis; gen < 0: none there."""
         res = await self.link.script(TAIL, [keys.st, keys.log], ["", 0])
         return int(res[0]), int(res[1]), int(res[2]), text(res[4])
+
+    async def _dump_packed(
+        self, keys: EngineKeys, kind: str
+    ) -> list[tuple[str, int, bytes | None]]:
+        """One kind's live entries from the packed hash (HSCAN pages), in the same
+        (key16, expiry ms, "tier,confirmed,mac") rows as `_dump`."""
+        name = keys.packed(kind)
+        out: list[tuple[str, int, bytes | None]] = []
+        cursor: int = 0
+        now_ms = int(self.clocks.wall() * 1000)
+        while True:
+            cursor, page = await self.link.call(
+                lambda c, cur=cursor: c.hscan(name, cur, count=PULL_PAGE // 16)  # type: ignore[misc]
+            )
+            for field, value in page.items():
+                b = text(field)
+                if len(b) != 4 or len(value) % PACKED_RECORD:
+                    self.metrics.rejected.labels("malformed").inc()
+                    continue
+                for hi16, hi32, tier, c_hi, c_lo, e_hi, e_lo, mac in _RECORD.iter_unpack(value):
+                    exp_ms = (e_hi << 32) | e_lo
+                    if exp_ms <= now_ms:
+                        continue  # expired, not swept yet
+                    conf_ms = (c_hi << 32) | c_lo
+                    rec = f"{tier},{conf_ms},{mac.hex() if any(mac) else ''}".encode()
+                    out.append((f"{hi16:04x}{hi32:08x}{b}", exp_ms, rec))
+            if cursor == 0:
+                return out
 
     async def _dump(self, keys: EngineKeys, kind: str) -> list[tuple[str, int, bytes | None]]:
         idx = keys.index(kind)

@@ -6,6 +6,7 @@ in chunks that each fit the deadline, with later writes ordered after it."""
 from __future__ import annotations
 
 import json
+import struct
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -128,24 +129,37 @@ async def test_forged_unknown_and_future_log_entries_change_nothing_and_sync_goe
     assert metric(creg, "ramjet_redis_rejected_total", reason="op") == 1
 
 
+@pytest.mark.parametrize("encoding", ["packed", "keys"])
 async def test_a_forged_stored_entry_is_not_pulled(
-    server: RedisProcess, stores: list[RedisStore]
+    server: RedisProcess, stores: list[RedisStore], encoding: str
 ) -> None:
-    a, _ = make(server)
+    a, _ = make(server, encoding=encoding)
     stores.append(a)
     ta = ResidencyTables(CFG, a)
     ta.store_global(E0, [PrefixKey(1)], Tier.HOST, ta.clock())
     await a.sync_once()
     c = a.link.client
     exp = int(time.time() * 1000) + 600_000
-    await c.set(f"{{ramjet:e0}}:gx:{5:016x}", "0,1", pxat=exp)
-    await c.zadd("{ramjet:e0}:i:gx", {f"{5:016x}": exp})
-    await c.set(f"{{ramjet:e0}}:gx:{6:016x}", "0,1," + "ab" * 8, pxat=exp)
-    await c.zadd("{ramjet:e0}:i:gx", {f"{6:016x}": exp})
-    b, reg = make(server)  # a new replica starts warm from Redis: a full pull
+    if encoding == "keys":
+        await c.set(f"{{ramjet:e0}}:gx:{5:016x}", "0,1", pxat=exp)
+        await c.zadd("{ramjet:e0}:i:gx", {f"{5:016x}": exp})
+        await c.set(f"{{ramjet:e0}}:gx:{6:016x}", "0,1," + "ab" * 8, pxat=exp)
+        await c.zadd("{ramjet:e0}:i:gx", {f"{6:016x}": exp})
+    else:  # records beside the real one in its bucket: no MAC, a wrong MAC
+        bucket = "{ramjet:e0}:b:gx"
+        held_now = await c.hget(bucket, "0001")  # key 1's bucket: its low 16 bits
+        assert held_now is not None and len(held_now) == 27
+
+        def rec(k: int, mac: bytes) -> bytes:
+            return struct.pack(">HIBHIHI8s", 0, k, 0, 0, 1, exp >> 32, exp & 0xFFFFFFFF, mac)
+
+        # keys 5 << 16 | 1 and 6 << 16 | 1: the record holds a key's high 48 bits
+        await c.hset(bucket, "0001", held_now + rec(5, bytes(8)) + rec(6, b"\xab" * 8))
+    b, reg = make(server, encoding=encoding)  # a new replica starts warm from Redis: a pull
     stores.append(b)
     await b.sync_once()
-    assert held(b, 1, 5, 6) == [True, False, False]
+    forged = (5, 6) if encoding == "keys" else (5 << 16 | 1, 6 << 16 | 1)
+    assert held(b, 1, *forged) == [True, False, False]
     assert metric(reg, "ramjet_redis_rejected_total", reason="mac") == 2
 
 
@@ -228,4 +242,4 @@ async def test_a_large_snapshot_goes_in_chunks_within_the_deadline_and_deltas_fo
     await b.sync_once()
     assert b.local.size(Table.GLOBAL) == n - 2
     assert held(b, 1, n, 5, 6, n + 7) == [True, True, False, False, False]
-    assert await a.link.client.zcard("{ramjet:e0}:i:gx") == n - 2
+    assert await a.link.client.hget(ST, "n:gx") == str(n - 2).encode()  # Redis's own count
