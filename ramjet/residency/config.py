@@ -65,6 +65,10 @@ class RedisSettings(BaseModel):
     max_swa_entries_per_engine: int = Field(default=100_000, ge=1)
     log_max_entries: int = Field(default=10_000, ge=16)
     """Change-log entries kept per engine; a replica further behind resyncs in full."""
+    log_max_age_s: float = Field(default=120.0, ge=1.0, le=86_400.0)
+    """Change-log entries older than this are trimmed (replicas read the log every
+    `sync_interval_ms`; one further behind resyncs in full), so a large snapshot's chunks
+    do not stay in Redis memory beside the entries they wrote."""
     max_pending_writes: int = Field(default=10_000, ge=1)
     """Writes queued while Redis is unreachable; beyond it the oldest are dropped and
     the replica re-seeds Redis from its local copy on recovery."""

@@ -94,7 +94,7 @@ APPLY = LuaScript(
     "ramjet_residency_apply",
     r"""
 -- KEYS: st, log.  ARGV: mode, epoch, seq, retention_ms, ops json, caps "gcap,scap,logmax",
--- origin, batch mac, max clock skew ms.  Returns {status, gen, epoch, seq}.
+-- origin, batch mac, max clock skew ms, log max age ms.  Returns {status, gen, epoch, seq}.
 local st, log = KEYS[1], KEYS[2]
 local base = string.sub(st, 1, -4)
 local mode, epoch, seq = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -195,9 +195,12 @@ gen = gen + 1
 redis.call('HSET', st, 'gen', gen)
 local x = '[]'
 if #evicted > 0 then x = cjson.encode(evicted) end
-redis.call('XADD', log, 'MAXLEN', '~', tonumber(logmax), '*',
+-- the log is for tailing replicas (every sync interval): it keeps `logmax` entries and
+-- at most ARGV[10] ms of them, so a snapshot's chunks leave it soon after they are read
+redis.call('XADD', log, 'MINID', '~', math.max(0, now - tonumber(ARGV[10])), '*',
   'gen', gen, 'm', mode, 'e', ARGV[2], 's', ARGV[3], 'ops', ARGV[5], 'x', x, 'o', ARGV[7],
   'mac', ARGV[8])
+redis.call('XTRIM', log, 'MAXLEN', '~', tonumber(logmax))
 redis.call('PEXPIRE', st, retention)
 redis.call('PEXPIRE', log, retention)
 for _, kind in ipairs({'gx', 'ga', 'sx', 'sa'}) do
@@ -483,9 +486,12 @@ gen = gen + 1
 redis.call('HSET', st, 'gen', gen)
 local x = '[]'
 if #evicted > 0 then x = cjson.encode(evicted) end
-redis.call('XADD', log, 'MAXLEN', '~', tonumber(logmax), '*',
+-- the log is for tailing replicas (every sync interval): it keeps `logmax` entries and
+-- at most ARGV[10] ms of them, so a snapshot's chunks leave it soon after they are read
+redis.call('XADD', log, 'MINID', '~', math.max(0, now - tonumber(ARGV[10])), '*',
   'gen', gen, 'm', mode, 'e', ARGV[2], 's', ARGV[3], 'ops', ARGV[5], 'x', x, 'o', ARGV[7],
   'mac', ARGV[8])
+redis.call('XTRIM', log, 'MAXLEN', '~', tonumber(logmax))
 redis.call('PEXPIRE', st, retention)
 redis.call('PEXPIRE', log, retention)
 for _, kind in ipairs(KINDS) do

@@ -122,6 +122,7 @@ class RedisSync:
         self.packed = self.settings.encoding == "packed"
         self.apply_script = APPLY_PACKED if self.packed else APPLY
         self.skew_ms = int(self.settings.max_clock_skew_s * 1000)
+        self.log_age_ms = int(self.settings.log_max_age_s * 1000)
         self.keys: dict[EngineId, EngineKeys] = {}
         self.tails: dict[EngineId, Tail] = {}
         self.cursor: dict[EngineId, tuple[int, int]] = {}
@@ -270,6 +271,7 @@ class RedisSync:
                 self.origin,
                 self.sealer.batch_mac(batch.engine, batch.mode, batch.epoch, batch.seq, ops),
                 self.skew_ms,
+                self.log_age_ms,
             ],
         )
         return text(res[0])
