@@ -304,7 +304,33 @@ local function added(kind, b)
   if a == nil then a = {map = {}, order = {}}; adds[kind][b] = a end
   return a
 end
-local function ms6(v) return struct.pack('>I2I4', math.floor(v / 4294967296), v % 4294967296) end
+local ms6memo = {}
+local function ms6(v)
+  local m = ms6memo[v]
+  if m == nil then
+    m = struct.pack('>I2I4', math.floor(v / 4294967296), v % 4294967296)
+    ms6memo[v] = m
+  end
+  return m
+end
+local TIERB = {[0] = struct.pack('>B', 0), [1] = struct.pack('>B', 1), [2] = struct.pack('>B', 2)}
+-- read every bucket an op touches in one HMGET (not one HGET per entry)
+local function prefetch(kind, ks, field)
+  if cleared[kind] then return end
+  local want, seen = {}, {}
+  local c = cache[kind]
+  for _, k in ipairs(ks) do
+    if field then k = k[field] end
+    local b = string.sub(k, 13, 16)
+    if c[b] == nil and not seen[b] then seen[b] = true; want[#want + 1] = b end
+  end
+  for i = 1, #want, 1000 do
+    local part = {}
+    for j = i, math.min(i + 999, #want) do part[#part + 1] = want[j] end
+    local vals = redis.call('HMGET', hkey(kind), unpack(part))
+    for j = 1, #part do c[part[j]] = vals[j] or '' end
+  end
+end
 local ZERO8 = string.rep('\0', 8)
 local function mac8(m)
   if m == nil or m == '' then return ZERO8 end
@@ -350,7 +376,7 @@ local function set(kind, k, tier, confirmed, exp, mac)
   if exp <= now then drop(kind, k); return end
   local b = bkey(k)
   local rk = rkey(k)
-  local rec = rk .. struct.pack('>B', tier) .. ms6(confirmed) .. ms6(exp) .. mac8(mac)
+  local rec = rk .. (TIERB[tier] or struct.pack('>B', tier)) .. ms6(confirmed) .. ms6(exp) .. mac8(mac)
   local a = added(kind, b)
   if a.map[rk] ~= nil then a.map[rk] = rec; return end
   local v = bucket(kind, b)
@@ -376,6 +402,8 @@ for _, op in ipairs(ops) do
     local kind, tier, confirmed, exp = op[2], op[3], op[4], tonumber(op[5])
     local tbl, src = string.sub(kind, 1, 1), string.sub(kind, 2, 2)
     local macs = op[7] or {}
+    prefetch(kind, op[6])
+    if cnt[tbl .. (src == 'x' and 'a' or 'x')] > 0 then prefetch(tbl .. (src == 'x' and 'a' or 'x'), op[6]) end
     for i, k in ipairs(op[6]) do
       if src == 'x' then
         drop(tbl .. 'a', k)
@@ -385,10 +413,15 @@ for _, op in ipairs(ops) do
       end
     end
   elseif o == 'r' then
+    for _, kind in ipairs({op[2] .. 'x', op[2] .. 'a'}) do
+      if cnt[kind] > 0 then prefetch(kind, op[3]) end
+    end
     for _, k in ipairs(op[3]) do drop(op[2] .. 'x', k); drop(op[2] .. 'a', k) end
   elseif o == 'R' or o == 'E' then
     local tbl, confirmed = op[2], op[3]
     if o == 'R' then clear(tbl .. 'x') end
+    prefetch(tbl .. 'x', op[4], 1)
+    if cnt[tbl .. 'a'] > 0 then prefetch(tbl .. 'a', op[4], 1) end
     for _, e in ipairs(op[4]) do
       drop(tbl .. 'a', e[1])
       set(tbl .. 'x', e[1], e[2], confirmed, tonumber(e[3]), e[4])
