@@ -128,6 +128,8 @@ class RedisSync:
         self.cursor: dict[EngineId, tuple[int, int]] = {}
         """(epoch, seq) of each engine's last report this replica knows applied."""
         self.outbox: deque[Batch] = deque()
+        self._seeding: dict[EngineId, deque[Batch]] = {}
+        """Chunks of a seed this replica won that Redis has not taken yet."""
         self.wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._recovered = False
@@ -216,6 +218,8 @@ class RedisSync:
         """Flush queued writes, then bring the mirror up to Redis. Raises
         `RedisUnavailable` when Redis is away (the mirror keeps serving)."""
         async with self._lock:
+            for engine in list(self._seeding):
+                await self._finish_seed(engine)
             if self._recovered:
                 self._recovered = False
                 await self._flush()
@@ -292,11 +296,20 @@ class RedisSync:
         status = await self._apply(parts[0])
         self.metrics.batches.labels(f"seed_{status}").inc()
         if status == "ok":  # this replica's seed won: the rest of it follows, in chunks
-            for part in parts[1:]:
-                self.metrics.batches.labels(f"seed_{await self._apply(part)}").inc()
+            self._seeding[engine] = deque(parts[1:])
+            await self._finish_seed(engine)
         if status == "ok":
             self.metrics.resyncs.labels("push", "redis_empty").inc()
         self.tails[engine] = Tail()  # re-read from Redis, whoever seeded
+
+    async def _finish_seed(self, engine: EngineId) -> None:
+        """Send the rest of a seed this replica won, in order; what a timeout leaves is
+        sent first thing next round (before any pull could read a half seed)."""
+        rest = self._seeding.get(engine)
+        while rest:
+            self.metrics.batches.labels(f"seed_{await self._apply(rest[0])}").inc()
+            rest.popleft()
+        self._seeding.pop(engine, None)
 
     async def _tail(self, engine: EngineId) -> None:
         keys = self.keys[engine]

@@ -5,6 +5,7 @@ in chunks that each fit the deadline, with later writes ordered after it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import struct
@@ -245,3 +246,26 @@ async def test_a_large_snapshot_goes_in_chunks_within_the_deadline_and_deltas_fo
     assert b.local.size(Table.GLOBAL) == n - 2
     assert held(b, 1, n, 5, 6, n + 7) == [True, True, False, False, False]
     assert await a.link.client.hget(ST, "n:gx") == str(n - 2).encode()  # Redis's own count
+
+
+async def test_a_large_seed_goes_in_chunks_and_a_fresh_replica_pulls_all_of_it(
+    server: RedisProcess, stores: list[RedisStore]
+) -> None:
+    a, reg = make(server, snapshot_chunk_entries=16)
+    stores.append(a)
+    ta = ResidencyTables(CFG, a)
+    ta.store_global(E0, [PrefixKey(k) for k in range(1, 101)], Tier.SSD, ta.clock())
+    await a.sync_once()
+    server.restart()  # Redis comes back empty: the next write is answered `missing`
+    ta.store_global(E0, [PrefixKey(500)], Tier.SSD, ta.clock())
+    for _ in range(20):  # reconnect through the breaker, then seed
+        with contextlib.suppress(RedisUnavailable):
+            await a.sync_once()
+        if a.pending == 0 and not a.sync._seeding:
+            break
+        await asyncio.sleep(0.06)
+    assert metric(reg, "ramjet_redis_batches_total", result="seed_ok") >= 101 // 16
+    b, _ = make(server)
+    stores.append(b)
+    await b.sync_once()
+    assert all(held(b, *range(1, 101), 500))
