@@ -15,6 +15,14 @@ the mirror (its own included, so all mirrors replay one order and converge).
   other replicas pull.
 - A batch Redis refuses as `stale` was already applied to the mirror: the engine is
   pulled again to undo it.
+- A batch of more than `snapshot_chunk_entries` entries (a large snapshot, a seed) goes as
+  chunks, one script call each, in queue order (`redis_ops.split_ops`); the log is read
+  in small pages. So every call fits `timeout_ms` and later writes stay behind.
+- What this replica reads is checked before it is applied (`redis_ops.Sealer`, MACs from
+  the shared secret; `redis_ops.decode_ops`): a log entry or stored entry that fails is
+  skipped, never retried, and counted (`ramjet_redis_rejected_total{reason}`); a stored
+  epoch in the future is not trusted. An error reply (`RedisCommandError`: OOM, script
+  error) is a failure: the batch is retried, and dropped after `max_batch_attempts`.
 - Fail open: every Redis call goes through `RedisLink` (short timeout, breaker). While
   Redis is unreachable the mirror keeps serving and taking writes; when the breaker
   closes again every engine is pulled in full (`ramjet_redis_resyncs_total`).
