@@ -126,6 +126,11 @@ class RedisSync:
         self.metrics = metrics
         self.origin = origin
         self.sealer = sealer if sealer is not None else Sealer(link.settings.secret())
+        if not self.sealer.authenticated:
+            log.warning(
+                "store.shared_secret_file is not set: residency shared through Redis is not "
+                "authenticated (only its structure is checked); see docs/redis.md"
+            )
         self.chunk = self.settings.snapshot_chunk_entries
         self.packed = self.settings.encoding == "packed"
         self.apply_script = APPLY_PACKED if self.packed else APPLY
