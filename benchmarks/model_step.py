@@ -6,6 +6,11 @@ measured in the same run: the same 512-token prefill through the plain torch ref
 (`kernels.dispatch.use_backend("reference")`); the inline Engram fetch.
 
     .venv/bin/python benchmarks/model_step.py [--threads 1] [--quick]
+
+`make bench` runs `--quick` (no 8k point). Self-checks, or the run fails: the 512-token
+prefill's logits are finite and pick the same next token through the default ops as
+through the plain torch reference ops (the baseline computes the same thing), and every
+draft+verify step emits at least one token.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ import torch  # noqa: E402
 
 from engine_stub.model import MiniV4, ModelConfig  # noqa: E402
 from kernels import dispatch  # noqa: E402
+
+
+class BenchError(RuntimeError):
+    """A self-check failed: the run measured something other than it claims."""
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -146,6 +155,8 @@ def main() -> int:
     for _ in range(8):
         draft = model.draft(st, 5)
         out, _ = model.verify(st, draft.tokens)
+        if not out:
+            raise BenchError("a draft+verify step emitted no token")
         emitted += len(out)
     dv = (time.perf_counter() - t0) / 8
     print(f"draft+verify step (5 drafts) @2k: {dv * 1e3:.1f} ms, {emitted / 8:.2f} tokens/step")
@@ -163,7 +174,23 @@ def main() -> int:
     with dispatch.use_backend("reference"):
         prefill_rate(model, 256)  # warm up
         b, _, _ = prefill_rate(model, 512)
+        ref = model.prefill(model.new_state(), _prompt(512))
     print(f"baseline (reference ops) prefill 512: {b:.0f} tokens/s; speedup {rates[512] / b:.1f}x")
+    fast = model.prefill(model.new_state(), _prompt(512))
+    if not (bool(torch.isfinite(fast).all()) and bool(torch.isfinite(ref).all())):
+        raise BenchError("non-finite logits after the 512-token prefill")
+    if int(fast.argmax()) != int(ref.argmax()):
+        raise BenchError("the default and the reference ops pick different next tokens")
+    diff = float((fast - ref).abs().max())
+    print(
+        "self-check: the 512-token prefill's logits are finite and pick the same next token "
+        f"through the default and the reference ops (max |diff| {diff:.2e}); every "
+        f"draft+verify step emitted a token ({emitted} in 8 steps)"
+    )
+    print(
+        f"model step result: prefill 512 {rates[512]:.0f} tokens/s ({rates[512] / b:.1f}x the "
+        f"reference ops), decode @2k batch 1 {d1 * 1e3:.1f} ms, batch 4 {d4 * 1e3:.1f} ms"
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """How far down mean TTFT can go on the simulator's engine models: lower bounds for every
 routing and every ordering, and a witness schedule that caps what any bound can prove,
-against the issue's goal of 0.6x the best FCFS peer's mean (docs/priority.md, "Is 0.6x
+against the issue's goal of 0.6x the best FCFS peer's mean (docs/results/history-priority.md, "Is 0.6x
 reachable on the agent traces?").
 
     .venv/bin/python benchmarks/priority_bound.py [--traces taubench,miniswe,mooncake]

@@ -459,13 +459,14 @@ def reset_caches(fleet: VllmFleet) -> None:
     """Empty both engines' prefix caches; with sidecars through them, and wait until each
     sidecar holds no block, so a fresh router starts from empty engines."""
     from vllm_engines import post_json
+    from vllm_stack import sidecar_auth
 
     if fleet.stack is None:
         for e in fleet.engines:
             e.reset_prefix_cache()
         return
     for eid, sc in fleet.stack.sidecars.items():
-        status, data = post_json(sc.url + "/reset_prefix_cache", {})
+        status, data = post_json(sc.url + "/reset_prefix_cache", {}, 120.0, sidecar_auth())
         if status != 200:
             raise AssertionError(f"reset {eid} through its sidecar: HTTP {status}: {data}")
         deadline = time.monotonic() + 20

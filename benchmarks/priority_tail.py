@@ -1,5 +1,5 @@
-"""Why routing with the keyed wait raises the agent traces' p99 (docs/priority.md, "Why the
-keyed wait costs the agent traces' tail"): tier_aware routed with FCFS waits against the
+"""Why routing with the keyed wait raises the agent traces' p99
+(docs/results/history-priority.md, "Why the keyed wait costs the agent traces' tail"): tier_aware routed with FCFS waits against the
 keyed wait (`Simulation(keyed_wait=True, charge_jumps=False)`) and the keyed wait with
 each jump charged (`charge_jumps=True`, `ramjet.policy.cost.jump_seconds`), all on the
 same priority engine, at each trace's middle load, per closed-loop seed.

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/report_verify.py [--small N] [--large N] [--pull N]
         [--proxy-s S] [--clients C]
+    .venv/bin/python benchmarks/report_verify.py --quick   # what `make bench` runs, ~30 s
 
 Prints, for a small delta (4 keys, ~0.4 KB) and a large snapshot (100,000 keys,
 ~1.1 MB): p50 and p99 of `ReportProcessor.submit` (size check, decode, key lookup,
@@ -23,6 +24,12 @@ Then, with the event loop in view:
   100,000-key snapshot back to back, in one step and in pieces (request p99 and the
   longest loop stall). Publisher, upstream, router and clients share one process and
   loop, so compare the rows with each other, not with other machines.
+
+Self-checks, or the run fails: every signed report submitted is accepted (none
+rejected), every published delta is pulled and applied in order, every client answer is
+200 with the upstream's completion, deltas are applied while the router proxies, and at
+least one 100,000-key snapshot is applied in one step and one in pieces during the
+proxy rows. The `self-check:` line counts each.
 """
 
 from __future__ import annotations
@@ -37,20 +44,42 @@ from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
 
-from ramjet.app.server import RouterServer
-from ramjet.config import parse_policy
-from ramjet.fleet.signals import REPORTS_KEY
-from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body
-from ramjet.reports.config import ReportsConfig
-from ramjet.reports.envelope import Envelope, ReportKind, decode, sign
-from ramjet.reports.ingest import ReportIngest
-from ramjet.reports.keys import KeyRing, public_key_b64
-from ramjet.reports.processor import ReportProcessor
-from ramjet.reports.publisher import ReportPublisher
-from ramjet.residency.tables import ResidencyTables
-from ramjet.types import EngineId, PrefixKey
+from ramjet.native import install_ramjet
+
+install_ramjet()  # the hot modules as `ramjet serve` runs them (ramjet/native.py)
+
+from ramjet.app.server import RouterServer  # noqa: E402
+from ramjet.config import parse_policy  # noqa: E402
+from ramjet.fleet.signals import REPORTS_KEY  # noqa: E402
+from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body  # noqa: E402
+from ramjet.reports.config import ReportsConfig  # noqa: E402
+from ramjet.reports.envelope import Envelope, ReportKind, decode, sign  # noqa: E402
+from ramjet.reports.ingest import ReportIngest  # noqa: E402
+from ramjet.reports.keys import KeyRing, public_key_b64  # noqa: E402
+from ramjet.reports.processor import ReportProcessor  # noqa: E402
+from ramjet.reports.publisher import ReportPublisher  # noqa: E402
+from ramjet.residency.tables import ResidencyTables  # noqa: E402
+from ramjet.types import EngineId, PrefixKey  # noqa: E402
 
 E0 = EngineId("e0")
+CHECKED: dict[str, int] = {}
+"""What the self-checks verified, counted (the `self-check:` line)."""
+
+
+class BenchError(RuntimeError):
+    """A self-check failed: the run measured something other than it claims."""
+
+
+def _count(what: str, n: int = 1) -> None:
+    CHECKED[what] = CHECKED.get(what, 0) + n
+
+
+def _accepted(out: object) -> None:
+    if hasattr(out, "reason"):
+        raise BenchError(f"a signed report was rejected: {out}")
+    _count("accepted")
+
+
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
 
 
@@ -84,7 +113,7 @@ def measure(label: str, fs: list[bytes]) -> None:
         t0 = time.perf_counter()
         out = proc.submit(f)
         t1 = time.perf_counter()
-        assert not hasattr(out, "reason"), out
+        _accepted(out)
         t_submit.append(t1 - t0)
         signed = decode(f, 8 << 20)
         t0 = time.perf_counter()
@@ -120,6 +149,7 @@ async def pull_rate(n: int) -> float:
                 await asyncio.sleep(0)  # let the loop serve polls while publishing
         while (c := proc.cursor(E0)) is None or c.seq < n:
             await asyncio.sleep(0.005)
+        _count("pulled", n)
         return n / (time.perf_counter() - t0)
     finally:
         await ingest.stop()
@@ -172,9 +202,9 @@ async def snapshot_stall(n: int) -> tuple[float, float]:
             for f in fs:
                 await asyncio.sleep(0.002)
                 if chunk:
-                    await proc.submit_async(f)
+                    _accepted(await proc.submit_async(f))
                 else:
-                    proc.submit(f)
+                    _accepted(proc.submit(f))
             await asyncio.sleep(0.002)
         out.append(w.max_gap)
     return out[0], out[1]
@@ -214,9 +244,11 @@ async def _clients(url: str, n: int, seconds: float) -> list[float]:
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
             async with s.post(url + "/v1/chat/completions", json=payload) as r:
-                await r.read()
-                assert r.status == 200, r.status
+                body = await r.read()
+                if r.status != 200 or b'"content":"ok"' not in body:
+                    raise BenchError(f"client answer {r.status}: {body[:200]!r}")
             lat.append(time.perf_counter() - t0)
+            _count("answered")
 
     async with aiohttp.ClientSession() as s:
         await asyncio.gather(*(one(s) for _ in range(n)))
@@ -287,6 +319,9 @@ async def proxy_rows(seconds: float, clients: int, target: float) -> None:
         stop.set()
         await task
         applied = proc.cursor(E0).seq - seq0  # type: ignore[union-attr]
+        if applied <= 0:
+            raise BenchError("no delta applied while the router proxied")
+        _count("applied while proxying", applied)
         rate = applied / (time.perf_counter() - t0)
         row(
             f"+ deltas offered at {target:,.0f}/s",
@@ -314,6 +349,9 @@ async def proxy_rows(seconds: float, clients: int, target: float) -> None:
             stop.set()
             await task
             label = "+ 100k-key snapshots, " + ("one step" if chunk == 0 else f"{chunk}-key pieces")
+            if fetched[0] < 1:
+                raise BenchError(f"no snapshot applied during the row {label!r}")
+            _count("snapshots " + ("one step" if chunk == 0 else "in pieces"), fetched[0])
             row(label, lat, w.max_gap, f"  | {fetched[0]} applied")
     finally:
         await server.stop(drain_s=1.0)
@@ -337,7 +375,10 @@ def main() -> int:
     ap.add_argument("--proxy-s", type=float, default=4.0, help="seconds per proxy row")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--report-rate", type=float, default=1000.0, help="deltas/s offered")
+    ap.add_argument("--quick", action="store_true", help="fewer reports, 1 s proxy rows")
     args = ap.parse_args()
+    if args.quick:
+        args.small, args.large, args.pull, args.stall, args.proxy_s = 500, 3, 2000, 2, 1.0
     print(f"python {sys.version.split()[0]}  ({Path(__file__).name})")
 
     def small(i: int) -> DeltaBody:
@@ -358,7 +399,7 @@ def main() -> int:
     proc = processor()
     t0, c0 = time.perf_counter(), time.process_time()
     for f in fs:
-        proc.submit(f)
+        _accepted(proc.submit(f))
     rate = len(fs) / (time.perf_counter() - t0)
     cpu_rate = len(fs) / (time.process_time() - c0)
     print(
@@ -375,6 +416,17 @@ def main() -> int:
         f" in 8192-key pieces {pieces * 1e3:6.1f} ms  ({one / max(pieces, 1e-9):.0f}x shorter)"
     )
     asyncio.run(proxy_rows(args.proxy_s, args.clients, args.report_rate))
+    print(
+        "self-check: every signed report accepted, none rejected; every published delta "
+        "pulled and applied in order; every client answer 200 with the upstream's completion; "
+        "deltas and 100k-key snapshots (one step and in pieces) applied while proxying ("
+        + ", ".join(f"{k} {v:,}" for k, v in CHECKED.items())
+        + ")"
+    )
+    print(
+        f"report verify result: a 100,000-key snapshot stalls the loop {one * 1e3:.1f} ms in "
+        f"one step, {pieces * 1e3:.1f} ms in 8192-key pieces; {prate:,.0f} reports/s pulled"
+    )
     return 0
 
 

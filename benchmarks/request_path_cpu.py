@@ -26,14 +26,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ramjet.app.wiring import build_router
-from ramjet.config import parse_policy
-from ramjet.decisions.log import _ENCODER, DecisionLog, decision_entry, parse_realized
-from ramjet.decisions.record import DecisionRecord
-from ramjet.fleet.views import engine_views
-from ramjet.policy.fleet_stats import fleet_stats
-from ramjet.proxy.exchange import Attempt, ForwardResult
-from ramjet.request.parse import parse_request, to_request_view
+from ramjet.native import install_ramjet
+
+install_ramjet()  # the hot modules as `ramjet serve` runs them (ramjet/native.py)
+
+from ramjet.app.wiring import build_router  # noqa: E402
+from ramjet.config import parse_policy  # noqa: E402
+from ramjet.decisions.log import _ENCODER, DecisionLog, decision_entry, parse_realized  # noqa: E402
+from ramjet.decisions.record import DecisionRecord  # noqa: E402
+from ramjet.fleet.views import engine_views  # noqa: E402
+from ramjet.policy.fleet_stats import fleet_stats  # noqa: E402
+from ramjet.proxy.exchange import Attempt, ForwardResult  # noqa: E402
+from ramjet.request.parse import parse_request, to_request_view  # noqa: E402
 
 BODY = json.dumps(
     {"model": "m", "messages": [{"role": "user", "content": "hello there " * 8}], "stream": False}

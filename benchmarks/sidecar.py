@@ -33,17 +33,21 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_stub.vllm_events import ZmqEventPublisher
-from ramjet.app.server import RouterServer
-from ramjet.config import parse_policy
-from ramjet.keys.tokens import chain_keys, token_key_seed
-from ramjet.reports.bodies import DeltaBuilder
-from ramjet.residency.store import MemoryStore, Table
-from ramjet.residency.tables import ResidencyTables
-from ramjet.sidecar.runner import Sidecar, SidecarSettings
-from ramjet.sidecar.tracker import VLLM_MEDIA, ResidencyTracker
-from ramjet.sidecar.wire import BlockStored, EventBatch, decode_batch, encode_batch
-from ramjet.types import EngineId
+from ramjet.native import install_ramjet
+
+install_ramjet()  # the hot modules as `ramjet serve` runs them (ramjet/native.py)
+
+from engine_stub.vllm_events import ZmqEventPublisher  # noqa: E402
+from ramjet.app.server import RouterServer  # noqa: E402
+from ramjet.config import parse_policy  # noqa: E402
+from ramjet.keys.tokens import chain_keys, token_key_seed  # noqa: E402
+from ramjet.reports.bodies import DeltaBuilder  # noqa: E402
+from ramjet.residency.store import MemoryStore, Table  # noqa: E402
+from ramjet.residency.tables import ResidencyTables  # noqa: E402
+from ramjet.sidecar.runner import Sidecar, SidecarSettings  # noqa: E402
+from ramjet.sidecar.tracker import VLLM_MEDIA, ResidencyTracker  # noqa: E402
+from ramjet.sidecar.wire import BlockStored, EventBatch, decode_batch, encode_batch  # noqa: E402
+from ramjet.types import EngineId  # noqa: E402
 
 B = 16
 

@@ -7,9 +7,6 @@ pieces from here (prefix keys, report envelope, profiles, cost model, policies).
 
 __version__ = "0.1.0"
 
-# Compiled hot modules (ramjet/native.py): loaded only when build/native/ was built from
-# exactly today's source, else everything runs from source. Must run before any other
-# ramjet module is imported.
-from ramjet.native import install_ramjet as _install_native
-
-_install_native()
+# The compiled hot modules (ramjet/native.py) are not installed here: only the router's
+# entry points do that (`ramjet serve`, ramjet/cli.py), so the engine, the simulator and
+# any script that imports ramjet run from source.

@@ -1,5 +1,9 @@
 """`ramjet` command line. Each subcommand lives in `ramjet/commands/<name>.py` and
-exposes `register(subparsers)`; the handler it sets returns a process exit code."""
+exposes `register(subparsers)`; the handler it sets returns a process exit code.
+
+`ramjet serve` (the router; `ramjet stack` starts its router as one) and `ramjet native`
+(which reports on it) load the compiled hot modules (ramjet/native.py) before any other
+ramjet module is imported; every other command, and `import ramjet`, runs from source."""
 
 from __future__ import annotations
 
@@ -22,8 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the commands that run the router's hot path in this process, or report on it
+NATIVE_COMMANDS = frozenset({"serve", "native"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:1] and given[0] in NATIVE_COMMANDS:
+        from ramjet.native import install_ramjet
+
+        install_ramjet()  # before build_parser imports the commands (and what they import)
+    args = build_parser().parse_args(given)
     try:
         code: int = args.handler(args)
         sys.stdout.flush()

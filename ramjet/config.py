@@ -172,6 +172,15 @@ class FleetStatsConfig(_Frozen):
     work_tau_s: float = Field(default=2.0, gt=0)
     """Per-engine routed-work-rate EWMA time constant (the packing term of engines with
     `per_job_prefill: false`): about the span in which later prompts still join a step."""
+    calibrate: bool = True
+    """Fit the cost model's term weights per engine online to realised TTFTs
+    (`ramjet.policy.calibration`); false: the profiles as probed."""
+    calibration_forgetting: float = Field(default=0.95, gt=0.5, le=1.0)
+    """The calibration's forgetting factor: a sample's weight falls by this per later
+    sample (0.95: about the last 20 requests on the engine count)."""
+    calibration_clip: float = Field(default=2.5, gt=0)
+    """A sample's relative error is clipped to this many running mean |errors| before it
+    moves the weights, so one outlier cannot swing them."""
 
 
 class AdminConfig(_Frozen):
@@ -182,7 +191,8 @@ class AdminConfig(_Frozen):
 DEFAULT_AGING = 0.05
 DEFAULT_HORIZON_S = 20.0
 """The priority hint's defaults (`PriorityConfig`; the key: `ramjet.policy.priority_key`),
-the choice of the aging x horizon sweep of `benchmarks/priority_sim.py` (docs/priority.md):
+the choice of the aging x horizon sweep of `benchmarks/priority_sim.py`
+(docs/results/history-priority.md):
 on the Mooncake trace at 68% utilisation, routed as a pool in mode `on` is (keyed wait,
 jumps charged), the lowest mean TTFT whose worst TTFT stays within 1.1x and p99 within 1x
 of FCFS's, for both the chunk-preemptive and vLLM's scheduler."""
@@ -208,7 +218,7 @@ class PriorityConfig(_Frozen):
     horizon_s: float | None = Field(default=DEFAULT_HORIZON_S, gt=0.0, le=86400.0)
     """No request is overtaken by one that arrived more than this many seconds after it
     (the hint's work is capped at aging x horizon_s); null: no cap, only aging bounds it.
-    The defaults (0.05, 20 s) are the sweep's choice (docs/priority.md)."""
+    The defaults (0.05, 20 s) are the sweep's choice (docs/results/history-priority.md)."""
     client: Literal["keep", "override", "combine"] = "keep"
     """A request that carries its own `priority`: keep it (no hint), override it with the
     hint, or combine: the client's value is a class above the hint."""
@@ -232,6 +242,75 @@ class PriorityConfig(_Frozen):
                 "aging 0 nothing ages (pure least-work-first); set aging > 0 or drop horizon_s"
             )
         return self
+
+
+class PoolMemberConfig(_Frozen):
+    """One member's path from a pool, where it differs from the pool's default."""
+
+    bandwidth_bytes_per_s: float | None = Field(default=None, gt=0)
+    latency_s: float | None = Field(default=None, ge=0)
+
+
+class FabricPoolConfig(_Frozen):
+    """A tier shared by a set of engines on one server (ARCHITECTURE 5b): a host-memory or
+    SSD pool of global KV, or the SWA pool. Its residency comes from signed reports whose
+    envelope names the pool as the reporter (`id`, with keys under `keys.engines.<id>`);
+    the cost model prices pulling a prefix from it into each member by the bandwidth and
+    latency here (a member's own entry in `members` overrides them)."""
+
+    id: str
+    """Unique among engines and pools; the reporting identity of the pool's reports."""
+    tier: Literal["host", "ssd", "swa"]
+    engines: tuple[str, ...] = Field(min_length=1)
+    """The members: engines that read and write the pool."""
+    bandwidth_bytes_per_s: float = Field(gt=0)
+    """Pull bandwidth from the pool into one member (probed where possible)."""
+    latency_s: float = Field(default=0.0, ge=0)
+    """Fixed cost of one pull."""
+    members: dict[str, PoolMemberConfig] = {}
+    """Per-member overrides of bandwidth and latency (keys: member engine ids)."""
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, v: str) -> str:
+        if not _ENGINE_ID.match(v):
+            raise ValueError("must be 1-64 characters of letters, digits, '_', '.', '-'")
+        return v
+
+    def cost_into(self, engine: str) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of a pull into `engine`."""
+        m = self.members.get(engine)
+        bw = m.bandwidth_bytes_per_s if m is not None and m.bandwidth_bytes_per_s else None
+        lat = m.latency_s if m is not None and m.latency_s is not None else None
+        return (bw or self.bandwidth_bytes_per_s, self.latency_s if lat is None else lat)
+
+
+class FabricConfig(_Frozen):
+    """The fleet's shared tiers. No pools: every engine is an island (as before)."""
+
+    pools: tuple[FabricPoolConfig, ...] = ()
+
+    def pools_of(self, engine: str) -> tuple[FabricPoolConfig, ...]:
+        return tuple(p for p in self.pools if engine in p.engines)
+
+    def check(self, engines: Sequence[str]) -> None:
+        known = set(engines)
+        seen: set[str] = set()
+        for i, p in enumerate(self.pools):
+            where = f"fabric.pools[{i}]"
+            if p.id in known:
+                raise ValueError(f"{where}.id: {p.id!r} is an engine id; a pool needs its own")
+            if p.id in seen:
+                raise ValueError(f"{where}.id: pool {p.id!r} declared twice")
+            seen.add(p.id)
+            for e in p.engines:
+                if e not in known:
+                    raise ValueError(f"{where}.engines: {e!r} is not a declared engine")
+            if len(set(p.engines)) != len(p.engines):
+                raise ValueError(f"{where}.engines: a member is listed twice")
+            for e in p.members:
+                if e not in p.engines:
+                    raise ValueError(f"{where}.members.{e}: not a member of the pool")
 
 
 class PolicyConfig(_Frozen):
@@ -258,6 +337,8 @@ class PolicyConfig(_Frozen):
     """Key mode per engine pool: text or token-block keys (`ramjet.keys.pools`)."""
     priority: tuple[PriorityConfig, ...] = ()
     """Priority hints per engine pool (`PriorityConfig`); engines in no pool get none."""
+    fabric: FabricConfig = FabricConfig()
+    """Tiers shared by several engines (host, SSD, SWA pools); none: islands."""
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -279,6 +360,13 @@ class PolicyConfig(_Frozen):
             raise ValueError(f"mode {self.mode.kind} needs a candidate policy")
         check_pools(self.key_pools, (e.id for e in self.engines))
         check_pools(self.priority, [e.id for e in self.engines], "priority pool")
+        self.fabric.check([e.id for e in self.engines])
+        known = {e.id for e in self.engines} | {p.id for p in self.fabric.pools}
+        for who in self.keys.engines:
+            # a pool reports under its own keys: a reporter that is neither a declared
+            # engine nor a declared pool would fill residency that nothing prices
+            if who not in known:
+                raise ValueError(f"keys.engines.{who}: not a declared engine or fabric pool")
         return self
 
 

@@ -50,6 +50,8 @@ PREDICTION_S = (*_PREDICTION, _INF)
 SIGNED_S = (*sorted(-b for b in _PREDICTION), 0.0, *_PREDICTION, _INF)
 """Signed differences of seconds (prediction errors, estimated gains)."""
 RELATIVE = (-1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, _INF)
+ABS_RELATIVE = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, _INF)
+"""|relative error|: fine where the calibrated model lands (the alert reads its median)."""
 _TOKENS = (16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
 SIGNED_TOKENS = (*sorted(-b for b in _TOKENS), 0.0, *_TOKENS, _INF)
 PRIORITY_WORK_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -111,7 +113,15 @@ CATALOGUE: tuple[Metric, ...] = (
     Metric("ramjet_realized_usage_missing_total", COUNTER, "", ("engine",), "ramjet.decisions.accounting",
            "Answered requests whose response carried no readable usage.prompt_work"),
     Metric("ramjet_mean_wait_seconds", GAUGE, "seconds", (), "ramjet.decisions.accounting",
-           "EWMA of the engines' realized queue wait (usage.prompt_work.queue_ms)"),
+           "EWMA of the engines' realized queue wait: usage.prompt_work.queue_ms where the engine reports it, else realized TTFT minus the calibrated service"),
+    Metric("ramjet_mean_wait_samples_total", COUNTER, "", ("source",), "ramjet.decisions.accounting",
+           "Wait samples folded into the mean wait W, by source (engine: the engine's queue_ms; router: realized TTFT minus the calibrated service)"),
+    Metric("ramjet_ttft_prediction_abs_relative_error_ratio", HISTOGRAM, "ratio", ("mode",), "ramjet.decisions.accounting",
+           "|predicted - realized| / realized TTFT of the candidate's calibrated prediction (the alert reads its median)", buckets=ABS_RELATIVE),
+    Metric("ramjet_ttft_calibration_weight", GAUGE, "", ("engine", "term"), "ramjet.decisions.accounting",
+           "Online-calibrated weight of a cost-model term per engine (prefill, resume, wait, packing: 1 = the profile as probed; fixed_s: seconds)"),
+    Metric("ramjet_ttft_calibration_samples_total", COUNTER, "", ("engine",), "ramjet.decisions.accounting",
+           "Realized TTFTs the engine's calibration has learnt from"),
     Metric("ramjet_decision_log_lines_total", COUNTER, "", (), "ramjet.decisions.accounting",
            "Decision records written"),
     Metric("ramjet_decision_log_dropped_total", COUNTER, "", (), "ramjet.decisions.accounting",
@@ -164,6 +174,8 @@ CATALOGUE: tuple[Metric, ...] = (
            "Snapshots the router fetched"),
     Metric("ramjet_reports_epoch_changes_total", COUNTER, "", ("engine",), "ramjet.reports.metrics",
            "New engine epochs seen"),
+    Metric("ramjet_reports_revoked_purges_total", COUNTER, "", ("engine",), "ramjet.reports.metrics",
+           "Engine views purged because a key that signed them was revoked by a reload"),
     Metric("ramjet_reports_epoch", GAUGE, "", ("engine",), "ramjet.reports.metrics",
            "Current epoch", at_scrape=True),
     Metric("ramjet_reports_trust_grade", GAUGE, "", ("engine",), "ramjet.reports.metrics",
@@ -244,6 +256,10 @@ CATALOGUE: tuple[Metric, ...] = (
            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)),
     Metric("ramjet_sidecar_events_silent", GAUGE, "", (), "ramjet.sidecar.metrics",
            "1 while no KV event arrived within --events-warn-after seconds of start"),
+    Metric("ramjet_sidecar_events_down", GAUGE, "", (), "ramjet.sidecar.metrics",
+           "1 while the KV-event path is down (its thread died): residency purged, load reports paused"),
+    Metric("ramjet_sidecar_event_path_restarts_total", COUNTER, "", (), "ramjet.sidecar.metrics",
+           "Restarts of the KV-event path after it died"),
 )
 # fmt: on
 

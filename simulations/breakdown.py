@@ -3,7 +3,7 @@ moved engines and what a move cost, and how far the engines' queues drift apart.
 
 `breakdown` reads one run's `Outcome` over the requests its summary counts (sent inside
 `out.window`); `python -m simulations run ... --breakdown` prints it per run. It is how
-docs/results.md's "Where the 60% gap goes" table was measured.
+docs/results/history-results.md's "Where the 60% gap goes" table was measured.
 """
 
 from __future__ import annotations

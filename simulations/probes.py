@@ -1,5 +1,5 @@
-"""`python -m simulations.probes`: the session-placement probes of docs/results.md's
-ablation, averaged over seeds (run to run the mean moves by about 2%). Traces with
+"""`python -m simulations.probes`: the session-placement probes of
+docs/results/history-results.md's ablation, averaged over seeds (run to run the mean moves by about 2%). Traces with
 sessions and turns replay closed-loop (`simulations.sessions`), others open-loop at the
 rate that makes `--load` the floor's share of capacity, as `simulations run` does.
 
@@ -40,7 +40,9 @@ seed's best oracle routing or replay), and the oracle ÷ the best peer: the leas
 any router the oracle bounds can reach.
 
 A session is active until it has not been seen for 3 of its inter-turn times. The
-probes keep their state inside `pick`, as the policy contract allows.
+probes keep their state inside `pick`, as the policy contract allows. Each wraps a
+`TierAware` (`policy`) and calls its `estimates`, `decide` and `pick`, rather than
+subclassing it (the compiled class allows no interpreted subclass).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class _Seen:
     turns: int = 1
 
 
-class Placement(TierAware):
+class Placement:
     """`tier_aware` with an extra first-turn cost per engine (module docstring)."""
 
     def __init__(
@@ -100,7 +102,8 @@ class Placement(TierAware):
         future: Mapping[str, Sequence[float]] | None = None,
         horizon: int = 3,
     ) -> None:
-        super().__init__(name=name)
+        self.name = name
+        self.policy = TierAware(name=name)
         if measure not in ("count", "rate", "future", "hash"):
             raise ValueError(f"unknown placement measure {measure!r}")
         if measure == "future" and future is None:
@@ -136,9 +139,9 @@ class Placement(TierAware):
         mean = sum(load.values()) / len(load)
         keyed = [(s.cost_s + self.weight * (load[s.engine] - mean), s.wait_s) for s in ests]
         tied = [s for s, k in zip(ests, keyed, strict=True) if k == min(keyed)]
-        best = tied[self._ties % len(tied)]  # tier_aware's tie cursor
+        best = tied[self.policy._ties % len(tied)]  # tier_aware's tie cursor
         if len(tied) > 1:
-            self._ties += 1
+            self.policy._ties += 1
         return best
 
     def pick(
@@ -146,11 +149,11 @@ class Placement(TierAware):
     ) -> Decision:
         session = request.session
         if session is None or session in self.seen:
-            decision = super().pick(request, engines, fleet)
+            decision = self.policy.pick(request, engines, fleet)
             best = decision.components[decision.engine]
             self._saw(session, decision.engine, best["work_s"], engines, fleet.now_s)
             return decision
-        ests = self.estimates(request, engines, fleet)
+        ests = self.policy.estimates(request, engines, fleet)
         chosen = self._first_turn(request, ests, fleet.now_s)
         self._saw(session, chosen.engine, chosen.work.work_s, engines, fleet.now_s)
         return Decision(chosen.engine, self.name, {s.engine: s.components() for s in ests})
@@ -166,7 +169,7 @@ class Placement(TierAware):
         if session is None:
             return
         profile = next((e.profile for e in engines if e.id == engine and e.profile), None)
-        p = profile or self.params.default_profile
+        p = profile or self.policy.params.default_profile
         turn_s = work_s + p.prefill_overhead_s + p.decode_step_s
         s = self.seen.get(session)
         if s is None:
@@ -179,13 +182,15 @@ class Placement(TierAware):
         s.home, s.last_s, s.turns = engine, now, s.turns + 1
 
 
-class BusyPeriod(TierAware):
+class BusyPeriod:
     """`tier_aware` with the busy-period externality (`ext:busy`, module docstring)."""
 
     def __init__(
         self, name: str, tau_s: float = 10.0, slack: float = 0.05, own: float = 0.0
     ) -> None:
-        super().__init__(name=name)
+        self.name = name
+        self.policy = TierAware(name=name)
+        self.params = self.policy.params
         self.tau_s, self.slack, self.own = tau_s, slack, own
         self.rho: dict[EngineId, float] = {}
         self.lam: dict[EngineId, float] = {}
@@ -195,7 +200,7 @@ class BusyPeriod(TierAware):
     def estimates(
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> list[EngineEstimate]:
-        ests = super().estimates(request, engines, fleet)
+        ests = self.policy.estimates(request, engines, fleet)
         if fleet.now_s > self._last_s:
             decay = math.exp(-(fleet.now_s - self._last_s) / self.tau_s)
             self.rho = {e: v * decay for e, v in self.rho.items()}
@@ -216,7 +221,7 @@ class BusyPeriod(TierAware):
     def pick(
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> Decision:
-        decision = super().pick(request, engines, fleet)
+        decision = self.policy.decide(request, self.estimates(request, engines, fleet), fleet)
         sent = decision.components[decision.engine]["work_s"] + self._fixed_s
         self.rho[decision.engine] = self.rho.get(decision.engine, 0.0) + sent / self.tau_s
         self.lam[decision.engine] = self.lam.get(decision.engine, 0.0) + 1.0 / self.tau_s

@@ -11,7 +11,10 @@ HBM utilization; residency from the `Knowledge` in use; the engine's profile; tr
 EXACT), and `FleetStats` from `ramjet.policy.fleet_stats.FleetEstimators`, the router's
 own estimators with the router's time constants (`FleetStatsConfig`, the policy file's
 `fleet_stats:` section): λ from every arrival, W from every request's wait before its
-prefill started, sampled when it starts. With `keyed_wait` on a priority scheduler,
+prefill started, sampled when it starts, and the online TTFT calibration
+(`ramjet.policy.calibration`, on unless `fleet_stats.calibrate` is false) from every
+simulated TTFT of a request whose policy recorded the cost model's raw terms, as the
+router feeds it from its realised ones. With `keyed_wait` on a priority scheduler,
 `FleetStats.keyed` also holds each engine's queue by key (`Engine.keyed_queue`), as the
 router's does for a pool in mode `on`, so the cost model prices waits as the engine will
 serve them (and, with `charge_jumps`, charges the jumps; `KeyedQueue.charge_jumps`). Then it calls `policy.pick` and enqueues the request on the engine it names.
@@ -38,6 +41,7 @@ from typing import Any
 
 from ramjet.config import FleetStatsConfig
 from ramjet.policy.base import EngineLoad, EngineView, GlobalMatch, RequestView, RoutingPolicy
+from ramjet.policy.calibration import Calibrations, features_of
 from ramjet.policy.cost import prompt_work
 from ramjet.policy.fleet_stats import FleetEstimators
 from ramjet.types import EngineId, TrustGrade
@@ -196,9 +200,20 @@ class Simulation:
                 raise ValueError(f"unknown knowledge {knowledge.kind!r}")
         if knowledge.kind == "none":
             self.routed = []
+        calibration = None
+        if fleet_stats.calibrate:  # the router's online TTFT calibration, fed as it is
+            calibration = Calibrations(
+                fleet_stats.calibration_forgetting, fleet_stats.calibration_clip
+            )
         self.estimators = FleetEstimators(
-            fleet_stats.arrival_tau_s, fleet_stats.wait_tau_s, fleet_stats.work_tau_s
+            fleet_stats.arrival_tau_s,
+            fleet_stats.wait_tau_s,
+            fleet_stats.work_tau_s,
+            calibration,
         )
+        self._features: dict[int, list[float]] = {}
+        """Per request routed by a policy that records the cost model's raw terms: those
+        on the engine it chose, the calibration's sample at its first token."""
         self.peak = [[0, 0, 0] for _ in self.engines]
         if loop is not None and len(loop.parents) != n:
             raise ValueError("the closed loop does not match the requests")
@@ -222,6 +237,10 @@ class Simulation:
         i = job.req.index
         out = self.out
         out.ttft[i] = now - job.arrival
+        features = self._features.pop(i, None)
+        cal = self.estimators.calibration
+        if features is not None and cal is not None:
+            cal.observe(self.engines[job.engine].id, features, out.ttft[i])
         out.hit[i] = job.hit
         out.resume[i] = job.resume
         out.replay[i] = job.replay
@@ -278,6 +297,9 @@ class Simulation:
         comp = decision.components.get(decision.engine)
         if comp is not None and "work_s" in comp:  # the packing term's ρ, as the router
             self.estimators.routed(now, decision.engine, float(comp["work_s"]))
+        features = features_of(comp) if comp is not None else None
+        if features is not None:
+            self._features[req.index] = features
         if self.routed:
             self.routed[idx].routed(req.block_keys)
         # the router's prediction on the chosen engine: its in-flight tokens and the hint

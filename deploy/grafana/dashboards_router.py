@@ -265,6 +265,41 @@ OBSERVE = Dashboard(
             unit="percentunit",
         ),
         Panel(
+            "Calibrated TTFT |relative error| (median and p90)",
+            "|predicted - realized| / realized TTFT of the online-calibrated prediction, "
+            "median over 10 minutes (ramjet:ttft_prediction_abs_relative_error:p50_10m) and "
+            "p90 now. Target: median under 15%, p90 under 40%; alert "
+            "RamjetPredictionErrorMedianHigh above 30%.",
+            q(
+                ("ramjet:ttft_prediction_abs_relative_error:p50_10m", "median 10m {{mode}}"),
+                (
+                    f"histogram_quantile(0.9, sum by (le, mode) (rate(ramjet_ttft_prediction_abs_relative_error_ratio_bucket[{RI}])))",
+                    "p90 {{mode}}",
+                ),
+            ),
+            unit="percentunit",
+        ),
+        Panel(
+            "Calibration weights per engine",
+            "The weight online calibration gives each cost-model term on each engine "
+            "(ramjet_ttft_calibration_weight; 1 = the profile as probed). A weight far "
+            "from 1 says the engine's profile no longer describes it (re-probe it); "
+            "fixed_s is seconds.",
+            q(("max by (engine, term) (ramjet_ttft_calibration_weight)", "{{engine}} {{term}}")),
+        ),
+        Panel(
+            "Mean wait W by source",
+            "Wait samples folded into the externality's W per second: engine (the "
+            "engine's own queue_ms) or router (realized TTFT minus the calibrated service, "
+            "for engines that report no queue time, such as vLLM).",
+            q(
+                (
+                    f"sum by (source) (rate(ramjet_mean_wait_samples_total[{RI}]))",
+                    "{{source}}",
+                ),
+            ),
+        ),
+        Panel(
             "Predicted vs realized cached tokens",
             "Tokens per second the candidate expected the answering engine not to "
             "prefill, next to the cached tokens (all tiers and SWA) it reported.",

@@ -9,7 +9,10 @@ policy objects in one step between two requests (the event loop runs one handler
 time, so no request sees half a reload). A policy whose `{name, params}` did not change
 keeps its object, so its state (a round-robin cursor) carries on. Sections other than
 `mode`, `incumbent` and `candidate` (engines, timeouts, limits, ...) need a restart;
-a reload that changes them applies the rest and lists them under `needs_restart`.
+a reload that changes them applies the rest and lists them under `needs_restart`. The
+exception is `keys:` when reports are on: the key ring is rebuilt (key files re-read)
+and swapped in, and what a revoked key signed is purged
+(`ReportProcessor.replace_keyring`; the answer lists `keys.revoked` and `keys.purged`).
 
 The admin endpoint is off (403) while `admin.token` is unset; a wrong or missing token
 is 401. Tokens compare in constant time.
@@ -29,6 +32,7 @@ from ramjet.config import PolicyConfig, PolicyFileError, load_policy
 from ramjet.errors import ConfigError
 from ramjet.policy.base import RoutingPolicy
 from ramjet.policy.registry import PolicyConfigError, create_policy
+from ramjet.reports.keys import KeyError_, KeyRing
 from ramjet.request.openai_errors import json_error
 
 log = logging.getLogger(__name__)
@@ -40,10 +44,16 @@ class ReloadError(ConfigError, ValueError):
     """The policy file did not load; nothing changed."""
 
 
-def apply_config(router: Router, new: PolicyConfig) -> dict[str, Any]:
+def apply_config(router: Router, new: PolicyConfig, base_dir: Path | None = None) -> dict[str, Any]:
     """Swap in `new`'s mode and policies (see module docstring); raises ReloadError."""
     old = router.config
     modes = router.modes
+    ring: KeyRing | None = None
+    if old.keys.engines or old.reports.engines:  # reports on (ramjet.app.wiring)
+        try:  # the report keys, key files re-read: a revoked key stops counting now
+            ring = KeyRing.from_config(new.keys, base_dir)
+        except KeyError_ as exc:
+            raise ReloadError(str(exc)) from None
     try:
         inc: RoutingPolicy = (
             modes.incumbent
@@ -64,9 +74,14 @@ def apply_config(router: Router, new: PolicyConfig) -> dict[str, Any]:
     changed = [k for k in _LIVE if getattr(new, k) != getattr(old, k)]
     rest_old = old.model_dump(exclude=set(_LIVE))
     rest_new = new.model_dump(exclude=set(_LIVE))
-    needs_restart = sorted(k for k in rest_new if rest_new[k] != rest_old.get(k))
+    needs_restart = sorted(
+        k for k in rest_new if rest_new[k] != rest_old.get(k) and (k != "keys" or ring is None)
+    )
     modes.mode, modes.incumbent, modes.candidate = new.mode, inc, cand
-    router.config = old.model_copy(
+    keys = None if ring is None else router.signals.replace_keys(ring)
+    if keys is not None:
+        router.config = router.config.model_copy(update={"keys": new.keys})
+    router.config = router.config.model_copy(
         update={"mode": new.mode, "incumbent": new.incumbent, "candidate": new.candidate}
     )
     router.accounting.metrics.reloads.labels(result="ok").inc()
@@ -76,6 +91,7 @@ def apply_config(router: Router, new: PolicyConfig) -> dict[str, Any]:
         "candidate": None if new.candidate is None else new.candidate.name,
         "changed": changed,
         "needs_restart": needs_restart,
+        **({} if keys is None else {"keys": keys}),
     }
 
 
@@ -87,7 +103,7 @@ def reload_file(router: Router, path: str | Path) -> dict[str, Any]:
         router.accounting.metrics.reloads.labels(result="refused").inc()
         raise ReloadError(str(exc)) from None
     try:
-        return apply_config(router, new)
+        return apply_config(router, new, Path(path).resolve().parent)
     except ReloadError:
         router.accounting.metrics.reloads.labels(result="refused").inc()
         raise

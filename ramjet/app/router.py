@@ -53,10 +53,11 @@ from ramjet.decisions.accounting import Accounting
 from ramjet.decisions.record import DecisionRecord, DecisionSink
 from ramjet.fleet.engines import EngineState, Fleet, HealthProber
 from ramjet.fleet.signals import EngineSignals, NoSignals
-from ramjet.fleet.views import engine_views, retry_engine
+from ramjet.fleet.views import PoolSpec, engine_views, retry_engine
 from ramjet.keys.pools import KeyPools
 from ramjet.metrics import RouterMetrics
 from ramjet.policy.base import EngineView
+from ramjet.policy.calibration import Calibrations
 from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.fleet_stats import WorkRates, fleet_stats
 from ramjet.policy.registry import create_policy
@@ -100,6 +101,10 @@ class Router:
         self.signals: EngineSignals = signals or NoSignals()
         self.clock = clock
         lg = config.logging
+        fs = config.fleet_stats
+        self.calibration = (
+            Calibrations(fs.calibration_forgetting, fs.calibration_clip) if fs.calibrate else None
+        )
         self.accounting = Accounting(
             self.metrics.registry,
             log_path=lg.decisions_path,
@@ -109,6 +114,7 @@ class Router:
             downstream=sink,
             clock=clock,
             wait_tau_s=config.fleet_stats.wait_tau_s,
+            calibration=self.calibration,
         )
         self.sink: DecisionSink = self.accounting
         self.fleet = Fleet(
@@ -131,6 +137,14 @@ class Router:
             lambda: (p for p in (self.modes.candidate, self.modes.incumbent) if p is not None),
         )
         self.metrics.registry.register(self.profile_sources)
+        self.pools: dict[EngineId, tuple[PoolSpec, ...]] = {
+            EngineId(e.id): tuple(
+                (p.id, p.tier, *p.cost_into(e.id)) for p in config.fabric.pools_of(e.id)
+            )
+            for e in config.engines
+            if config.fabric.pools_of(e.id)
+        }
+        """Each engine's shared tiers (`ramjet.config.FabricConfig`); empty: islands."""
         self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
         self.work_rates = WorkRates(config.fleet_stats.work_tau_s)
         self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
@@ -138,6 +152,9 @@ class Router:
         self.priority = PriorityHints(config.priority, self.metrics.registry)
         self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
         self.draining = False
+        self.leaving = False
+        """Set on SIGTERM before the drain (`ramjet serve --shutdown-delay`): /readyz
+        answers 503 so load balancers stop sending, while requests are still served."""
         # Request ids without a getrandom() call each: a random per-process prefix and a
         # counter (16 hex digits, as before).
         prefix, counter = secrets.token_hex(4), itertools.count()
@@ -232,7 +249,7 @@ class Router:
             return resp
         request_id = request.headers.get("X-Request-Id", "")[:64] or self._new_id()
         views, serving, retry_after = engine_views(
-            self.fleet, self.signals, self.residency, parsed.model, t0
+            self.fleet, self.signals, self.residency, parsed.model, t0, self.pools
         )
         if not serving:
             return reject(
@@ -271,7 +288,9 @@ class Router:
         )
         # engines that serve by the hint's key (`ramjet.app.priority`), where any pool does
         keyed = self.priority.keyed(views, session_key) if self.priority.queues else None
-        fleet = fleet_stats(t0, self.arrivals, self.accounting.waits, self.work_rates, keyed)
+        fleet = fleet_stats(
+            t0, self.arrivals, self.accounting.waits, self.work_rates, keyed, self.calibration
+        )
         # The accounting-only pick is deferred (`ramjet.app.modes`) unless a priority pool
         # needs every pick's figures for its hint now.
         outcome = self.modes.decide(rv, views, fleet, session_key, defer=not self.priority)
@@ -448,9 +467,9 @@ class Router:
             e.id: {"healthy": e.healthy, "probe_ok": e.probe_ok, "ejected": e.ejected}
             for e in self.fleet.engines
         }
-        ready = self.fleet.ready() and not self.draining
+        ready = self.fleet.ready() and not self.draining and not self.leaving
         return web.json_response(
-            {"ready": ready, "draining": self.draining, "engines": engines},
+            {"ready": ready, "draining": self.draining or self.leaving, "engines": engines},
             status=200 if ready else 503,
         )
 

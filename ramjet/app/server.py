@@ -30,6 +30,7 @@ Public API for tests and the CLI:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from typing import Any
@@ -196,8 +197,11 @@ def create_app(
     residency: ResidencyTables | None = None,
     sink: DecisionSink | None = None,
     policy_path: str | None = None,
+    ops_routes: bool = True,
 ) -> web.Application:
     """The router as an aiohttp app; start/stop ride on the app's lifecycle.
+    `ops_routes` False leaves out /metrics and /admin/reload (`RouterServer`'s ops port
+    serves them instead: `ops_app`).
     `policy_path` is the file `POST /admin/reload` reloads (`ramjet.app.reload`); key files
     in its `keys:` section resolve against its directory. A policy with engine keys gets
     the signed-report runtime; the router is built by `ramjet.app.wiring`."""
@@ -213,8 +217,9 @@ def create_app(
     app.router.add_get("/v1/models", r.handle_models)
     app.router.add_get("/healthz", r.handle_healthz)
     app.router.add_get("/readyz", r.handle_readyz)
-    app.router.add_get("/metrics", r.handle_metrics)
-    app.router.add_post("/admin/reload", admin_reload_handler(r, policy_path))
+    if ops_routes:
+        app.router.add_get("/metrics", r.handle_metrics)
+        app.router.add_post("/admin/reload", admin_reload_handler(r, policy_path))
 
     async def on_startup(_: web.Application) -> None:
         await r.start()
@@ -227,8 +232,20 @@ def create_app(
     return app
 
 
+def ops_app(router: Router, policy_path: str | None) -> web.Application:
+    """The operators' routes alone (/metrics, /admin/reload, /healthz, /readyz), for a
+    port of their own that the client-facing Service does not expose."""
+    app = web.Application()
+    app.router.add_get("/metrics", router.handle_metrics)
+    app.router.add_post("/admin/reload", admin_reload_handler(router, policy_path))
+    app.router.add_get("/healthz", router.handle_healthz)
+    app.router.add_get("/readyz", router.handle_readyz)
+    return app
+
+
 class RouterServer:
-    """A router listening on a socket (port 0 picks a free one)."""
+    """A router listening on a socket (port 0 picks a free one); with `ops_port` (0: a
+    free one) /metrics and /admin/reload move from it to a second listener (`ops_app`)."""
 
     def __init__(
         self,
@@ -241,6 +258,7 @@ class RouterServer:
         sink: DecisionSink | None = None,
         policy_path: str | None = None,
         fast_path: bool = True,
+        ops_port: int | None = None,
     ) -> None:
         """`fast_path`: serve plain completion requests from `ramjet.app.fast_server`
         (off, or with `logging.access_log`, aiohttp serves everything)."""
@@ -249,9 +267,18 @@ class RouterServer:
         self.host = host
         self.port = port
         self.app = create_app(
-            config, registry=registry, residency=residency, sink=sink, policy_path=policy_path
+            config,
+            registry=registry,
+            residency=residency,
+            sink=sink,
+            policy_path=policy_path,
+            ops_routes=ops_port is None,
         )
         self.router = self.app[ROUTER_KEY]
+        self.ops_port = ops_port
+        self._ops: web.AppRunner | None = None
+        if ops_port is not None:
+            self._ops = web.AppRunner(ops_app(self.router, policy_path), access_log=None)
         lim = config.limits
         self._runner = _Runner(
             self.app,
@@ -296,19 +323,41 @@ class RouterServer:
         listening = self._site._server
         if self.port == 0 and listening is not None:
             self.port = listening.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        if self._ops is not None:
+            await self._ops.setup()
+            ops_site = web.TCPSite(self._ops, self.host, self.ops_port)
+            await ops_site.start()
+            if self.ops_port == 0 and ops_site._server is not None:
+                self.ops_port = ops_site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+
+    @property
+    def ops_url(self) -> str:
+        """The ops listener's base URL (`ops_port` set and started)."""
+        return f"http://{self.host}:{self.ops_port}"
 
     async def stop(self, drain_s: float | None = None) -> None:
         """Drain (refuse new, finish or end in-flight), then close everything."""
         await self.router.drain(drain_s)
         await self._runner.cleanup()
+        if self._ops is not None:
+            await self._ops.cleanup()
 
 
-async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then drain for `timeouts.drain_s` and exit. SIGHUP
+async def serve(
+    config: PolicyConfig,
+    host: str,
+    port: int,
+    policy_path: str | None = None,
+    shutdown_delay_s: float = 0.0,
+    ops_port: int | None = None,
+) -> None:
+    """Run until SIGTERM/SIGINT; then, for `shutdown_delay_s`, fail /readyz while still
+    serving (load balancers that poll it stop sending first), then drain for
+    `timeouts.drain_s` and exit; a second signal cuts the delay short. SIGHUP
     reloads mode and policies from `policy_path` (`ramjet.app.reload`). With `store.kind:
     redis` the residency is shared with other replicas (docs/redis.md; built and started
     by `ramjet.app.wiring`)."""
-    server = RouterServer(config, host, port, policy_path=policy_path)
+    server = RouterServer(config, host, port, policy_path=policy_path, ops_port=ops_port)
     await server.start()
     tune_gc()  # start-up state frozen, fewer young collections (`ramjet.runtime.gc`)
     log.info("ramjet listening on %s (mode %s)", server.url, config.mode.kind)
@@ -319,5 +368,11 @@ async def serve(config: PolicyConfig, host: str, port: int, policy_path: str | N
     if policy_path is not None:
         loop.add_signal_handler(signal.SIGHUP, on_sighup, server.router, policy_path)
     await stop.wait()
+    if shutdown_delay_s > 0:
+        server.router.leaving = True
+        stop.clear()
+        log.info("leaving: /readyz fails, still serving for %.1fs", shutdown_delay_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), shutdown_delay_s)
     log.info("draining (up to %.0fs)", config.timeouts.drain_s)
     await server.stop()

@@ -1,6 +1,8 @@
-"""`ramjet demo [--url http://127.0.0.1:8000] [--turns 8]`: drive a multi-turn agent
-conversation through a running router (e.g. `make run`) with the official `openai`
-client, streaming each turn, and print per turn: the engine chosen (the router's
+"""`ramjet demo [--url http://127.0.0.1:8000] [--turns 8] [--sessions 1]`: drive
+multi-turn agent conversations through a running router (e.g. `make run`) with the
+official `openai` client: `--sessions` closed-loop sessions at once (each its own
+`X-Session-Id`; a turn is sent when the session's previous answer has arrived), each
+turn streamed, and print per turn: the engine chosen (the router's
 `X-Ramjet-Engine` response header), cached prompt tokens by tier, replayed tokens and
 TTFT (request sent to first content chunk), from the engine's `usage.prompt_work`.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from typing import Any
 
@@ -36,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--pause", type=float, default=0.0, help="seconds between turns")
+    p.add_argument(
+        "--sessions", type=int, default=1, help="concurrent closed-loop sessions (threads)"
+    )
     p.set_defaults(handler=_run)
 
 
@@ -55,18 +61,40 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.turns < 1:
-        print("--turns must be >= 1", file=sys.stderr)
+    if args.turns < 1 or args.sessions < 1:
+        print("--turns and --sessions must be >= 1", file=sys.stderr)
         return 2
     client = openai.OpenAI(
         base_url=args.url.rstrip("/") + "/v1", api_key="ramjet-demo", max_retries=0
     )
+    print(f"{'sess':>4} {'turn':>4} {'engine':>8} {'prompt':>7} {'hbm':>6} {'host':>6} {'ssd':>6} "
+          f"{'swa':>5} {'replay':>6} {'prefill':>7} {'ttft_ms':>8}")  # fmt: skip
+    lock = threading.Lock()
+    failed: list[str] = []
+    threads = [
+        threading.Thread(target=_session, args=(client, args, s, lock, failed), daemon=True)
+        for s in range(1, args.sessions + 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for f in failed:
+        print(f, file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _session(
+    client: Any, args: argparse.Namespace, s: int, lock: threading.Lock, failed: list[str]
+) -> None:
+    """One closed-loop agent session: each turn is sent when the previous answer has
+    arrived; its tool output (a few hundred tokens, varying by turn) grows the prompt."""
+    import openai
+
     messages: list[dict[str, Any]] = [{"role": "system", "content": _SYSTEM}]
-    print(f"{'turn':>4} {'engine':>8} {'prompt':>7} {'hbm':>6} {'host':>6} {'ssd':>6} {'swa':>5} "
-          f"{'replay':>6} {'prefill':>7} {'ttft_ms':>8}")  # fmt: skip
     for turn in range(1, args.turns + 1):
         messages.append(
-            {"role": "user", "content": f"Step {turn}: inspect module_{turn}.py and report."}
+            {"role": "user", "content": f"Step {turn}: inspect module_{s}_{turn}.py and report."}
         )
         t0 = time.perf_counter()
         ttft: float | None = None
@@ -80,35 +108,39 @@ def _run(args: argparse.Namespace) -> int:
                 "max_tokens": args.max_tokens,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                "extra_headers": {"X-Session-Id": f"demo-{s}"},
             }
             raw: Any = client.chat.completions.with_raw_response.create(**request)
+            engine = raw.headers.get("x-ramjet-engine") or raw.headers.get("x-engine-id") or "?"
+            for chunk in raw.parse():
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    usage = _usage_fields(chunk.usage)
         except openai.APIError as exc:
-            print(f"turn {turn}: request failed: {exc}", file=sys.stderr)
-            return 1
-        engine = raw.headers.get("x-ramjet-engine") or raw.headers.get("x-engine-id") or "?"
-        for chunk in raw.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                text.append(chunk.choices[0].delta.content)
-            if chunk.usage is not None:
-                usage = _usage_fields(chunk.usage)
+            with lock:
+                failed.append(f"session {s} turn {turn}: request failed: {exc}")
+            return
         if ttft is None:
             ttft = time.perf_counter() - t0
         work = usage.get("prompt_work") or {}
-        print(
-            f"{turn:>4} {engine:>8} {usage.get('prompt_tokens', 0):>7} {work.get('hbm_tokens', 0):>6} "
-            f"{work.get('host_tokens', 0):>6} {work.get('ssd_tokens', 0):>6} {work.get('swa_tokens', 0):>5} "
-            f"{work.get('replayed_tokens', 0):>6} {work.get('prefilled_tokens', 0):>7} {ttft * 1e3:>8.1f}"
-        )
+        with lock:
+            print(
+                f"{s:>4} {turn:>4} {engine:>8} {usage.get('prompt_tokens', 0):>7} "
+                f"{work.get('hbm_tokens', 0):>6} {work.get('host_tokens', 0):>6} "
+                f"{work.get('ssd_tokens', 0):>6} {work.get('swa_tokens', 0):>5} "
+                f"{work.get('replayed_tokens', 0):>6} {work.get('prefilled_tokens', 0):>7} "
+                f"{ttft * 1e3:>8.1f}",
+                flush=True,
+            )
         messages.append({"role": "assistant", "content": "".join(text)})
-        messages.append(
-            {
-                "role": "tool",
-                "tool_call_id": f"call_{turn}",
-                "content": f"module_{turn}.py: 120 lines, 2 failing tests",
-            }
+        lines = 2 + (s * 7 + turn * 3) % 9  # a tool output of 2-10 lines of ~60 bytes
+        output = "".join(
+            f"module_{s}_{turn}.py:{i * 12}: assert result == expected  # failing\n"
+            for i in range(lines)
         )
+        messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": output})
         if args.pause:
             time.sleep(args.pause)
-    return 0

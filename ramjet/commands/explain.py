@@ -2,9 +2,10 @@
 it went. For each decision line: the picks (incumbent, candidate, live and its role),
 the candidate's components per engine as a table (wait, restore, replay, prefill, work,
 externality, the jump charge inside it (`-` on an engine that serves by no key), cost,
-predicted TTFT and cached tokens by tier; `*` marks its pick, the least cost), its notes
-spelled out (default profile, the built-in estimate profile, degraded view, externality
-off), and the realized outcome (engine, status, TTFT, the engine's prompt_work) with the
+predicted TTFT (calibrated, and as the raw profile prices it) and cached tokens by tier;
+`*` marks its pick, the least cost), the calibration's weights on each engine, its notes
+spelled out (default profile, the built-in estimate profile, degraded view, beyond the
+probed context, externality off), and the realized outcome (engine, status, TTFT, the engine's prompt_work) with the
 prediction errors, and the priority hint (value and key, sent or only observed). Exit 1
 if no line matches, 2 if the log cannot be read.
 """
@@ -28,6 +29,7 @@ _COLUMNS = (
     ("jump_s", "jump_s"),
     ("cost_s", "cost_s"),
     ("ttft_s", "ttft_s"),
+    ("ttft_raw_s", "raw_s"),
     ("hbm_tokens", "hbm"),
     ("host_tokens", "host"),
     ("ssd_tokens", "ssd"),
@@ -40,6 +42,11 @@ _NOTES = {
     "degraded": "view degraded (reports lost or stale): default profile, no SWA credit, "
     "matches charged as SSD restores",
     "externality_off": "no measured arrival rate or wait yet: externality term is zero",
+    "beyond_profile": "the prompt is longer than the largest context its profile was "
+    "probed at: its prefill is extrapolated from the curve's last point",
+    "profile_off": "the online calibration finds its probed prefill more than 2x off (a "
+    "profile probed while the host was busy?): calibration has taken over; re-probe it "
+    "on an idle host",
     "estimate_profile": "priced with the built-in DeepSeek-V4.1-Flash TP4 ESTIMATE "
     "(ramjet/policy/cost.py), not a measured profile: its predicted times are guesses; "
     "let the engine report a profile (the sidecar probes it) or set "
@@ -86,6 +93,29 @@ def _priority_line(p: Any) -> str:
     )
 
 
+_WEIGHTS = (
+    ("prefill", "x_prefill_s"),
+    ("context", "x_context_s"),
+    ("resume", "x_resume_s"),
+    ("wait", "x_wait_s"),
+    ("packing", "x_packing_s"),
+)
+
+
+def calibration_line(engine: str, comp: dict[str, Any]) -> str | None:
+    """The calibrated weights a decision applied on `engine`, and its fixed time; None
+    for a line without them (a log from before calibration)."""
+    if "w_prefill" not in comp:
+        return None
+    parts = [f"{name} x{float(comp.get('w_' + name, 1.0)):.3g}" for name, _ in _WEIGHTS]
+    fixed = float(comp.get("fixed_s", 0.0))
+    return (
+        f"    {engine}: {', '.join(parts)}, fixed {fixed * 1e3:.3g} ms; "
+        f"TTFT {float(comp.get('ttft_s', 0.0)):.4g} s calibrated, "
+        f"{float(comp.get('ttft_raw_s', 0.0)):.4g} s as profiled"
+    )
+
+
 def explain(e: dict[str, Any]) -> str:
     """The explanation of one decision line, as text."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(e.get("t") or 0)))
@@ -110,6 +140,10 @@ def explain(e: dict[str, Any]) -> str:
             rows.append(row)
         out.append("  candidate's components per engine (seconds, tokens; * = its pick):")
         out += ["    " + line for line in table(rows).rstrip("\n").split("\n")]
+        cal = [c for c in (calibration_line(k, v) for k, v in pred.items()) if c is not None]
+        if cal:
+            out.append("  calibration (weights applied to the profiled terms, fitted online):")
+            out += cal
         others = [k for k in pred if k != best]
         if others:
             runner = min(others, key=lambda k: _cost(pred[k]))

@@ -1,8 +1,12 @@
-"""`ramjet report LOG [LOG...] [--rotated] [--plot PNG]`: the promotion summary of a
-decision log: agreement, TTFT and cached-token prediction error percentiles, estimated
-gain, by UTC hour and overall (`ramjet.decisions.summary`), as a table; and a plot of
-predicted vs realized TTFT (matplotlib with the Agg backend, imported only here, so the
-router never needs it). Exit 1 if the log holds no decision lines, 2 if it cannot be read.
+"""`ramjet report LOG [LOG...] [--rotated] [--plot PNG] [--warmup N]`: the promotion
+summary of a decision log: agreement, TTFT and cached-token prediction error
+percentiles, estimated gain, by UTC hour and overall (`ramjet.decisions.summary`), as a
+table; then the online calibration: the calibrated TTFT prediction's |relative error|
+beside the raw profile's, overall and after the first N requests (`--warmup`, 16), and
+after how many requests the rolling median of 10 stayed within 15%. Plots (matplotlib
+with the Agg backend, imported only here, so the router never needs it): predicted vs
+realized TTFT, and the |relative error| over time, calibrated and raw. Exit 1 if the log
+holds no decision lines, 2 if it cannot be read.
 """
 
 from __future__ import annotations
@@ -12,7 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ramjet.decisions.summary import load, predicted, summarize, table
+from ramjet.decisions.summary import (
+    calibration_rows,
+    load,
+    percentile,
+    predicted,
+    relative_errors,
+    settled_after,
+    summarize,
+    table,
+)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -23,6 +36,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--plot", type=Path, default=None, help="PNG to write (default: first LOG + .ttft.png)"
     )
     p.add_argument("--no-plot", action="store_true", help="print the table only")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=16,
+        metavar="N",
+        help="requests the calibration may learn from before its errors count (16)",
+    )
     p.set_defaults(handler=_run)
 
 
@@ -63,6 +83,42 @@ def plot_ttft(entries: list[dict[str, Any]], out: Path) -> int:
     return n
 
 
+def plot_errors(entries: list[dict[str, Any]], out: Path, warmup: int) -> int:
+    """|relative error| of each answered request over time, calibrated and raw profile,
+    with rolling medians of 10; returns points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    n = 0
+    for label, name, colour in (
+        ("calibrated", "ttft_s", "tab:blue"),
+        ("profile (raw)", "ttft_raw_s", "tab:orange"),
+    ):
+        errs = relative_errors(entries, name)
+        n = max(n, len(errs))
+        if not errs:
+            continue
+        xs = list(range(1, len(errs) + 1))
+        ax.scatter(xs, errs, s=8, alpha=0.35, color=colour)
+        med = [percentile(errs[max(0, k - 9) : k + 1], 50) for k in range(len(errs))]
+        ax.plot(xs, med, color=colour, label=f"{label}: rolling median of 10")
+    ax.axvline(warmup + 0.5, color="grey", linestyle=":", label=f"warm-up ({warmup})")
+    ax.axhline(0.15, color="grey", linewidth=0.8, linestyle="--", label="15%")
+    ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_xlabel("request (answered, in log order)")
+    ax.set_ylabel("|predicted - realized| / realized TTFT")
+    ax.set_title("TTFT prediction error over time")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return n
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         entries = load(args.logs, rotated=args.rotated)
@@ -72,10 +128,25 @@ def _run(args: argparse.Namespace) -> int:
     if not entries:
         print("ramjet report: no decision lines in " + ", ".join(args.logs), file=sys.stderr)
         return 1
+    if args.warmup < 0:
+        print("ramjet report: --warmup must be >= 0", file=sys.stderr)
+        return 2
     rows = [g.row() for g in summarize(entries)]
     sys.stdout.write(table(rows))
+    print()
+    print("TTFT prediction, online-calibrated beside the profile as probed:")
+    sys.stdout.write(table(calibration_rows(entries, args.warmup)))
+    took = settled_after(relative_errors(entries, "ttft_s"))
+    if took is None:
+        print("calibration: the rolling median of 10 |rel err| is not within 15% yet")
+    else:
+        print(f"calibration took {took} requests: rolling median of 10 within 15% from then on")
     if not args.no_plot:
         out = args.plot or Path(args.logs[0] + ".ttft.png")
         n = plot_ttft(entries, out)
         print(f"plot: {out} ({n} points)")
+        err_out = out.with_name(out.name.removesuffix(".ttft.png").removesuffix(".png"))
+        err_out = err_out.with_name(err_out.name + ".error.png")
+        n = plot_errors(entries, err_out, args.warmup)
+        print(f"plot: {err_out} ({n} points)")
     return 0

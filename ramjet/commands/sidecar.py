@@ -9,7 +9,8 @@ signed reports (`ramjet.sidecar`; how to run each engine: `docs/real-engines.md`
 The engine must *bind* its events endpoint (vLLM and SGLang bind only `ipc://`, `inproc://`,
 `*` or `::` endpoints and connect otherwise), hence an `ipc://` path beside the engine.
 Routers pull from `http://HOST:PORT/ramjet/reports` (list it under `reports.engines`) or
-the sidecar pushes with `--push-url`. Exit 2 on a bad argument or key, 0 on SIGINT/TERM.
+the sidecar pushes with `--push-url`. `--token-file` guards `POST /reset_prefix_cache`
+(off without it) and the pulls (routers send `reports.pull_token_file`). Exit 2 on a bad argument or key, 0 on SIGINT/TERM.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=30.0,
         help="seconds after start with no KV event before a loud warning (what to check)",
     )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding a bearer token (16+ characters) that POST /reset_prefix_cache "
+        "and the report pulls must send (routers: reports.pull_token_file); without it the "
+        "reset is off and pulls are open",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=_run)
 
@@ -97,6 +105,15 @@ def _run(args: argparse.Namespace) -> int:
         key = load_private_key(args.key)
     except KeyError_ as exc:
         return _fail(str(exc))
+    token: str | None = None
+    if args.token_file is not None:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            return _fail(f"--token-file: {exc}")
+        if len(token) < 16 or any(c.isspace() for c in token):
+            return _fail("--token-file: the token must be 16+ characters, no whitespace")
     tiers = {}
     if args.host_gbps:
         tiers["host"] = TierCost(bandwidth_bytes_per_s=args.host_gbps * 1e9)
@@ -121,6 +138,7 @@ def _run(args: argparse.Namespace) -> int:
         global_kv_bytes_per_token=args.kv_bytes_per_token or 1.0,
         tiers=tiers,
         events_warn_after_s=args.events_warn_after,
+        token=token,
     )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"

@@ -24,9 +24,18 @@ log's queue. What it measures, by `mode` (observe / canary / enforce):
   as two counters (gain, loss) because a Prometheus counter never falls, and observed
   as a histogram.
 
-Fleet stats: `mean_wait_s(now)` is an EWMA (time constant `wait_tau_s`) of the realized
-`prompt_work.queue_ms`, the W of the cost model's λ·W externality; the router reads it
-into `FleetStats` next to its arrival-rate EWMA (λ). Both estimators are
+Calibration: each realized TTFT on an engine, with the raw features the candidate
+recorded for that engine (`x_*_s`), is a sample of that engine's online TTFT calibration
+(`ramjet.policy.calibration`); the router reads the weights into `FleetStats` for the
+next decisions. Its weights are gauges, its samples a counter, and the calibrated
+prediction's |relative error| a histogram (`..._abs_relative_error_ratio`).
+
+Fleet stats: `mean_wait_s(now)` is an EWMA (time constant `wait_tau_s`) of each
+request's wait, the W of the cost model's λ·W externality: the engine's realized
+`prompt_work.queue_ms` where it reports one (the reference engine), else the router's
+own measure, realized TTFT minus the calibrated service the candidate predicted on that
+engine (prefill, restore, replay, fixed; vLLM, SGLang). The router reads it into
+`FleetStats` next to its arrival-rate EWMA (λ). Both estimators are
 `ramjet.policy.fleet_stats`'s (`MeanWait` is re-exported here), the ones the simulator runs.
 """
 
@@ -36,7 +45,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from mypy_extensions import mypyc_attr
 from prometheus_client import CollectorRegistry
 
 from ramjet.decisions.log import (
@@ -55,8 +63,10 @@ from ramjet.metrics import (
     loop_counter,
     loop_histogram,
 )
+from ramjet.policy.calibration import TERMS, Calibrations, features_of, service_s
 from ramjet.policy.fleet_stats import DEFAULT_WAIT_TAU_S
 from ramjet.policy.fleet_stats import MeanWait as MeanWait
+from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,12 @@ class AccountingMetrics:
         self.realized_tokens = loop_counter(r, "ramjet_realized_prompt_tokens_total")
         self.usage_missing = loop_counter(r, "ramjet_realized_usage_missing_total")
         self.mean_wait = gauge(r, "ramjet_mean_wait_seconds")
+        self.wait_samples = loop_counter(r, "ramjet_mean_wait_samples_total")
+        self.ttft_abs_relative = loop_histogram(
+            r, "ramjet_ttft_prediction_abs_relative_error_ratio"
+        )
+        self.calibration_weight = gauge(r, "ramjet_ttft_calibration_weight")
+        self.calibration_samples = loop_counter(r, "ramjet_ttft_calibration_samples_total")
         self.log_lines = counter(r, "ramjet_decision_log_lines_total")
         self.log_dropped = counter(r, "ramjet_decision_log_dropped_total")
         self.log_rotations = counter(r, "ramjet_decision_log_rotations_total")
@@ -150,7 +166,6 @@ class _ModeSeries:
         return self.cached
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (ramjet/native.py); a test subclasses it
 class Accounting:
     """The router's decision sink (see module docstring). `log` may be None (no file);
     `downstream` receives every record afterwards (tests, other consumers)."""
@@ -166,13 +181,17 @@ class Accounting:
         downstream: DecisionSink | None = None,
         clock: Clock = time.monotonic,
         wait_tau_s: float = DEFAULT_WAIT_TAU_S,
+        calibration: Calibrations | None = None,
     ) -> None:
+        """`calibration`: the TTFT calibration to feed (None: none is fitted)."""
         self.metrics = AccountingMetrics(registry)
         self.downstream = downstream
         self.clock = clock
         self.waits = MeanWait(wait_tau_s)
+        self.calibration = calibration
         self._children: dict[tuple[int, tuple[str, ...]], CounterChild] = {}
         self._modes: dict[str, _ModeSeries] = {}
+        self._abs_relative: dict[str, HistogramChild] = {}
         m = self.metrics
         self.log: DecisionLog | None = None
         if log_path is not None:
@@ -237,8 +256,7 @@ class Accounting:
         if realized is None:
             self._of(m.usage_missing, record.engine).inc()
         else:
-            self.waits.add(self.clock(), realized.queue_ms / 1e3)
-            m.mean_wait.set(self.waits.mean())
+            self._wait(realized.queue_ms / 1e3, "engine")
             for source, n in (
                 ("hbm", realized.hbm_tokens),
                 ("host", realized.host_tokens),
@@ -259,12 +277,46 @@ class Accounting:
             on_realized.observe(real)
             if real > 0:
                 (s.relative or s.make_relative()).observe((predicted - real) / real)
+                abs_rel = self._abs_relative.get(record.mode)
+                if abs_rel is None:
+                    abs_rel = m.ttft_abs_relative.labels(record.mode)
+                    self._abs_relative[record.mode] = abs_rel
+                abs_rel.observe(abs(predicted - real) / real)
+        if real is not None and cand is not None:
+            comp = cand.components.get(record.engine)
+            features = features_of(comp) if comp is not None else None
+            if features is not None:
+                self._calibrate(record.engine, features, real, realized is None)
         resume = predicted_for(cand, record.engine, "resume_tokens")
         if resume is not None and realized is not None:
             cached_error, cached_predicted, cached_realized = s.cached or s.make_cached()
             cached_error.observe(resume - realized.cached_tokens)
             cached_predicted.inc(max(resume, 0))
             cached_realized.inc(realized.cached_tokens)
+
+    def _wait(self, sample_s: float, source: str) -> None:
+        self.waits.add(self.clock(), max(sample_s, 0.0))
+        self.metrics.mean_wait.set(self.waits.mean())
+        self._of(self.metrics.wait_samples, source).inc()
+
+    def _calibrate(
+        self, engine: str, features: list[float], real: float, measure_wait: bool
+    ) -> None:
+        """Fold one realized TTFT into `engine`'s calibration; where the engine reported
+        no queue time, its wait is the realized TTFT minus the calibrated service."""
+        cal = self.calibration
+        if cal is None:
+            return
+        eid = EngineId(engine)
+        if cal.observe(eid, features, real) is None:
+            return
+        m = self.metrics
+        self._of(m.calibration_samples, engine).inc()
+        w = cal.weights()[eid]
+        for term, value in zip(TERMS, w.as_dict().values(), strict=True):
+            m.calibration_weight.labels(engine, term).set(value)
+        if measure_wait:
+            self._wait(real - service_s(w, features), "router")
 
     def start(self) -> None:
         return None

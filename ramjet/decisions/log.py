@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from mypy_extensions import mypyc_attr
 
 from ramjet.decisions.prompt_work import COUNT_FIELDS, TTFT_MS_FIELDS, PromptWork
 from ramjet.decisions.record import DecisionRecord
@@ -297,7 +296,6 @@ class RotatingFile:
 Item = tuple["DecisionRecord", RealizedWork | None]
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (ramjet/native.py); a test subclasses it
 class DecisionLog:
     """The background JSON-lines writer (see module docstring). `on_written(n)`,
     `on_dropped()` and `on_rotated()` let the accounting count without this module

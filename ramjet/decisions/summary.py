@@ -210,3 +210,49 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) 
     out = [line(cols), line(["-" * w for w in widths])]
     out += [line(r) for r in cells]
     return "\n".join(out) + "\n"
+
+
+def relative_errors(entries: Iterable[dict[str, Any]], name: str) -> list[float]:
+    """Per answered line in order: |`name` predicted on the answering engine - realized|
+    / realized TTFT (`ttft_s`: the calibrated prediction; `ttft_raw_s`: the profile as
+    probed). Lines without the figure are skipped."""
+    out = []
+    for e in entries:
+        p = predicted(e, e.get("engine"), name)
+        r = e.get("realized_ttft_s")
+        if p is None or r is None or not answered(e) or float(r) <= 0:
+            continue
+        out.append(abs(p - float(r)) / float(r))
+    return out
+
+
+def settled_after(errors: Sequence[float], target: float = 0.15, window: int = 10) -> int | None:
+    """The number of requests after which the rolling median of `window` |relative
+    errors| stays at or under `target` to the end (None: it never does, or too few)."""
+    if len(errors) < window:
+        return None
+    medians = [percentile(errors[k : k + window], 50) for k in range(len(errors) - window + 1)]
+    k = len(medians)
+    while k > 0 and medians[k - 1] <= target:
+        k -= 1
+    return None if k == len(medians) else k
+
+
+def calibration_rows(entries: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
+    """The calibrated prediction beside the raw profile's: |relative error| p50 and p90
+    over every answered request and over those after the first `warmup`."""
+    rows = []
+    for label, name in (("calibrated", "ttft_s"), ("profile (raw)", "ttft_raw_s")):
+        errs = relative_errors(entries, name)
+        after = errs[warmup:]
+        rows.append(
+            {
+                "prediction": label,
+                "requests": len(errs),
+                "|rel_err|_p50": percentile(errs, 50),
+                "|rel_err|_p90": percentile(errs, 90),
+                f"after_{warmup}_p50": percentile(after, 50),
+                f"after_{warmup}_p90": percentile(after, 90),
+            }
+        )
+    return rows

@@ -74,6 +74,10 @@ class EngineState:
     backoff_until: float = 0.0
     inflight_requests: int = 0
     inflight_prompt_tokens: int = 0
+    started_at: float = float("-inf")
+    """When (the fleet's clock) a request here last got its first byte: a load report
+    received before then may still count work that has since started
+    (`ramjet.fleet.signals.ReportSignals.load`)."""
     models: tuple[str, ...] = field(default=())
     id: EngineId = field(init=False)
     """`config.id`, kept as a field: it is read ~20 times per request."""
@@ -125,8 +129,11 @@ class Ticket:
         engine.inflight_requests += 1
         engine.inflight_prompt_tokens += prompt_tokens
 
-    def first_byte(self) -> None:
-        """The engine has started answering: its prompt work is no longer outstanding."""
+    def first_byte(self, now: float | None = None) -> None:
+        """The engine has started answering (at `now`, the fleet's clock; None: the
+        attempt ended without an answer): its prompt work is no longer outstanding."""
+        if now is not None and now > self._engine.started_at:
+            self._engine.started_at = now
         if self._tokens:
             self._engine.inflight_prompt_tokens -= self._tokens
             self._tokens = 0
@@ -154,6 +161,8 @@ class Fleet:
         self._health = health
         self._retry = retry
         self._clock = clock
+        self.clock = clock
+        """The fleet's clock (`Ticket.first_byte` stamps starts with it)."""
         self._on_eject = on_eject
 
     def get(self, engine_id: str) -> EngineState:

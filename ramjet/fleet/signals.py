@@ -14,7 +14,10 @@ router's own state (health, in-flight counters), the residency tables, and an
   running requests, HBM KV utilization). The report is older than the router's
   bookkeeping, so the policies correct one by the other
   (`ramjet.policy.candidates.outstanding_prompt_tokens`: the larger of the reported
-  queue and the router's in-flight prompt tokens).
+  queue and the router's in-flight prompt tokens). Fresh load: a report received before
+  the latest first byte the router saw from the engine (`EngineState.started_at`) may
+  still count work that has since started, so its queue (tokens and waiting requests)
+  is left out until the next report; its running requests and KV use still count.
 
 Staleness (RELIABILITY row 9): a load report older than `reports.stale_after_s` is
 dropped (the view carries only the router's own counters, as for an engine that never
@@ -43,6 +46,7 @@ from aiohttp import web
 from ramjet.fleet.engines import EngineState
 from ramjet.policy.base import EngineLoad
 from ramjet.policy.profile import EngineProfile
+from ramjet.reports.keys import KeyRing
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.runtime import ReportsRuntime
 from ramjet.types import EngineId, TrustGrade
@@ -59,6 +63,11 @@ class EngineSignals(Protocol):
 
     def load(self, engine: EngineState) -> EngineLoad: ...
 
+    def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
+        """Swap in a reloaded key ring, purging what revoked keys signed (None: no
+        reports, nothing to swap)."""
+        ...
+
 
 class NoSignals:
     """No reports: approximate trust, no profile, the router's own counters only."""
@@ -67,6 +76,9 @@ class NoSignals:
         return TrustGrade.APPROXIMATE
 
     def profile(self, engine: EngineId) -> EngineProfile | None:
+        return None
+
+    def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
         return None
 
     def load(self, engine: EngineState) -> EngineLoad:
@@ -88,12 +100,24 @@ class ReportSignals:
     def profile(self, engine: EngineId) -> EngineProfile | None:
         return self.processor.profile(engine)
 
+    def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
+        return self.processor.replace_keyring(ring)
+
     def load(self, engine: EngineState) -> EngineLoad:
         reported = self.processor.load(engine.id)  # None once older than stale_after_s
         if reported is None:
             return EngineLoad(
                 inflight_requests=engine.inflight_requests,
                 inflight_prompt_tokens=engine.inflight_prompt_tokens,
+            )
+        received = self.processor.load_received_at(engine.id)
+        if received is not None and received < engine.started_at:
+            # a request started after the report: its queue may count finished work
+            return EngineLoad(
+                inflight_requests=engine.inflight_requests,
+                inflight_prompt_tokens=engine.inflight_prompt_tokens,
+                running_requests=reported.running_requests,
+                kv_utilization=reported.kv_utilization,
             )
         return EngineLoad(
             inflight_requests=engine.inflight_requests,

@@ -7,15 +7,26 @@ counters merged with the engine's signed load report, trust and profile come fro
 reports (`EngineSignals`, `ramjet.fleet.signals`), residency from the tables. The
 signals and the residency source are the router's, fixed when `ramjet.app.wiring` built
 it; the views read them fresh on every request.
+
+Pools (`ramjet.config.FabricConfig`): each engine's view lists the shared tiers it is a
+member of (`PoolView`), with the pool's residency (the tables' entries under the pool's
+id, filled by the pool's own signed reports), the pool's trust grade, and the pull cost
+into that engine (`PoolSpec`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ramjet.fleet.engines import EngineState, Fleet
 from ramjet.fleet.signals import EngineSignals
-from ramjet.policy.base import EngineView
+from ramjet.policy.base import EngineView, PoolView
 from ramjet.residency.source import ResidencySource
 from ramjet.types import EngineId
+
+PoolSpec = tuple[str, str, float, float]
+"""(pool id, tier, bandwidth bytes/s into the engine, latency s): one shared tier an
+engine is a member of (`ramjet.config.FabricPoolConfig.cost_into`)."""
 
 
 def engine_views(
@@ -24,9 +35,10 @@ def engine_views(
     residency: ResidencySource,
     model: str,
     now: float,
+    pools: Mapping[EngineId, tuple[PoolSpec, ...]] | None = None,
 ) -> tuple[list[EngineView], list[EngineState], float]:
     """(views, the engines serving `model`, seconds until the first engine backing off
-    may be tried again)."""
+    may be tried again). `pools`: each engine's shared tiers (absent: an island)."""
     routable = fleet.routable()
     ok = {e.id for e in routable.engines}
     serving = [e for e in fleet.engines if not e.models or model in e.models]
@@ -39,10 +51,22 @@ def engine_views(
             profile=signals.profile(e.id),
             trust=signals.trust(e.id),
             models=frozenset(e.models),
+            pools=_pool_views(pools.get(e.id, ()), signals, residency, now) if pools else (),
         )
         for e in serving
     ]
     return views, serving, routable.retry_after_s
+
+
+def _pool_views(
+    specs: tuple[PoolSpec, ...], signals: EngineSignals, residency: ResidencySource, now: float
+) -> tuple[PoolView, ...]:
+    out = []
+    for pool, tier, bandwidth, latency in specs:
+        pid = EngineId(pool)
+        view = residency.view(pid, now)
+        out.append(PoolView(pool, tier, bandwidth, latency, view, signals.trust(pid)))
+    return tuple(out)
 
 
 def retry_engine(fleet: Fleet, model: str, tried: set[EngineId]) -> EngineState | None:

@@ -31,6 +31,7 @@ from ramjet.policy.views import EngineView as EngineView
 from ramjet.policy.views import FleetStats as FleetStats
 from ramjet.policy.views import GlobalMatch as GlobalMatch
 from ramjet.policy.views import KeyedQueue as KeyedQueue
+from ramjet.policy.views import PoolView as PoolView
 from ramjet.policy.views import RequestView as RequestView
 from ramjet.policy.views import ResidencyView as ResidencyView
 

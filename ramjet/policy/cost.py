@@ -52,7 +52,12 @@ For request r (n prompt tokens) on engine e, with profile P:
   charges it (`jump_seconds`, with the queue's `charge_jumps`): jump_e = scale ·
   n_jumped_e · service_e. A started prefill is not counted (`keyed_jumped`). Under FCFS
   nothing queued can be jumped and the term is 0.
-- TTFT_e = wait_e + work_e + packing_e.
+- TTFT_e = wait_e + work_e + packing_e, each term weighted by the engine's calibration
+  (`FleetStats.calibration`, `ramjet.policy.calibration`): prefill by w_prefill at
+  context 0 and by w_context for what its context adds, restore and replay by w_resume, the wait by w_wait, packing by w_packing, plus a fixed
+  per-request time. The raw, profile-priced terms are the calibration's features and are
+  kept in the components (`x_*_s`, `ttft_raw_s`); every other figure, the externality's
+  Δ included, is calibrated. With no calibration the weights are 1 and the fixed term 0.
 - Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
   requests queued behind it. By Little's law about λ·W of them wait at any time, where λ
   is the fleet's measured arrival rate and W its measured mean wait (both from
@@ -67,6 +72,14 @@ For request r (n prompt tokens) on engine e, with profile P:
 
   The engine of least cost wins; ties go to the shorter wait. Affinity needs no separate
   load gate: a busy engine's wait is in its cost.
+
+Pools. An engine of a shared fabric (`EngineView.pools`, `ramjet.config.FabricConfig`)
+pulls on a local miss: a host or SSD pool that holds a longer prefix than the engine
+extends g by the difference, priced as bytes / the pool's bandwidth into that engine +
+its latency (`pool_pull`, the longest pull, ties to the cheaper), and an SWA pool that
+holds the session's state at a further boundary lets the engine resume there at the
+cost of pulling the SWA state (`profile.swa_bytes_per_sequence`, `pool_swa`). HBM stays
+local; a pool whose reports are degraded is not used.
 
 Trust and profiles. An engine that has not reported a profile is priced with the
 policy's default profile, or with a profile measured on another engine of the fleet when
@@ -92,6 +105,7 @@ from ramjet.policy.base import (
     KeyedQueue,
     RequestView,
 )
+from ramjet.policy.calibration import PROFILE, TtftWeights
 from ramjet.policy.candidates import outstanding_prompt_tokens
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
@@ -194,20 +208,28 @@ def prompt_work(
     match: GlobalMatch,
     swa_tokens: int,
     reach: int | None = None,
+    pool_tokens: int = 0,
+    pool_s: float = 0.0,
+    swa_pull_s: float = 0.0,
 ) -> Work:
     """The cheapest of the swa, global and cold resume points (see module docstring).
     `reach` is `swa_reach`: a boundary q with g < q < min(reach, n) is credited, one
-    further out is not; None clips q to g."""
+    further out is not; None clips q to g. A shared pool ("Pools" in the module
+    docstring) extends the match by `pool_tokens` past the engine's own, pulled in
+    `pool_s`; `swa_pull_s` is the pull of SWA state held in a shared SWA pool."""
     n = max(prompt_tokens, 0)
     hbm, host, ssd = _clip(match, n)
-    g = hbm + host + ssd
+    pool = min(max(pool_tokens, 0), n - hbm - host - ssd)
+    if pool < pool_tokens and pool_tokens > 0:
+        pool_s *= pool / pool_tokens
+    g = hbm + host + ssd + pool
     # Only the winner becomes a `Work` (this runs per engine per decision); each point is
     # compared by its sum restore + replay + prefill, as `Work.work_s` adds it.
     resume, tokens, restore, replay = "cold", 0, 0.0, 0.0
     prefill = profile.prefill_seconds(n, 0)
     best = restore + replay + prefill
     if g > 0:
-        r, f = _restore(profile, host, ssd), profile.replay_floor_s
+        r, f = _restore(profile, host, ssd) + pool_s, profile.replay_floor_s
         p = profile.prefill_seconds(n - g, g)
         if r + f + p <= best:
             resume, tokens, restore, replay, prefill, best = "global", g, r, f, p, r + f + p
@@ -218,11 +240,50 @@ def prompt_work(
         q = swa_tokens if swa_tokens < min(reach, n) else 0
     if q > 0:
         share = min(q / g, 1.0) if g > 0 else 0.0
-        r = _restore(profile, host * share, ssd * share)
+        r = _restore(profile, host * share, ssd * share) + pool_s * share + swa_pull_s
         p = profile.prefill_seconds(n - q, q)
         if r + 0.0 + p <= best:
             resume, tokens, restore, replay, prefill = "swa", q, r, 0.0, p
     return Work(resume, tokens, restore, replay, prefill)
+
+
+def pool_pull(
+    request: RequestView, engine: EngineView, own: GlobalMatch, bytes_per_token: float
+) -> tuple[int, float, str | None, GlobalMatch]:
+    """The engine's best pull from its shared global-KV pools ("Pools"): (tokens past its
+    own match, seconds to pull them, the pool's id, the match to reach SWA boundaries
+    from); (0, 0, None, own) when no pool extends the match. Pools whose reports are
+    degraded are not used."""
+    n = request.prompt_tokens
+    mine = min(own.total, n)
+    best: tuple[int, float, str | None, GlobalMatch] = (0, 0.0, None, own)
+    for p in engine.pools:
+        if p.tier == "swa" or p.trust == TrustGrade.DEGRADED:
+            continue
+        pm = p.residency.global_match(request.block_keys, request.block_tokens)
+        extra = min(pm.total, n) - mine
+        if extra <= 0:
+            continue
+        s = p.pull_seconds(extra * bytes_per_token)
+        if extra > best[0] or (extra == best[0] and s < best[1]):
+            reach = GlobalMatch(mine + extra, 0, 0, blocks=pm.blocks)
+            best = (extra, s, p.id, reach)
+    return best
+
+
+def pool_swa(request: RequestView, engine: EngineView, swa_bytes: float) -> tuple[int, float]:
+    """(boundary tokens, pull seconds) of the furthest SWA state a shared SWA pool holds
+    for the request; (0, 0) when none does."""
+    best, best_s = 0, 0.0
+    if not request.boundary_keys:
+        return 0, 0.0
+    for p in engine.pools:
+        if p.tier != "swa" or p.trust == TrustGrade.DEGRADED:
+            continue
+        q = p.residency.swa_match(request.boundary_keys)
+        if q > best:
+            best, best_s = q, p.pull_seconds(swa_bytes)
+    return best, best_s
 
 
 def wait_seconds(
@@ -403,6 +464,19 @@ class EngineEstimate:
     """On an engine that serves by key (`FleetStats.keyed`): the jump term, what the
     requests this one overtakes wait longer (`jump_seconds`); already in
     `externality_s`. None elsewhere."""
+    fixed_s: float = 0.0
+    """The calibration's fixed per-request time (`TtftWeights.fixed_s`)."""
+    raw: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    """The profile-priced terms before calibration, the calibration's features
+    (`ramjet.policy.calibration.FEATURES`): prefill at context 0, what the context adds
+    to it, restore + replay, wait, packing."""
+    beyond_profile: bool = False
+    """The prompt is longer than the largest context the engine's profile was probed at:
+    its prefill is extrapolated."""
+    weights: TtftWeights = PROFILE
+    """The calibration's weights applied to `raw` (`FleetStats.calibration`)."""
+    pool_tokens: int = 0
+    """Tokens past the engine's own match pulled from a shared pool (`pool_pull`)."""
 
     def __init__(
         self,
@@ -419,6 +493,11 @@ class EngineEstimate:
         stand_in: EngineId | None = None,
         packing_s: float = 0.0,
         jump_s: float | None = None,
+        fixed_s: float = 0.0,
+        raw: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0),
+        beyond_profile: bool = False,
+        weights: TtftWeights = PROFILE,
+        pool_tokens: int = 0,
     ) -> None:
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "work", work)
@@ -433,10 +512,15 @@ class EngineEstimate:
         object.__setattr__(self, "stand_in", stand_in)
         object.__setattr__(self, "packing_s", packing_s)
         object.__setattr__(self, "jump_s", jump_s)
+        object.__setattr__(self, "fixed_s", fixed_s)
+        object.__setattr__(self, "raw", raw)
+        object.__setattr__(self, "beyond_profile", beyond_profile)
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "pool_tokens", pool_tokens)
 
     @property
     def ttft_s(self) -> float:
-        return self.wait_s + self.work.work_s + self.packing_s
+        return self.wait_s + self.work.work_s + self.packing_s + self.fixed_s
 
     @property
     def cost_s(self) -> float:
@@ -445,11 +529,13 @@ class EngineEstimate:
     def components(self) -> dict[str, float]:
         w, m = self.work, self.match
         work = w.restore_s + w.replay_s + w.prefill_s  # the properties' sums, in their order
-        ttft = self.wait_s + work + self.packing_s
+        ttft = self.wait_s + work + self.packing_s + self.fixed_s
+        x_prefill, x_context, x_resume, x_wait, x_packing = self.raw
         return {
             "hbm_tokens": float(m.hbm),
             "host_tokens": float(m.host),
             "ssd_tokens": float(m.ssd),
+            "pool_tokens": float(self.pool_tokens),
             "pending_tokens": float(m.pending),
             "swa_tokens": float(self.swa_tokens),
             "resume_tokens": float(w.resume_tokens),
@@ -466,6 +552,19 @@ class EngineEstimate:
             "session_s": self.session_s,
             "cost_s": ttft + self.externality_s + self.session_s,
             "default_profile": 1.0 if self.default_profile else 0.0,
+            "fixed_s": self.fixed_s,
+            "x_prefill_s": x_prefill,
+            "x_context_s": x_context,
+            "x_resume_s": x_resume,
+            "x_wait_s": x_wait,
+            "x_packing_s": x_packing,
+            "ttft_raw_s": x_prefill + x_context + x_resume + x_wait + x_packing,
+            "w_prefill": self.weights.prefill,
+            "w_context": self.weights.context,
+            "w_resume": self.weights.resume,
+            "w_wait": self.weights.wait,
+            "w_packing": self.weights.packing,
+            "calibration_samples": float(self.weights.samples),
         } | ({} if self.jump_s is None else {"jump_s": self.jump_s})
 
 
@@ -506,41 +605,102 @@ def estimate(
     `session_s`: the session term per engine, added to the cost (absent: 0)."""
     n = request.prompt_tokens
     stand_in, stand_in_id = _stand_in(engines, default_profile, n)
-    staged: list[tuple[EngineView, Work, GlobalMatch, int, float, float | None, bool, bool]] = []
+    staged: list[
+        tuple[
+            EngineView,
+            Work,
+            GlobalMatch,
+            int,
+            float,
+            float,
+            TtftWeights,
+            tuple[float, float, float, float, float],
+            float | None,
+            bool,
+            bool,
+            bool,
+            int,
+        ]
+    ] = []
     for e in engines:
         degraded = e.trust == TrustGrade.DEGRADED
         use_default = e.profile is None or degraded
         profile = stand_in if use_default else e.profile
         assert profile is not None
         match = e.residency.global_match(request.block_keys, request.block_tokens)
+        pooled, pool_s, reach_match, swa_pull_s = 0, 0.0, match, 0.0
         if degraded:
             match = GlobalMatch(0, 0, match.total)
             swa = 0
         else:
             swa = e.residency.swa_match(request.boundary_keys) if request.boundary_keys else 0
-        work = prompt_work(profile, n, match, swa, swa_reach(request, match))
-        new_tokens = max(n - work.resume_tokens, 0)
+            if e.pools:  # shared tiers: pull a longer prefix, or SWA state, from a pool
+                bpt = profile.global_kv_bytes_per_token
+                pooled, pool_s, _, reach_match = pool_pull(request, e, match, bpt)
+                q, q_s = pool_swa(request, e, profile.swa_bytes_per_sequence)
+                if q > swa:
+                    swa, swa_pull_s = q, q_s
+        raw_work = prompt_work(
+            profile, n, match, swa, swa_reach(request, reach_match), pooled, pool_s, swa_pull_s
+        )
+        new_tokens = max(n - raw_work.resume_tokens, 0)
         queue = fleet.keyed.get(e.id) if fleet.keyed else None
         jump: float | None = None
         if queue is None:
-            wait = wait_seconds(profile, e, new_tokens, chunk_tokens, per_job)
+            raw_wait = wait_seconds(profile, e, new_tokens, chunk_tokens, per_job)
         else:  # the engine serves by the priority hint's key
-            args = (profile, e, queue, work.work_s, new_tokens, chunk_tokens, per_job, fleet)
-            wait = keyed_wait(*args)
+            args = (profile, e, queue, raw_work.work_s, new_tokens, chunk_tokens, per_job, fleet)
+            raw_wait = keyed_wait(*args)
             jump = jump_seconds(*args, externality_scale)
-        staged.append((e, work, match, swa, wait, jump, use_default, degraded))
+        raw_packing = 0.0
+        if not per_job:  # later arrivals join this request's step (vLLM's packing)
+            raw_packing = _work_rate(fleet, e.id) * (raw_wait + raw_work.work_s)
+        w = fleet.calibration.get(e.id, PROFILE) if fleet.calibration else PROFILE
+        flat = min(profile.prefill_seconds(new_tokens, 0), raw_work.prefill_s)
+        context = raw_work.prefill_s - flat
+        work = _calibrated(raw_work, flat, context, w)
+        raw = (flat, context, raw_work.restore_s + raw_work.replay_s, raw_wait, raw_packing)
+        beyond = n > profile.prefill_curve[-1].context_tokens if profile.prefill_curve else False
+        staged.append(
+            (
+                e,
+                work,
+                match,
+                swa,
+                w.wait * raw_wait,
+                w.packing * raw_packing,
+                w,
+                raw,
+                jump,
+                use_default,
+                degraded,
+                beyond,
+                pooled,
+            )
+        )
     least = min(s[1].work_s for s in staged)
     rate = externality_rate(fleet, externality_scale)
     out: list[EngineEstimate] = []
-    for e, work, match, swa, wait, jump, use_default, degraded in staged:
+    for (
+        e,
+        work,
+        match,
+        swa,
+        wait,
+        packing,
+        weights,
+        raw,
+        jump,
+        use_default,
+        degraded,
+        beyond,
+        pooled,
+    ) in staged:
         delta = work.work_s - least
         externality = rate * delta
         if jump:
             externality += jump
         extra = session_s.get(e.id, 0.0) if session_s else 0.0
-        packing = 0.0
-        if not per_job:  # later arrivals join this request's step (vLLM's packing)
-            packing = _work_rate(fleet, e.id) * (wait + work.work_s)
         out.append(
             EngineEstimate(
                 e.id,
@@ -556,6 +716,25 @@ def estimate(
                 stand_in=stand_in_id if use_default else None,
                 packing_s=packing,
                 jump_s=jump,
+                fixed_s=weights.fixed_s,
+                raw=raw,
+                beyond_profile=beyond,
+                weights=weights,
+                pool_tokens=pooled,
             )
         )
     return out
+
+
+def _calibrated(work: Work, flat: float, context: float, w: TtftWeights) -> Work:
+    """`work` with its terms weighted by the engine's calibration (module docstring);
+    its prefill is `flat` (at context 0) + `context` (what the context adds)."""
+    if w is PROFILE:
+        return work
+    return Work(
+        work.resume,
+        work.resume_tokens,
+        w.resume * work.restore_s,
+        w.resume * work.replay_s,
+        w.prefill * flat + w.context * context,
+    )

@@ -18,7 +18,8 @@ does, with the same time constants, taken from the policy file's `fleet_stats:` 
   implementation, `DecayingSum`) with each arrival weighted by its work. A packing engine (vLLM) puts the prompts that arrive
   while one waits into that one's step, so the cost model reads it as the share of its
   wait and work that later arrivals add (`ramjet.policy.cost`, `per_job=False`).
-- `FleetEstimators`: λ, W and the work rates, fed `arrive(now)` per request,
+- `FleetEstimators`: λ, W, the work rates and (optionally) the TTFT calibration
+  (`ramjet.policy.calibration.Calibrations`), fed `arrive(now)` per request,
   `routed(now, engine, work_s)` per routed request and `wait(now, s)` per measured
   wait, read as a `FleetStats` snapshot by `stats(now)`.
 - `KeyedQueues`: per engine that serves by the priority hint's key, the router's
@@ -36,9 +37,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from mypy_extensions import mypyc_attr
-
 from ramjet.policy.base import FleetStats, KeyedQueue
+from ramjet.policy.calibration import Calibrations
 from ramjet.types import EngineId
 
 DEFAULT_ARRIVAL_TAU_S = 10.0
@@ -152,33 +152,38 @@ def fleet_stats(
     waits: MeanWait,
     work: WorkRates | None = None,
     keyed: Mapping[EngineId, KeyedQueue] | None = None,
+    calibration: Calibrations | None = None,
 ) -> FleetStats:
-    """The snapshot a policy is given: λ, W and the engines' work rates as of `now`, and
-    the engines that serve by key (`FleetStats.keyed`) where the caller has them."""
+    """The snapshot a policy is given: λ, W and the engines' work rates as of `now`, the
+    engines that serve by key (`FleetStats.keyed`) and the calibrated weights of the cost
+    model's terms (`FleetStats.calibration`) where the caller has them."""
     return FleetStats(
         now_s=now,
         arrival_rate_per_s=arrivals.rate(now),
         mean_wait_s=waits.mean(),
         work_rate=work.rates(now) if work is not None else {},
         keyed=keyed if keyed is not None else {},
+        calibration=calibration.weights() if calibration is not None else None,
     )
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # compiled (ramjet/native.py); a test subclasses it
 class FleetEstimators:
     """λ, W and the work rates together, for a caller that owns all three (the simulator)."""
 
-    __slots__ = ("arrivals", "waits", "work")
+    __slots__ = ("arrivals", "calibration", "waits", "work")
 
     def __init__(
         self,
         arrival_tau_s: float = DEFAULT_ARRIVAL_TAU_S,
         wait_tau_s: float = DEFAULT_WAIT_TAU_S,
         work_tau_s: float = DEFAULT_WORK_TAU_S,
+        calibration: Calibrations | None = None,
     ) -> None:
         self.arrivals = ArrivalRate(arrival_tau_s)
         self.waits = MeanWait(wait_tau_s)
         self.work = WorkRates(work_tau_s)
+        self.calibration = calibration
+        """None: the profile as probed (no online calibration)."""
 
     def arrive(self, now: float) -> None:
         self.arrivals.arrive(now)
@@ -190,7 +195,7 @@ class FleetEstimators:
         self.waits.add(now, sample_s)
 
     def stats(self, now: float) -> FleetStats:
-        return fleet_stats(now, self.arrivals, self.waits, self.work)
+        return fleet_stats(now, self.arrivals, self.waits, self.work, None, self.calibration)
 
 
 class KeyedQueues:

@@ -11,24 +11,38 @@ Decision.components[engine] holds every figure of `EngineEstimate.components()`
 engine has not reported a profile, `degraded:<engine>` when its view is degraded,
 `estimate_profile:<engine>` for each of those priced with the built-in
 `V41_FLASH_TP4_ESTIMATE` (the default unless `params.default_profile` is set: an
-estimate, not a measurement of the engine), `externality_off` while the fleet has no
-measured arrival rate or wait yet.
+estimate, not a measurement of the engine), `beyond_profile:<engine>` when the prompt is
+longer than the largest context the engine's profile was probed at (its prefill is
+extrapolated), `profile_off:<engine>` when the online calibration finds its probed prefill
+more than 2x off (`profile_off`), `externality_off` while the fleet has no measured
+arrival rate or wait yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mypy_extensions import mypyc_attr
-
 from ramjet.policy.base import Decision, EngineView, FleetStats, RequestView
+from ramjet.policy.calibration import TtftWeights
 from ramjet.policy.candidates import eligible
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, EngineEstimate, estimate
 from ramjet.policy.params import TierAwareParams as TierAwareParams
 from ramjet.policy.session_load import SessionLoad
 
+PROFILE_OFF_SAMPLES = 16
+PROFILE_OFF_FACTOR = 2.0
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # simulations/probes.py subclasses it
+
+def profile_off(w: TtftWeights) -> bool:
+    """The calibration, after `PROFILE_OFF_SAMPLES` samples, finds the engine's probed
+    prefill more than `PROFILE_OFF_FACTOR` off (a profile probed while the host was busy,
+    or on other hardware): calibration has taken over; the note says to re-probe."""
+    if w.samples < PROFILE_OFF_SAMPLES:
+        return False
+    lo, hi = 1.0 / PROFILE_OFF_FACTOR, PROFILE_OFF_FACTOR
+    return not (lo <= w.prefill <= hi)
+
+
 class TierAware:
     """Least `cost_s` among eligible engines; ties to the shorter wait, then in turn (a
     cursor that moves only on a tie, so idle engines share the new sessions that reach
@@ -66,7 +80,13 @@ class TierAware:
     def pick(
         self, request: RequestView, engines: Sequence[EngineView], fleet: FleetStats
     ) -> Decision:
-        ests = self.estimates(request, engines, fleet)
+        return self.decide(request, self.estimates(request, engines, fleet), fleet)
+
+    def decide(
+        self, request: RequestView, ests: Sequence[EngineEstimate], fleet: FleetStats
+    ) -> Decision:
+        """`pick` from given estimates: the least cost, its notes and session bookkeeping
+        (a probe that prices engines its own way composes `estimates` and this)."""
         ranks = [(s.cost_s, s.wait_s) for s in ests]
         low = min(ranks)
         tied = [s for s, r in zip(ests, ranks, strict=True) if r == low]
@@ -90,6 +110,8 @@ class TierAware:
                     estimated.append(f"estimate_profile:{s.engine}")
         notes += estimated
         notes += degraded
+        notes += [f"beyond_profile:{s.engine}" for s in ests if s.beyond_profile]
+        notes += [f"profile_off:{s.engine}" for s in ests if profile_off(s.weights)]
         if fleet.arrival_rate_per_s <= 0 or fleet.mean_wait_s <= 0:
             notes.append("externality_off")
         return Decision(

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ramjet.policy.calibration import TtftWeights
 from ramjet.policy.profile import EngineProfile
 from ramjet.types import EngineId, PrefixKey, TrustGrade
 
@@ -124,6 +125,41 @@ class EngineLoad:
 
 
 @dataclass(init=False, frozen=True, slots=True)
+class PoolView:
+    """A shared tier an engine can pull from (`ramjet.config.FabricPoolConfig`), as that
+    engine sees it: the pool's residency (from the pool's own signed reports) and the cost
+    of a pull into this engine."""
+
+    id: str
+    tier: str
+    """"host" or "ssd" (global KV), or "swa" (SWA state)."""
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    residency: ResidencyView
+    trust: TrustGrade = TrustGrade.APPROXIMATE
+
+    def __init__(
+        self,
+        id: str,
+        tier: str,
+        bandwidth_bytes_per_s: float,
+        latency_s: float,
+        residency: ResidencyView,
+        trust: TrustGrade = TrustGrade.APPROXIMATE,
+    ) -> None:
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "tier", tier)
+        object.__setattr__(self, "bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+        object.__setattr__(self, "latency_s", latency_s)
+        object.__setattr__(self, "residency", residency)
+        object.__setattr__(self, "trust", trust)
+
+    def pull_seconds(self, nbytes: float) -> float:
+        """Time to pull `nbytes` from the pool into the engine."""
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(init=False, frozen=True, slots=True)
 class EngineView:
     id: EngineId
     healthy: bool
@@ -133,6 +169,8 @@ class EngineView:
     """None until the engine has reported one; policies then use their defaults."""
     trust: TrustGrade = TrustGrade.APPROXIMATE
     models: frozenset[str] = frozenset()
+    pools: tuple[PoolView, ...] = ()
+    """Shared tiers the engine pulls from on a local miss (none: an island)."""
 
     def __init__(
         self,
@@ -143,6 +181,7 @@ class EngineView:
         profile: EngineProfile | None = None,
         trust: TrustGrade = TrustGrade.APPROXIMATE,
         models: frozenset[str] = frozenset(),
+        pools: tuple[PoolView, ...] = (),
     ) -> None:
         object.__setattr__(self, "id", id)
         object.__setattr__(self, "healthy", healthy)
@@ -151,6 +190,7 @@ class EngineView:
         object.__setattr__(self, "profile", profile)
         object.__setattr__(self, "trust", trust)
         object.__setattr__(self, "models", models)
+        object.__setattr__(self, "pools", pools)
 
 
 @dataclass(init=False, frozen=True, slots=True)
@@ -238,6 +278,9 @@ class FleetStats:
     keyed: Mapping[EngineId, KeyedQueue] = field(default_factory=dict)
     """Engines that serve by the priority hint's key (a pool in mode `on`): the cost
     model's wait counts only the work queued there with a lower key. Absent: FCFS."""
+    calibration: Mapping[EngineId, TtftWeights] = field(default_factory=dict)
+    """Per engine: the weights of the cost model's terms fitted online to realised TTFTs
+    (`ramjet.policy.calibration`). Absent: the profile as probed."""
 
     def __init__(
         self,
@@ -246,12 +289,14 @@ class FleetStats:
         mean_wait_s: float = 0.0,
         work_rate: Mapping[EngineId, float] | None = None,
         keyed: Mapping[EngineId, KeyedQueue] | None = None,
+        calibration: Mapping[EngineId, TtftWeights] | None = None,
     ) -> None:
         object.__setattr__(self, "now_s", now_s)
         object.__setattr__(self, "arrival_rate_per_s", arrival_rate_per_s)
         object.__setattr__(self, "mean_wait_s", mean_wait_s)
         object.__setattr__(self, "work_rate", {} if work_rate is None else work_rate)
         object.__setattr__(self, "keyed", {} if keyed is None else keyed)
+        object.__setattr__(self, "calibration", {} if calibration is None else calibration)
 
 
 @dataclass(init=False, frozen=True, slots=True)

@@ -241,7 +241,7 @@ class Proxy:
                         self.budget.release()
                         retrying = False
             if got is not None:
-                ticket.first_byte()
+                ticket.first_byte(self._fleet.clock())
                 return Opened(engine, got[0], got[1], ticket, retrying)
             # The attempt failed before any byte reached the client: maybe retry.
             if exchange.shutdown or nxt.get() is None:

@@ -12,6 +12,7 @@ reports:
   poll: {wait_s: 20, timeout_s: 30, max_batch: 512, backoff_min_s: 0.2, backoff_max_s: 5}
   engines: {e0: "http://127.0.0.1:8001"}   # engines to pull from (base URLs)
   push: {host: 127.0.0.1, port: null, rate_per_s: 50, burst: 100}   # push listener, off
+  pull_token_file: null       # bearer token sent on pulls (sidecars' --token-file)
 keys:
   engines:
     e0:
@@ -84,6 +85,9 @@ class ReportsConfig(BaseModel):
     engines: dict[str, str] = {}
     """Engines to pull reports from: engine id -> base URL (http://host:port)."""
     push: PushConfig = PushConfig()
+    pull_token_file: Path | None = None
+    """File holding the bearer token sent with every pull (`Authorization: Bearer`), for
+    sidecars started with `--token-file`; relative to the policy file's folder."""
 
     @model_validator(mode="after")
     def _check(self) -> ReportsConfig:

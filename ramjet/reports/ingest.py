@@ -94,8 +94,11 @@ class ReportIngest:
         seed: int | None = None,
         submit: SubmitFn | None = None,
         registry: CollectorRegistry | None = None,
+        pull_token: str | None = None,
     ) -> None:
+        """`pull_token`: sent as `Authorization: Bearer` with every pull."""
         self.processor = processor
+        self._headers = {} if pull_token is None else {"Authorization": f"Bearer {pull_token}"}
         self.submit: SubmitFn = submit if submit is not None else processor.submit_async
         cfg = processor.config
         self.engines: dict[EngineId, str] = (
@@ -157,7 +160,7 @@ class ReportIngest:
             await self.push.start()
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self._poll.timeout_s)
+                timeout=aiohttp.ClientTimeout(total=self._poll.timeout_s), headers=self._headers
             )
         for engine, url in self.engines.items():
             self._tasks.append(asyncio.create_task(self._pull_loop(engine, url.rstrip("/"))))

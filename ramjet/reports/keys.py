@@ -5,6 +5,12 @@ nothing in a report can add a key. A key id belongs to exactly one engine; sever
 ids may be active for one engine at once (rotation: add the new key, switch the engine,
 then list the old id under `retired`). Retired ids are refused even if still listed.
 
+Revocation without a restart: a policy reload (SIGHUP, `POST /admin/reload`) reloads
+the key ring, key files included (`ReportProcessor.replace_keyring`). A key id that is
+no longer accepted as the same key (removed, retired, other key material) is revoked:
+every engine whose current view that key signed any report of is purged and starts over
+from its next report (a snapshot), so nothing the revoked key said keeps steering.
+
 `lookup` answers with a key or the rejection reason: "retired_key", "unknown_key",
 "wrong_engine_key" (the key id is another engine's).
 """
@@ -122,6 +128,20 @@ class KeyRing:
                     raise KeyError_(f"keys.engines.{engine}[{entry.key_id}]: {exc}") from None
         return cls(keys, set(config.retired))
 
+    def active(self) -> dict[str, tuple[EngineId, bytes]]:
+        """Key id -> (engine, raw public key bytes) of every key not retired."""
+        return {
+            kid: (h.engine, _raw(h.key))
+            for kid, h in self._keys.items()
+            if kid not in self._retired
+        }
+
+    def revoked_by(self, new: KeyRing) -> frozenset[str]:
+        """Key ids active here that `new` no longer accepts as the same key: removed,
+        retired, moved to another engine, or with other key material."""
+        now = new.active()
+        return frozenset(kid for kid, held in self.active().items() if now.get(kid) != held)
+
     def engines(self) -> frozenset[EngineId]:
         """Engines with at least one active key."""
         return frozenset(h.engine for kid, h in self._keys.items() if kid not in self._retired)
@@ -137,6 +157,10 @@ class KeyRing:
         if held.engine != engine:
             return "wrong_engine_key"
         return held.key
+
+
+def _raw(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
 def _load_entry(entry: KeyEntry, base_dir: Path | None) -> Ed25519PublicKey:

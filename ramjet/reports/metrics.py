@@ -6,6 +6,8 @@
 - ramjet_reports_gaps_total{engine}: sequence gaps seen (each asks for a snapshot)
 - ramjet_reports_snapshots_fetched_total{engine}: snapshots pulled by the router
 - ramjet_reports_epoch_changes_total{engine}
+- ramjet_reports_revoked_purges_total{engine}: views purged because a key that signed
+  them was revoked by a reload
 - read at scrape time from the processor: ramjet_reports_epoch{engine},
   ramjet_reports_trust_grade{engine} (0 exact, 1 degraded, 2 approximate),
   ramjet_reports_staleness_seconds{engine} (since the last accepted report).
@@ -39,6 +41,7 @@ class ReportMetrics:
         self.gaps = counter(registry, "ramjet_reports_gaps_total")
         self.snapshots_fetched = counter(registry, "ramjet_reports_snapshots_fetched_total")
         self.epoch_changes = counter(registry, "ramjet_reports_epoch_changes_total")
+        self.revoked_purges = counter(registry, "ramjet_reports_revoked_purges_total")
         self._registry = registry
 
     def init_engines(self, engines: Iterable[str]) -> None:
@@ -51,6 +54,7 @@ class ReportMetrics:
                 self.gaps.labels(engine)
                 self.snapshots_fetched.labels(engine)
                 self.epoch_changes.labels(engine)
+                self.revoked_purges.labels(engine)
 
     def watch(self, figures: Callable[[], Iterable[EngineFigures]]) -> None:
         self._registry.register(_EngineCollector(figures))

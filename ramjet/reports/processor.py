@@ -5,9 +5,9 @@ through, pulled or pushed: verify (`verify.py`), then commit. A rejected frame c
 nothing (but the rate bucket) and is counted by reason.
 
 Commit, per engine:
-- a report with a higher epoch than the engine's current one purges all the engine's
-  residency first (it restarted and lost its volatile state), resets its cursor and
-  counts an epoch change;
+- a report of another epoch than the engine's current one (higher, or lower but issued
+  later: `verify.epoch_change`) purges all the engine's residency first (it restarted and
+  lost its volatile state), resets its cursor and counts an epoch change;
 - a delta/load/profile with seq > last + 1 is a gap: the report is still applied (it is
   authentic and newer), the engine's view turns DEGRADED and a snapshot is requested
   (`snapshot_needed`); the puller fetches one, a pushing engine sends one periodically;
@@ -68,6 +68,9 @@ class EngineReportState:
     profile: EngineProfile | None = None
     applying: SnapshotApply | None = None
     """A large snapshot being applied in pieces (`submit_async`)."""
+    signers: set[str] = field(default_factory=set)
+    """Key ids that signed the reports the engine's current view is built from (since its
+    last purge): revoking one of them purges the view (`replace_keyring`)."""
 
 
 @dataclass(slots=True)
@@ -109,12 +112,14 @@ class ReportProcessor:
         self._wall = wall_clock
         self._states: dict[EngineId, EngineReportState] = {}
         self.verifier = ReportVerifier(
-            keyring, self.config, self._cursor_of, wall_clock, self._clock
+            keyring, self.config, self._cursor_of, wall_clock, self._clock, self._last_report_of
         )
         self.metrics = ReportMetrics(registry or CollectorRegistry())
         self.metrics.watch(self._figures)
         self._known = set(keyring.engines()) | {EngineId(e) for e in self.config.engines}
         self.metrics.init_engines(self._known)
+        self.on_purged: list[Callable[[list[EngineId]], None]] = []
+        """Called with the engines `replace_keyring` purged (the shared cursors drop them)."""
 
     # -- the door -----------------------------------------------------------------------
 
@@ -144,6 +149,28 @@ class ReportProcessor:
         """Count a rejection decided before `submit` (a push body over the cap)."""
         label = engine if engine in self._known else "unknown"
         self.metrics.rejected.labels(label, reason.value).inc()
+
+    def replace_keyring(self, ring: KeyRing) -> dict[str, list[str]]:
+        """Use `ring` from now on (a policy or key-file reload). Every engine whose current
+        view a revoked key (`KeyRing.revoked_by`) signed any part of is purged and its
+        report state forgotten: its next report, or the snapshot the puller fetches,
+        starts it over, whatever its epoch. Returns the revoked key ids and purged engines."""
+        revoked = self.keyring.revoked_by(ring)
+        self.keyring = ring
+        self.verifier.keyring = ring
+        purged: list[EngineId] = []
+        for engine, st in self._states.items():
+            if st.signers & revoked:
+                self._abandon(st)
+                self.tables.purge_engine(engine)
+                self._states[engine] = EngineReportState()
+                self.metrics.revoked_purges.labels(engine).inc()
+                purged.append(engine)
+        self._known |= set(ring.engines())
+        self.metrics.init_engines(self._known)
+        for hook in self.on_purged:
+            hook(purged)
+        return {"revoked": sorted(revoked), "purged": sorted(purged)}
 
     def request_snapshot(self, engine: EngineId) -> None:
         """The view has a hole (a pulled report was refused): DEGRADED until a snapshot."""
@@ -182,6 +209,12 @@ class ReportProcessor:
             return None
         return st.load
 
+    def load_received_at(self, engine: EngineId) -> float | None:
+        """When (this processor's clock, the router's) the engine's last load report was
+        received; None before one."""
+        st = self._states.get(engine)
+        return None if st is None else st.load_at
+
     def profile(self, engine: EngineId) -> EngineProfile | None:
         st = self._states.get(engine)
         return None if st is None else st.profile
@@ -201,6 +234,10 @@ class ReportProcessor:
 
     # -- commit -----------------------------------------------------------------------------
 
+    def _last_report_of(self, engine: EngineId) -> float | None:
+        st = self._states.get(engine)
+        return None if st is None else st.last_report_at
+
     def _cursor_of(self, engine: EngineId) -> Cursor | None:
         st = self._states.get(engine)
         return None if st is None else st.cursor
@@ -215,11 +252,12 @@ class ReportProcessor:
         st = self.state(engine)
         now = self._clock()
         job = None
-        if st.cursor is None or env.epoch > st.cursor.epoch:
+        if st.cursor is None or env.epoch != st.cursor.epoch:
             if st.cursor is not None:
                 self.metrics.epoch_changes.labels(engine).inc()
             self._abandon(st)
             self.tables.purge_engine(engine)
+            st.signers.clear()
             # the epoch starts empty: report 1 onwards is complete without a snapshot
             st.cursor = Cursor(env.epoch, 0, 0)
             st.snapshot_needed = False
@@ -250,6 +288,7 @@ class ReportProcessor:
         if st.gap:
             st.snapshot_needed = True
         st.cursor = Cursor(env.epoch, env.seq, max(env.issued_at_ms, st.cursor.issued_at_ms))
+        st.signers.add(env.key_id)
         st.last_report_at = now
         self.tables.set_mode(engine, ViewMode.REPORTED)
         self.metrics.accepted.labels(engine, env.kind).inc()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import io
 import logging
 import threading
@@ -80,7 +81,14 @@ class ReportPublisher:
         push_snapshot_interval_s: float = 30.0,
         push_queue: int = 1024,
         wall_clock: Callable[[], float] = time.time,
+        pull_token: str | None = None,
+        snapshot_min_interval_s: float = 0.5,
     ) -> None:
+        """`pull_token`: when set, `GET /ramjet/reports` and `GET /ramjet/snapshot` need
+        `Authorization: Bearer <it>` (routers send `reports.pull_token_file`), else 401.
+        `snapshot_min_interval_s`: snapshots served over HTTP are signed at most once per
+        this long; a request meanwhile gets the last one if nothing changed since, else
+        waits for the interval to pass (the signing holds the publisher's lock)."""
         self.engine_id = engine_id
         self.key_id = key_id
         self._key = private_key
@@ -107,6 +115,15 @@ class ReportPublisher:
         self._closing = False
         self._profile: EngineProfile | None = None
         """The last published profile: carried by every snapshot, re-sent in a new epoch."""
+        self._pull_token = pull_token
+        self._snapshot_every = snapshot_min_interval_s
+        self._served: tuple[float, int, int, bytes] | None = None
+        """The last snapshot served over HTTP: (monotonic time, epoch, seq, frame)."""
+        self._snapshot_lock: asyncio.Lock | None = None
+        self.snapshots_signed = 0
+        self.load_paused = False
+        """While True the periodic load reports are not sent (a sidecar whose event path
+        is down: routers then see the engine go silent and degrade its trust)."""
 
     # -- signing ---------------------------------------------------------------------------
 
@@ -234,7 +251,16 @@ class ReportPublisher:
         app.router.add_get(tp.REPORTS_PATH, self._handle_reports)
         app.router.add_get(tp.SNAPSHOT_PATH, self._handle_snapshot)
 
+    def authorized(self, request: web.Request) -> bool:
+        """Whether a pull request carries the pull token (always, when none is set)."""
+        if self._pull_token is None:
+            return True
+        given = request.headers.get("Authorization", "").encode()
+        return hmac.compare_digest(given, f"Bearer {self._pull_token}".encode())
+
     async def _handle_reports(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return web.json_response({"error": "bad or missing pull token"}, status=401)
         q = request.query
         try:
             epoch = int(q["epoch"]) if "epoch" in q else None
@@ -273,9 +299,32 @@ class ReportPublisher:
         )
 
     async def _handle_snapshot(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return web.json_response({"error": "bad or missing pull token"}, status=401)
         if self._snapshot is None:
             return web.json_response({"error": "no snapshot source"}, status=404)
-        return web.Response(body=self.snapshot_frame(), content_type=tp.FRAME_TYPE)
+        return web.Response(body=await self.served_snapshot(), content_type=tp.FRAME_TYPE)
+
+    async def served_snapshot(self) -> bytes:
+        """A snapshot for an HTTP request, signed at most once per `snapshot_min_interval_s`
+        (one at a time; the last one again while the epoch and seq have not moved)."""
+        if self._snapshot_lock is None:
+            self._snapshot_lock = asyncio.Lock()
+        async with self._snapshot_lock:
+            last = self._served
+            if last is not None:
+                at, epoch, seq, frame = last
+                if (epoch, seq) == (self.epoch, self._seq):
+                    return frame
+                wait = at + self._snapshot_every - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            with self._lock:
+                epoch, seq = self.epoch, self._seq
+            frame = self.snapshot_frame()
+            self.snapshots_signed += 1
+            self._served = (time.monotonic(), epoch, seq, frame)
+            return frame
 
     # -- background: load reports, push --------------------------------------------------------
 
@@ -299,7 +348,8 @@ class ReportPublisher:
         assert self._load is not None
         while True:
             try:
-                self.publish_load(self._load())
+                if not self.load_paused:
+                    self.publish_load(self._load())
             except Exception:  # a broken load figure must not stop the reports
                 log.exception("load report failed")
             await asyncio.sleep(self._load_interval)

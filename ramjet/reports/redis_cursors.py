@@ -65,7 +65,7 @@ from ramjet.reports.bodies import (
     profile_body,
 )
 from ramjet.reports.processor import ReportProcessor
-from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected
+from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected, cursor_newer
 from ramjet.residency.redis_link import LuaScript, RedisLink, RedisUnavailable
 from ramjet.residency.redis_ops import Sealer
 from ramjet.residency.redis_scripts import EngineKeys
@@ -78,8 +78,8 @@ log = logging.getLogger(__name__)
 CLAIM = LuaScript(
     "ramjet_reports_claim",
     r"""
--- KEYS: vc.  ARGV: epoch, seq, kind, issued_at_ms, now_ms, retention_ms, body, mac,
--- body mac, max clock skew ms, force (a stored mac the caller found invalid, or '').
+-- KEYS: vc.  ARGV: epoch, seq, kind, issued_at_ms, now_ms, retention_ms, body, quiet_ms,
+-- mac, body mac, max clock skew ms, force (a stored mac the caller found invalid, or '').
 -- Returns {status, epoch, seq, issued, gap, mac, mi, at}: the shared cursor before this
 -- claim, with what its MAC covers.
 local vc = KEYS[1]
@@ -93,12 +93,19 @@ if cmac == '' then cmac = '-' end
 local stored = {cmac, tonumber(cur[6]) or -1, tonumber(cur[7]) or -1}
 -- a cursor no replica wrote does not count: an epoch in the future (epochs are wall-clock
 -- start times) or one whose MAC the caller found wrong (compare-and-set on that MAC)
-if cepoch ~= nil and (cepoch > now + tonumber(ARGV[10]) or (ARGV[11] ~= '' and cmac == ARGV[11])) then
+if cepoch ~= nil and (cepoch > now + tonumber(ARGV[11]) or (ARGV[12] ~= '' and cmac == ARGV[12])) then
   cepoch, cseq, cissued, gap = nil, nil, nil, 0
 end
 if cepoch ~= nil then
-  if epoch < cepoch then
+  -- epochs as ramjet.reports.verify.epoch_change: a lower one issued after the last
+  -- accepted report, the engine silent for quiet_ms, is a restart under a clock stepped
+  -- back; a higher one issued before it is a replay of an older process
+  local quiet = now - (tonumber(redis.call('HGET', vc, 'at')) or 0) > tonumber(ARGV[8])
+  if epoch < cepoch and (issued <= cissued or not quiet) then
     return {'epoch_old', cepoch, cseq, cissued, gap, stored[1], stored[2], stored[3]}
+  end
+  if epoch > cepoch and issued < cissued then
+    return {'replayed', cepoch, cseq, cissued, gap, stored[1], stored[2], stored[3]}
   end
   if epoch == cepoch then
     local stale
@@ -107,14 +114,14 @@ if cepoch ~= nil then
   end
 end
 local before = {'ok', cepoch or -1, cseq or -1, cissued or 0, gap, stored[1], stored[2], stored[3]}
-if cepoch == nil or epoch > cepoch then cseq, cissued, gap = 0, 0, 0 end
+if cepoch == nil or epoch ~= cepoch then cseq, cissued, gap = 0, 0, 0 end
 if kind == 'snapshot' then gap = 0 elseif seq > cseq + 1 then gap = 1 end
 if issued < cissued then issued = cissued end
 redis.call('HSET', vc, 'epoch', epoch, 'seq', seq, 'issued', issued, 'gap', gap, 'at', now,
-  'mi', ARGV[4], 'mac', ARGV[8])
-if kind == 'load' then redis.call('HSET', vc, 'load', ARGV[7], 'load_at', now, 'load_mac', ARGV[9]) end
+  'mi', ARGV[4], 'mac', ARGV[9])
+if kind == 'load' then redis.call('HSET', vc, 'load', ARGV[7], 'load_at', now, 'load_mac', ARGV[10]) end
 if (kind == 'profile' or kind == 'snapshot') and ARGV[7] ~= '' then
-  redis.call('HSET', vc, 'profile', ARGV[7], 'profile_mac', ARGV[9])
+  redis.call('HSET', vc, 'profile', ARGV[7], 'profile_mac', ARGV[10])
 end
 redis.call('PEXPIRE', vc, retention)
 return before
@@ -152,6 +159,33 @@ class SharedReports:
         self.skew_ms = int(store.settings.max_clock_skew_s * 1000)
         for engine in (*engines, *processor.engines()):
             self._track(engine)
+        processor.on_purged.append(self._forget_soon)
+        self._forgetting: set[asyncio.Task[None]] = set()
+
+    def _forget_soon(self, engines: list[EngineId]) -> None:
+        """Engines purged by a key revocation: drop their shared cursors too (best
+        effort: a cursor a revoked key moved must not hold back the engine's reports)."""
+        if not engines:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self.forget(engines))
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgetting.discard)
+
+    async def forget(self, engines: Iterable[EngineId]) -> None:
+        for engine in engines:
+            vc = self._track(engine).vc
+
+            async def delete(c: Any, vc: str = vc) -> Any:
+                return await c.delete(vc)
+
+            try:
+                await self.link.call(delete)
+            except RedisUnavailable:
+                log.warning("could not drop the shared report cursor of %s", engine)
 
     def _track(self, engine: EngineId) -> EngineKeys:
         keys = self._keys.get(engine)
@@ -235,6 +269,7 @@ class SharedReports:
                         now_ms,
                         self.store.retention_ms,
                         body,
+                        int(p.config.stale_after_s * 1000),
                         mac,
                         body_mac,
                         self.skew_ms,
@@ -271,14 +306,14 @@ class SharedReports:
             return rejected
         # another replica may have accepted reports this one has not absorbed yet:
         # start from the shared cursor so the processor judges gaps as Redis did
-        shared = (int(res[1]), int(res[2]))
+        shared = Cursor(int(res[1]), int(res[2]), int(res[3]))
         st = p.state(engine)
         if (
             stored_ok
-            and shared[0] >= 0
-            and (st.cursor is None or shared > (st.cursor.epoch, st.cursor.seq))
+            and shared.epoch >= 0
+            and (st.cursor is None or cursor_newer(shared, st.cursor))
         ):
-            st.cursor = Cursor(shared[0], shared[1], int(res[3]))
+            st.cursor = shared
             st.gap = int(res[4]) == 1
         return outcome
 
@@ -351,7 +386,7 @@ class SharedReports:
         st = p.state(engine)
         now, wall = self.clock(), self.wall()
         moved = False
-        if st.cursor is None or (epoch, seq) > (st.cursor.epoch, st.cursor.seq):
+        if st.cursor is None or cursor_newer(Cursor(epoch, seq, issued), st.cursor):
             # residency (purges included) arrives through the store's log, not here
             st.cursor = Cursor(epoch, seq, issued)
             st.gap = rec.get("gap") == "1"

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 
 from ramjet.reports.config import KeysConfig, ReportsConfig
 from ramjet.reports.ingest import ReportIngest
-from ramjet.reports.keys import KeyRing
+from ramjet.reports.keys import KeyError_, KeyRing
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.redis_cursors import SharedReports
 from ramjet.residency.tables import ResidencyTables
@@ -52,6 +52,22 @@ def pull_targets(
         return {EngineId(e): url for e, url in reports.engines.items()}
     keyed = ring.engines()
     return {EngineId(e): url for e, url in engine_urls.items() if e in keyed}
+
+
+def read_pull_token(reports: ReportsConfig, base_dir: Path | None) -> str | None:
+    """The token of `reports.pull_token_file` (None when unset); raises `KeyError_`."""
+    path = reports.pull_token_file
+    if path is None:
+        return None
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise KeyError_(f"reports.pull_token_file: cannot read {path}: {exc.strerror}") from None
+    if not token or any(c.isspace() for c in token):
+        raise KeyError_(f"reports.pull_token_file: {path} holds no token (one word)")
+    return token
 
 
 @dataclass
@@ -74,6 +90,7 @@ class ReportsRuntime:
     ) -> ReportsRuntime:
         """Raises `ramjet.reports.keys.KeyError_` when a configured key does not load."""
         ring = KeyRing.from_config(keys, base_dir)
+        token = read_pull_token(reports, base_dir)
         processor = ReportProcessor(ring, tables, reports, registry)
         targets = pull_targets(reports, ring, engine_urls or {})
         # the tick applies staleness: run it often enough that a silent engine stops
@@ -81,11 +98,18 @@ class ReportsRuntime:
         tick_s = min(1.0, reports.stale_after_s / 4)
         store = tables.store.shared()
         if store is None:
-            ingest = ReportIngest(processor, targets, tick_interval_s=tick_s, registry=registry)
+            ingest = ReportIngest(
+                processor, targets, tick_interval_s=tick_s, registry=registry, pull_token=token
+            )
             return cls(processor, ingest)
         shared = SharedReports(processor, store, targets, registry)
         ingest = ReportIngest(
-            processor, targets, tick_interval_s=tick_s, submit=shared.submit, registry=registry
+            processor,
+            targets,
+            tick_interval_s=tick_s,
+            submit=shared.submit,
+            registry=registry,
+            pull_token=token,
         )
         return cls(processor, ingest, shared)
 

@@ -7,17 +7,25 @@ Order (cheapest first; each failure is one `Reason`, counted by the processor):
 3. engine id differs from the transport's  -> engine_mismatch   (pulled from engine X)
 4. key id: retired / unknown / another's   -> retired_key, unknown_key, wrong_engine_key
 5. Ed25519 over the canonical bytes        -> bad_signature
-6. per-engine token bucket                 -> rate_limited      (after authentication, so
-                                              forged frames cannot drain an engine's budget)
-7. issue time older than `max_age_s` or
+6. issue time older than `max_age_s` or
    later than `max_future_skew_s`          -> too_old, future   (wall clock, injected)
+7. epoch later than the issue time plus
+   `max_future_skew_s` (an epoch is a start
+   time in ms, or any smaller counter)     -> epoch_future
 8. a delta/load/profile with seq 0         -> malformed         (numbers start at 1)
-   epoch below the engine's current        -> epoch_old
-9. sequence: a non-snapshot must have seq > the last accepted seq of the epoch;
+9. another epoch than the engine's current (`epoch_change`): a lower one is taken (an
+   engine restarted under a clock stepped back) only when the current epoch has been
+   silent for `stale_after_s` and the report is issued after the last accepted one; a
+   higher one when issued no earlier than the last accepted report
+                                           -> epoch_old, replayed
+10. sequence: a non-snapshot must have seq > the last accepted seq of the epoch;
    a snapshot seq >= it and an issue time later than the last accepted report's
    (the publisher makes issue times strictly increasing within an epoch)
                                            -> replayed          (old, replayed, reordered)
-10. body parse and bounds; a snapshot's
+11. per-engine token bucket                -> rate_limited      (after authentication and
+                                              the replay checks, so neither forged nor
+                                              replayed frames drain an engine's budget)
+12. body parse and bounds; a snapshot's
     body seq must equal the envelope's     -> malformed_body
 
 `ReportVerifier.check` reads the engine's `Cursor` and changes nothing but the rate
@@ -50,6 +58,7 @@ class Reason(enum.StrEnum):
     TOO_OLD = "too_old"
     FUTURE = "future"
     EPOCH_OLD = "epoch_old"
+    EPOCH_FUTURE = "epoch_future"
     REPLAYED = "replayed"
     MALFORMED_BODY = "malformed_body"
 
@@ -79,6 +88,31 @@ class Rejected:
     """The engine the frame claimed to come from, once it was decoded."""
 
 
+def epoch_change(
+    cursor: Cursor, epoch: int, issued_at_ms: int, silent_s: float = float("inf")
+) -> Reason | None:
+    """Whether a report of `epoch` issued at `issued_at_ms` may follow `cursor` as far as
+    epochs go (None: yes; same epoch: yes, the sequence decides), the engine's current
+    epoch having been silent for `silent_s`. Epochs are not ordered by value alone: an
+    engine restarted under a clock stepped back starts a lower one. A lower epoch is taken
+    once the current one is silent (`stale_after_s`: its process is gone) and when issued
+    after the last accepted report (an older process's frames were issued before it); a
+    higher one when issued no earlier than the last accepted report (not a replayed frame
+    of a process that came before)."""
+    if epoch < cursor.epoch and (issued_at_ms <= cursor.issued_at_ms or silent_s <= 0):
+        return Reason.EPOCH_OLD
+    if epoch > cursor.epoch and issued_at_ms < cursor.issued_at_ms:
+        return Reason.REPLAYED
+    return None
+
+
+def cursor_newer(a: Cursor, b: Cursor) -> bool:
+    """Whether state `a` is later than `b` (replicas sharing cursors move forward only)."""
+    if a.epoch == b.epoch:
+        return a.seq > b.seq
+    return epoch_change(b, a.epoch, a.issued_at_ms) is None
+
+
 class TokenBucket:
     """`rate` tokens per second up to `burst`; clock in seconds (monotonic)."""
 
@@ -105,12 +139,16 @@ class ReportVerifier:
         cursor_of: Callable[[EngineId], Cursor | None],
         wall_clock: Callable[[], float],
         clock: Callable[[], float],
+        last_report_of: Callable[[EngineId], float | None] = lambda e: None,
     ) -> None:
+        """`last_report_of`: monotonic time of the engine's last accepted report (None:
+        unknown, so a lower epoch is never taken)."""
         self.keyring = keyring
         self.config = config
         self._cursor_of = cursor_of
         self._wall = wall_clock
         self._clock = clock
+        self._last_report_of = last_report_of
         self._buckets: dict[EngineId, TokenBucket] = {}
 
     def check(self, frame: bytes, expected_engine: EngineId | None = None) -> Accepted | Rejected:
@@ -130,24 +168,27 @@ class ReportVerifier:
             return Rejected(Reason(key), f"key id {env.key_id!r}", engine)
         if not verify_signature(signed, key):
             return Rejected(Reason.BAD_SIGNATURE, f"key id {env.key_id!r}", engine)
-        now = self._clock()
-        bucket = self._buckets.get(engine)
-        if bucket is None:
-            bucket = self._buckets[engine] = TokenBucket(cfg.rate_per_s, cfg.burst, now)
-        if not bucket.take(now):
-            return Rejected(Reason.RATE_LIMITED, f"over {cfg.rate_per_s}/s", engine)
         now_ms = self._wall() * 1000.0
         age_ms = now_ms - env.issued_at_ms
         if age_ms > cfg.max_age_s * 1000.0:
             return Rejected(Reason.TOO_OLD, f"issued {age_ms / 1000:.1f} s ago", engine)
         if -age_ms > cfg.max_future_skew_s * 1000.0:
             return Rejected(Reason.FUTURE, f"issued {-age_ms / 1000:.1f} s ahead", engine)
+        if env.epoch > env.issued_at_ms + cfg.max_future_skew_s * 1000.0:
+            return Rejected(
+                Reason.EPOCH_FUTURE,
+                f"epoch {env.epoch} is after the issue time {env.issued_at_ms}",
+                engine,
+            )
         if env.kind != "snapshot" and env.seq == 0:
             return Rejected(Reason.MALFORMED, "sequence numbers start at 1", engine)
         cursor = self._cursor_of(engine)
         if cursor is not None:
-            if env.epoch < cursor.epoch:
-                return Rejected(Reason.EPOCH_OLD, f"epoch {env.epoch} < {cursor.epoch}", engine)
+            last = self._last_report_of(engine)
+            quiet = 0.0 if last is None else self._clock() - last - cfg.stale_after_s
+            refused = epoch_change(cursor, env.epoch, env.issued_at_ms, quiet)
+            if refused is not None:
+                return Rejected(refused, f"epoch {env.epoch} after {cursor.epoch}", engine)
             if env.epoch == cursor.epoch:
                 stale = (
                     env.seq < cursor.seq or env.issued_at_ms <= cursor.issued_at_ms
@@ -156,6 +197,12 @@ class ReportVerifier:
                 )
                 if stale:
                     return Rejected(Reason.REPLAYED, f"seq {env.seq} after {cursor.seq}", engine)
+        now = self._clock()
+        bucket = self._buckets.get(engine)
+        if bucket is None:
+            bucket = self._buckets[engine] = TokenBucket(cfg.rate_per_s, cfg.burst, now)
+        if not bucket.take(now):
+            return Rejected(Reason.RATE_LIMITED, f"over {cfg.rate_per_s}/s", engine)
         try:
             body = parse_body(env.kind, env.body, cfg.max_keys)
         except BodyError as exc:

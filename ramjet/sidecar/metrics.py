@@ -14,7 +14,11 @@ several sidecars can live in one process:
 - ramjet_sidecar_event_to_report_seconds: from the engine's timestamp of the oldest
   batch in a delta to that delta being signed (what routers wait beyond transport);
 - ramjet_sidecar_events_silent: 1 while no event has arrived within
-  `--events-warn-after` seconds of start (a misconfigured endpoint: see the log).
+  `--events-warn-after` seconds of start (a misconfigured endpoint: see the log);
+- ramjet_sidecar_events_down: 1 while the event path is down (its thread died: the
+  sidecar purged its residency with a new epoch and pauses load reports, so routers'
+  trust in the engine degrades, until the restarted path catches up);
+- ramjet_sidecar_event_path_restarts_total: restarts of the event path after it died.
 
 `event` and `field` come from the engine's bytes, so label values are cut to
 `MAX_LABEL_CHARS` and at most `MAX_SERIES` distinct label sets are made per metric;
@@ -67,6 +71,8 @@ class SidecarMetrics:
             self.events_decoded.labels(name)
         self.event_to_report = histogram(registry, "ramjet_sidecar_event_to_report_seconds")
         self.events_silent = gauge(registry, "ramjet_sidecar_events_silent")
+        self.events_down = gauge(registry, "ramjet_sidecar_events_down")
+        self.event_path_restarts = counter(registry, "ramjet_sidecar_event_path_restarts_total")
         self._fields = _Bounded(self.unknown_fields)
         self._events = _Bounded(self.unknown_events)
         self._malformed = _Bounded(self.malformed_events)

@@ -4,6 +4,12 @@
         --> ReportPublisher (signed with the sidecar's own Ed25519 key, as the engine id)
         --> GET /ramjet/reports, /ramjet/snapshot (routers pull) or POST (push)
 
+Control: `--token-file` holds a bearer token. With it, `POST /reset_prefix_cache` takes
+`Authorization: Bearer <token>` (without it the reset is off, 403) and so do the pull
+endpoints (routers send it from `reports.pull_token_file`; without a token they are open:
+what they serve is signed). A snapshot over HTTP is signed at most once per
+`snapshot_min_interval_s` (`ReportPublisher.served_snapshot`), whoever asks.
+
 The publisher is the shared `ramjet.reports.publisher.ReportPublisher`, so a router
 trusts a sidecar exactly as it trusts the reference engine: by the key id listed under
 the engine in its `keys:` section. Each burst of events becomes one delta. A restart of
@@ -17,6 +23,17 @@ types, malformed events) are counted (`ramjet.sidecar.metrics`, served on `/metr
 a batch whose dropped event may have removed blocks (`EventBatch.resync_from`) starts a
 new epoch, as lost history does, and only its events after the drop are applied.
 
+Event-path liveness: the stream runs in a thread; any exception that escapes it (a bug
+in the tracker, a ZMQ error) ends it. `_supervise` notices within a second and the path
+is *down*: logged with the error, `ramjet_sidecar_events_down` 1, `/health` answers 503
+with `events.alive: false`, the residency is forgotten with a new epoch (routers purge
+what the sidecar said: frozen residency must not steer), and load reports pause, so
+routers see the engine go silent and degrade its trust (DEGRADED after
+`reports.stale_after_s`, residency off after `stale_ttl_s`) rather than trusting a view
+that no longer moves. The path is restarted (a new stream, replay from seq 0) after
+`event_restart_min_s`, doubling up to `event_restart_max_s` while it keeps dying; once
+the new stream has caught up it is up again and load reports resume.
+
 Locks: the tracker and the delta builder are guarded by `_lock`; the publisher has its
 own. `_lock` is never held while calling into the publisher except through its snapshot
 callback (which takes `_lock` under the publisher's lock), so the order is always
@@ -27,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import threading
@@ -82,6 +100,15 @@ class SidecarSettings:
     reset_timeout_s: float = 10.0
     events_warn_after_s: float = 30.0
     """Warn (log, `ramjet_sidecar_events_silent`) when no event arrived by then."""
+    event_restart_min_s: float = 1.0
+    """A dead event path is restarted after this long, doubling while it keeps dying..."""
+    event_restart_max_s: float = 30.0
+    """... up to this long."""
+    token: str | None = None
+    """Bearer token (`--token-file`) that `POST /reset_prefix_cache`, `GET /ramjet/reports`
+    and `GET /ramjet/snapshot` require; None: the reset is off (403) and pulls are open."""
+    snapshot_min_interval_s: float = 0.5
+    """Snapshots served over HTTP are signed at most once per this long."""
 
 
 class Sidecar:
@@ -109,16 +136,10 @@ class Sidecar:
             load=lambda: self._load,
             load_interval_s=settings.load_interval_s,
             push_url=settings.push_url,
+            pull_token=settings.token,
+            snapshot_min_interval_s=settings.snapshot_min_interval_s,
         )
-        self.stream = EventStream(
-            settings.events_url,
-            settings.replay_url,
-            on_batch=self._on_batch,
-            on_reset=self._on_reset,
-            on_flush=self.flush,
-            topic=settings.topic,
-            replay_timeout_s=settings.replay_timeout_s,
-        )
+        self.stream = self._new_stream()
         self.profile: EngineProfile | None = None
         self._oldest_unsigned: float | None = None
         """Engine timestamp of the oldest batch applied since the last signed delta."""
@@ -129,6 +150,44 @@ class Sidecar:
         self._tasks: list[asyncio.Task[None]] = []
         self._probing: asyncio.Task[None] | None = None
         """The profile probe started with the sidecar, while it runs (a reset waits for it)."""
+        self.events_error: str | None = None
+        """Why the event path died, while it is down (None: up)."""
+        self._down_since: float | None = None
+        self.event_path_restarts = 0
+        self._stopping = False
+
+    def _new_stream(self) -> EventStream:
+        s = self.settings
+        return EventStream(
+            s.events_url,
+            s.replay_url,
+            on_batch=self._on_batch,
+            on_reset=self._on_reset,
+            on_flush=self.flush,
+            topic=s.topic,
+            replay_timeout_s=s.replay_timeout_s,
+        )
+
+    def _run_stream(self, stream: EventStream) -> None:
+        """The event thread's body: record why it ends, when that is not a stop."""
+        try:
+            stream.run()
+        except BaseException as exc:
+            self.events_error = f"{type(exc).__name__}: {exc}"
+            log.exception("KV-event path died")
+            return
+        if not self._stopping:
+            self.events_error = "event stream ended"
+
+    def _start_stream(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run_stream, args=(self.stream,), name="kv-events", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def events_alive(self) -> bool:
+        return self._down_since is None and (self._thread is None or self._thread.is_alive())
 
     # -- events (stream thread) ------------------------------------------------------------
 
@@ -189,10 +248,20 @@ class Sidecar:
         blocks. So the sidecar sends the reset, then nudges the engine with a one-token
         request (no full block: it stores nothing) until the clear arrives.
 
+        Needs `Authorization: Bearer <token>` (`--token-file`); off (403) without one: a
+        reset empties the engine's cache for every client.
+
         A profile probe still running (the sidecar's start) is finished first: its
         prompts fill blocks, and a reset answered in the middle of it would leave the
         engine holding the probe's later blocks after "cleared"."""
         s = self.settings
+        if s.token is None:
+            return web.json_response(
+                {"error": "cache reset is off: start the sidecar with --token-file"}, status=403
+            )
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {s.token}".encode()):
+            return web.json_response({"error": "bad or missing token"}, status=401)
         if self._probing is not None and not self._probing.done():
             log.info("cache reset waits for the profile probe to finish")
             await asyncio.wait([self._probing])
@@ -206,13 +275,18 @@ class Sidecar:
             # just answered frees its blocks at the engine's next step) and says so only
             # in the body, {"success": false}, with status 200: retry until it succeeds.
             while True:
-                async with http.post(s.engine_url.rstrip("/") + path) as resp:
-                    text = await resp.text()
-                    if resp.status != 200:
-                        return web.json_response(
-                            {"error": f"engine {path}: HTTP {resp.status}: {text[:300]}"},
-                            status=502,
-                        )
+                try:
+                    async with http.post(s.engine_url.rstrip("/") + path) as resp:
+                        text = await resp.text()
+                        status = resp.status
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    return web.json_response(
+                        {"error": f"engine {path}: unreachable: {exc!r}"}, status=502
+                    )
+                if status != 200:
+                    return web.json_response(
+                        {"error": f"engine {path}: HTTP {status}: {text[:300]}"}, status=502
+                    )
                 if not _reset_refused(text):
                     break
                 log.info("engine %s refused the cache reset (blocks still held); retrying", path)
@@ -262,9 +336,17 @@ class Sidecar:
         with self._lock:
             resident = len(self.tracker.resident())
             stats = dict(self.tracker.stats)
+        alive = self.events_alive
+        down = self._down_since
         return web.json_response(
             {
                 "engine_id": self.settings.engine_id,
+                "events": {
+                    "alive": alive,
+                    "error": None if alive else self.events_error or "event thread not running",
+                    "down_s": None if down is None else round(time.monotonic() - down, 3),
+                    "restarts": self.event_path_restarts,
+                },
                 "epoch": self.publisher.epoch,
                 "seq": self.publisher.seq,
                 "last_event_seq": self.stream.last,
@@ -274,14 +356,16 @@ class Sidecar:
                 "decoder": dict(self.metrics.stats),
                 "groups": {str(k): v for k, v in self.tracker.group_kinds().items()},
                 "profile": None if self.profile is None else self.profile.model_dump(),
-            }
+            },
+            status=200 if alive else 503,
         )
 
     async def start(self) -> None:
         await self.publisher.start()
-        self._thread = threading.Thread(target=self.stream.run, name="kv-events", daemon=True)
-        self._thread.start()
+        self._stopping = False
+        self._start_stream()
         await asyncio.get_running_loop().run_in_executor(None, self.stream.connected.wait, 5.0)
+        self._tasks.append(asyncio.create_task(self._supervise()))
         if self.settings.scrape_metrics:
             self._tasks.append(asyncio.create_task(self._scrape_loop()))
         self._tasks.append(asyncio.create_task(self._watch_silence()))
@@ -294,6 +378,7 @@ class Sidecar:
             self._tasks.append(self._probing)
 
     async def stop(self) -> None:
+        self._stopping = True
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         self.stream.stop()
@@ -301,6 +386,56 @@ class Sidecar:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
         self.flush()
         await self.publisher.stop()
+
+    async def _supervise(self) -> None:
+        """Watch the event thread; a dead path goes down and is restarted (module doc)."""
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        backoff = s.event_restart_min_s
+        while True:
+            await asyncio.sleep(0.2)
+            thread = self._thread
+            if thread is None or thread.is_alive():
+                continue
+            self._path_down()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, s.event_restart_max_s)
+            self.stream = self._new_stream()
+            self.events_error = None
+            self.event_path_restarts += 1
+            self.metrics.event_path_restarts.inc()
+            log.warning("restarting the KV-event path (restart %d)", self.event_path_restarts)
+            self._start_stream()
+            await loop.run_in_executor(None, self.stream.connected.wait, 5.0)
+            if (
+                self.stream.connected.is_set()
+                and self._thread is not None
+                and self._thread.is_alive()
+            ):
+                self._path_up()
+                backoff = s.event_restart_min_s
+
+    def _path_down(self) -> None:
+        if self._down_since is not None:
+            return
+        self._down_since = time.monotonic()
+        why = self.events_error or "event thread not running"
+        self.metrics.events_down.set(1)
+        self.publisher.load_paused = True
+        log.error(
+            "KV-event path down (%s): residency forgotten with a new epoch and load reports "
+            "paused until it is back, so routers stop trusting this engine's view",
+            why,
+        )
+        self._on_reset(f"KV-event path down ({why})")
+
+    def _path_up(self) -> None:
+        down = self._down_since
+        self._down_since = None
+        self.metrics.events_down.set(0)
+        self.publisher.load_paused = False
+        if down is not None:
+            log.warning("KV-event path up again after %.1f s", time.monotonic() - down)
 
     async def _probe(self) -> None:
         s = self.settings

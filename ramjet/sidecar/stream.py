@@ -80,8 +80,8 @@ class EventStream:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.events_url)
         try:
+            sub.connect(self.events_url)
             self.catch_up()
             self.connected.set()
             while not self._stop.is_set():

@@ -14,7 +14,9 @@ State, per KV-cache group (`group_idx`; the engines send one event per group):
   `vllm_xargs.kv_cache_report_mode: "full"`, so counting them would let any client
   inflate the signed residency (one removal would no longer clear the block). The cost:
   a block vLLM computed twice at once (two requests, one hash, two GPU blocks) is
-  dropped at its first removal, an under-report until it is stored again.
+  dropped at its first removal, an under-report until it is stored again. The same holds
+  for two engine hashes that map to one router key (the engine keyed the same tokens
+  twice): the first removal drops the key, the second finds no copy and is counted.
 
 A key is resident when every prefix-caching group holds it; its tier is the slowest of
 those groups' fastest copies (a restore waits for the slowest group). Sliding-window
@@ -247,7 +249,13 @@ class ResidencyTracker:
             if key is None or g is None:
                 self.stats["unknown_removed"] += 1
                 continue
-            c = g.copies[key]
+            c = g.copies.get(key)
+            if c is None:
+                # another engine hash mapped to this key and its removal dropped the
+                # last copy already (two engine blocks, one router key): forget this alias
+                del g.keys[h]
+                self.stats["removed_absent_copy"] += 1
+                continue
             if c.pop(medium[0], None) is None:
                 self.stats["removed_absent_copy"] += 1
                 continue

@@ -195,6 +195,10 @@ K8S_SCHEMA: dict[str, tuple[str, tuple[str, ...]]] = {
         "policy/v1",
         ("metadata.name", "metadata.namespace", "spec.selector.matchLabels"),
     ),
+    "NetworkPolicy": (
+        "networking.k8s.io/v1",
+        ("metadata.name", "metadata.namespace", "spec.podSelector", "spec.policyTypes"),
+    ),
 }
 
 
@@ -307,7 +311,7 @@ def test_k8s_policy_configmap_is_a_valid_policy_matching_the_cluster() -> None:
     for e in cfg.engines:
         assert e.url.removeprefix("http://") in services, e.url
     assert cfg.store.kind == "redis"
-    assert cfg.store.url.removeprefix("redis://").split("/")[0] in services
+    assert cfg.store.url.removeprefix("redis://").split("/")[0].split("@")[-1] in services
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     scraped = {
         t
@@ -361,7 +365,7 @@ def test_systemd_units_parse_and_name_what_they_need() -> None:
             start = cp.get("Service", "ExecStart")
             assert start.startswith("/"), f"{u.name}: ExecStart needs an absolute path"
             assert cp.get("Service", "Restart") == "on-failure"
-            assert cp.get("Service", "User") == "ramjet"
+            assert cp.get("Service", "User").startswith("ramjet-"), u.name
     router = parse_unit(DEPLOY / "systemd" / "ramjet-router@.service")
     assert "ramjet serve --policy" in router.get("Service", "ExecStart")
     assert router.get("Service", "ExecReload") == "/bin/kill -HUP $MAINPID"
@@ -386,3 +390,223 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     assert r.returncode == 0 and not r.stderr.strip(), r.stdout + r.stderr
     (tmp_path / "broken.service").write_text("[Service]\nExecStart=relative/path\n")
     assert _run(tool, "verify", "--man=no", "./broken.service", cwd=tmp_path).returncode != 0
+
+
+# -- hardening (issue 29) ----------------------------------------------------------------------
+
+
+def _containers(dep: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = _get(dep, "spec.template.spec") or {}
+    return [*spec.get("initContainers", []), *spec.get("containers", [])]
+
+
+def _deployments(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+
+
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def check_hardening(docs: list[dict[str, Any]]) -> list[str]:
+    """Every pod runs as non-root with a RuntimeDefault seccomp profile; every container
+    (init containers too) cannot escalate, has a read-only root filesystem and drops every
+    capability; every image is pinned to a version (no `latest`, no bare name)."""
+    errs: list[str] = []
+    for name, dep in _deployments(docs).items():
+        pod = _get(dep, "spec.template.spec.securityContext") or {}
+        if pod.get("runAsNonRoot") is not True or not pod.get("runAsUser"):
+            errs.append(f"Deployment/{name}: pod must set runAsNonRoot and a non-zero runAsUser")
+        if _get(pod, "seccompProfile.type") != "RuntimeDefault":
+            errs.append(f"Deployment/{name}: pod seccompProfile must be RuntimeDefault")
+        for c in _containers(dep):
+            cw = f"Deployment/{name}/{c.get('name')}"
+            sc = c.get("securityContext") or {}
+            if sc.get("allowPrivilegeEscalation") is not False:
+                errs.append(f"{cw}: allowPrivilegeEscalation must be false")
+            if sc.get("readOnlyRootFilesystem") is not True:
+                errs.append(f"{cw}: readOnlyRootFilesystem must be true")
+            if "ALL" not in (_get(sc, "capabilities.drop") or []):
+                errs.append(f"{cw}: capabilities.drop must include ALL")
+            if sc.get("privileged") or sc.get("runAsUser") == 0:
+                errs.append(f"{cw}: privileged or root")
+            image = str(c.get("image", ""))
+            tag = image.rsplit("/", 1)[-1].partition(":")[2].partition("@")[0]
+            if "@sha256:" not in image and (
+                not tag or tag == "latest" or not any(ch.isdigit() for ch in tag)
+            ):
+                errs.append(f"{cw}: image {image!r} is not pinned to a version")
+    return errs
+
+
+def test_k8s_pods_run_hardened_on_pinned_images() -> None:
+    docs = load_manifests(DEPLOY / "k8s")
+    assert check_hardening(docs) == []
+    assert len(_deployments(docs)) == 4  # router, two engines, redis
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda c, p: c.update(image="ghcr.io/example/ramjet:latest"), "not pinned"),
+        (lambda c, p: c.update(image="redis"), "not pinned"),
+        (lambda c, p: c["securityContext"].update(readOnlyRootFilesystem=False), "readOnlyRoot"),
+        (lambda c, p: c["securityContext"]["capabilities"].update(drop=[]), "drop"),
+        (
+            lambda c, p: c["securityContext"].pop("allowPrivilegeEscalation"),
+            "allowPrivilegeEscalation",
+        ),
+        (lambda c, p: p.pop("runAsNonRoot"), "runAsNonRoot"),
+        (lambda c, p: p.pop("seccompProfile"), "seccomp"),
+    ],
+)
+def test_hardening_checker_catches_each_weakness(mutate: Any, expected: str) -> None:
+    import copy
+
+    docs = copy.deepcopy(load_manifests(DEPLOY / "k8s"))
+    dep = _deployments(docs)["ramjet-redis"]
+    spec = dep["spec"]["template"]["spec"]
+    mutate(spec["containers"][0], spec["securityContext"])
+    errs = check_hardening(docs)
+    assert any(expected in e and "ramjet-redis" in e for e in errs), errs
+
+
+def _router(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return _deployments(docs)["ramjet-router"]
+
+
+def test_k8s_redis_needs_a_password_from_a_secret_and_routers_send_it() -> None:
+    docs = load_manifests(DEPLOY / "k8s")
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    redis = _deployments(docs)["ramjet-redis"]["spec"]["template"]["spec"]["containers"][0]
+    var = _flag(redis["args"], "--requirepass")
+    assert var is not None and var.startswith("$(") and var.endswith(")"), redis["args"]
+    env = {e["name"]: e for e in redis["env"]}
+    ref = env[var[2:-1]]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] in secrets and ref["key"] in secrets[ref["name"]]["stringData"]
+    # the routers' policy (a ConfigMap: no secret in it) gets the password put in at start
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    template = cm["data"]["policy.yaml"]
+    assert "${REDIS_PASSWORD}" in template and "REPLACE" not in template
+    spec = _router(docs)["spec"]["template"]["spec"]
+    init = spec["initContainers"][0]
+    init_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in init["env"]}
+    assert init_env["REDIS_PASSWORD"] == ref
+    assert "${REDIS_PASSWORD}" in " ".join(init["command"])
+    rendered = template.replace("${REDIS_PASSWORD}", "0f" * 32)
+    cfg = parse_policy(yaml.safe_load(rendered))
+    assert cfg.store.url.startswith("redis://:" + "0f" * 32 + "@ramjet-redis.")
+    # the router reads the rendered file, from a volume only its pod has
+    router = spec["containers"][0]
+    assert _flag(router["command"], "--policy") == "/run/ramjet/policy.yaml"
+    vols = {v["name"]: v for v in spec["volumes"]}
+    mounted = {m["mountPath"]: m["name"] for m in router["volumeMounts"]}
+    assert "emptyDir" in vols[mounted["/run/ramjet"]]
+
+
+def _selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    sel = _get(policy, "spec.podSelector.matchLabels") or {}
+    return bool(sel) and sel.items() <= labels.items()
+
+
+def test_k8s_network_policies_fence_redis_and_the_ops_port() -> None:
+    docs = load_manifests(DEPLOY / "k8s")
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    deps = _deployments(docs)
+    router_labels = deps["ramjet-router"]["spec"]["template"]["metadata"]["labels"]
+    redis_labels = deps["ramjet-redis"]["spec"]["template"]["metadata"]["labels"]
+    on_redis = [p for p in policies if _selects(p, redis_labels)]
+    assert on_redis, "no NetworkPolicy selects the Redis pods"
+    for p in on_redis:
+        assert "Ingress" in p["spec"]["policyTypes"]
+        for rule in p["spec"].get("ingress", []):
+            froms = rule.get("from") or []
+            assert froms, "a rule open to every source"
+            for f in froms:
+                sel = _get(f, "podSelector.matchLabels") or {}
+                assert sel and sel.items() <= router_labels.items() and "namespaceSelector" not in f
+    on_router = [p for p in policies if _selects(p, router_labels)]
+    assert on_router
+    ops_port = int(
+        _flag(
+            deps["ramjet-router"]["spec"]["template"]["spec"]["containers"][0]["command"],
+            "--ops-port",
+        )
+        or 0
+    )
+    for p in on_router:
+        for rule in p["spec"]["ingress"]:
+            ports = {q["port"] for q in rule.get("ports", [])}
+            if ops_port in ports:
+                assert rule.get("from"), "the ops port is open to everyone"
+    for d in deps.values():  # every pod is under some policy
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert any(_selects(p, labels) for p in policies), d["metadata"]["name"]
+
+
+def test_k8s_metrics_and_admin_are_not_on_the_client_service() -> None:
+    docs = load_manifests(DEPLOY / "k8s")
+    c = _router(docs)["spec"]["template"]["spec"]["containers"][0]
+    port, ops = int(_flag(c["command"], "--port") or 0), int(_flag(c["command"], "--ops-port") or 0)
+    assert port and ops and port != ops
+    by_name = {p["name"]: p["containerPort"] for p in c["ports"]}
+    client = next(
+        d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "ramjet-router"
+    )
+    targets = {by_name.get(p["targetPort"], p["targetPort"]) for p in client["spec"]["ports"]}
+    assert targets == {port}, targets
+    ops_services = [
+        d for d in docs if d["kind"] == "Service"
+        and any(by_name.get(p["targetPort"], p["targetPort"]) == ops for p in d["spec"]["ports"])
+    ]  # fmt: skip
+    assert [d["metadata"]["name"] for d in ops_services] == ["ramjet-router-ops"]
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in prom["scrape_configs"] if j["job_name"] == "ramjet-router")
+    sd = job["dns_sd_configs"][0]
+    assert sd["port"] == ops and sd["names"][0].startswith("ramjet-router-ops.")
+    assert _get(c, "readinessProbe.httpGet.path") == "/readyz"
+
+
+def test_k8s_router_leaves_the_service_before_it_drains() -> None:
+    docs = load_manifests(DEPLOY / "k8s")
+    spec = _router(docs)["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    cmd = _get(c, "lifecycle.preStop.exec.command") or []
+    sleep = _get(c, "lifecycle.preStop.sleep.seconds")
+    if sleep is None:
+        text = " ".join(cmd)
+        assert "sleep" in text, cmd
+        sleep = float(text.rsplit("sleep", 1)[1].strip(" ()"))
+    assert sleep >= 5
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    drain = parse_policy(yaml.safe_load(cm["data"]["policy.yaml"])).timeouts.drain_s
+    assert spec["terminationGracePeriodSeconds"] >= sleep + drain + 10
+
+
+def test_systemd_routers_and_engines_cannot_read_each_others_secrets() -> None:
+    router = parse_unit(DEPLOY / "systemd" / "ramjet-router@.service")
+    engine = parse_unit(DEPLOY / "systemd" / "ramjet-engine@.service")
+    ru, eu = router.get("Service", "User"), engine.get("Service", "User")
+    assert ru != eu and "root" not in (ru, eu)
+    assert router.get("Service", "Group") != engine.get("Service", "Group")
+    # the engine's private key: root-only on disk, handed to its own unit as a credential
+    cred = engine.get("Service", "LoadCredential")
+    name, _, path = cred.partition(":")
+    assert path.startswith("/etc/ramjet/engine-keys/") and path.endswith("%i.key")
+    start = engine.get("Service", "ExecStart")
+    assert f"--key %d/{name}" in start and "/etc/ramjet/engine-keys" not in start
+    keys_dir = path.rsplit("/", 1)[0]
+    assert keys_dir in router.get("Service", "InaccessiblePaths")
+    assert "/etc/ramjet/policy.yaml" in engine.get("Service", "InaccessiblePaths")
+    for unit in (router, engine):
+        assert unit.get("Service", "NoNewPrivileges") == "yes"
+        assert unit.get("Service", "CapabilityBoundingSet") == ""
+
+
+def test_systemd_router_serves_ops_apart_and_drains_within_its_stop_timeout() -> None:
+    router = parse_unit(DEPLOY / "systemd" / "ramjet-router@.service")
+    cmd = router.get("Service", "ExecStart").split()
+    assert _flag(cmd, "--ops-port") not in (None, _flag(cmd, "--port"))
+    delay = float(_flag(cmd, "--shutdown-delay") or 0)
+    assert delay > 0
+    assert float(router.get("Service", "TimeoutStopSec")) >= delay + 30 + 10

@@ -104,9 +104,13 @@ def vllm_env() -> VllmEnv:
     return _ENV
 
 
-def post_json(url: str, body: Any, timeout: float = 120.0) -> tuple[int, Any]:
+def post_json(
+    url: str, body: Any, timeout: float = 120.0, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

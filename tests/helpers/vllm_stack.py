@@ -58,6 +58,21 @@ class Records:
         self.records.append(record)
 
 
+SIDECAR_TOKEN = "ramjet-test-sidecar-token"
+"""The sidecars' bearer token (`--token-file`): cache resets and the routers' pulls."""
+
+
+def sidecar_token_file(keys: Path) -> Path:
+    path = keys / "sidecar.token"
+    if not path.exists():
+        path.write_text(SIDECAR_TOKEN + "\n")
+    return path
+
+
+def sidecar_auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {SIDECAR_TOKEN}"}
+
+
 def sidecar_argv(eng: VllmEngine, keys: Path, port: int, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "ramjet", "sidecar", "--engine-kind", "vllm",
@@ -66,7 +81,7 @@ def sidecar_argv(eng: VllmEngine, keys: Path, port: int, *extra: str) -> list[st
         "--key", str(keys / f"{eng.engine_id}-sc.key"), "--key-id", f"{eng.engine_id}-sc",
         "--model", MODEL, "--block-tokens", str(BLOCK), "--port", str(port),
         "--load-interval", "0.5", "--log-level", "INFO",
-        "--probe-sizes", PROBE_SIZES, *extra,
+        "--probe-sizes", PROBE_SIZES, "--token-file", str(sidecar_token_file(keys)), *extra,
     ]  # fmt: skip
 
 
@@ -140,6 +155,7 @@ reports:
   engines:
 {pulls}
   poll: {{wait_s: 0.5, timeout_s: 3, backoff_min_s: 0.05, backoff_max_s: 0.2}}
+  pull_token_file: {sidecar_token_file(self.keys)}
 keys:
   engines:
 {keys}
@@ -202,7 +218,7 @@ def predicted_cached(record: DecisionRecord) -> int:
 async def reset(stack: Stack, eid: str) -> dict[str, Any]:
     """`POST /reset_prefix_cache` through engine `eid`'s sidecar; its answer."""
     status, data = await asyncio.to_thread(
-        post_json, stack.sidecars[eid].url + "/reset_prefix_cache", {}
+        post_json, stack.sidecars[eid].url + "/reset_prefix_cache", {}, 120.0, sidecar_auth()
     )
     assert status == 200, data
     out: dict[str, Any] = data

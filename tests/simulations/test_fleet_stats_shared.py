@@ -4,6 +4,7 @@ implementation and one set of constants."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from sim_helpers import req, spec, workload
@@ -43,18 +44,20 @@ def _workload() -> list[Request]:
     return workload(reqs)
 
 
-class RecordingEstimators(FleetEstimators):
-    """The simulator's estimators, logging every routed (time, engine, work)."""
+class RecordingEstimators:
+    """The simulator's estimators, logging every routed (time, engine, work); the rest
+    goes to them (a wrapper: the compiled `FleetEstimators` is not subclassed)."""
 
-    __slots__ = ("routes",)
-
-    def __init__(self, *taus: float) -> None:
-        super().__init__(*taus)
+    def __init__(self, inner: FleetEstimators) -> None:
+        self.inner = inner
         self.routes: list[tuple[float, str, float]] = []
 
     def routed(self, now: float, engine: EngineId, work_s: float) -> None:
         self.routes.append((now, engine, work_s))
-        super().routed(now, engine, work_s)
+        self.inner.routed(now, engine, work_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 class Recording(Simulation):
@@ -64,7 +67,9 @@ class Recording(Simulation):
         super().__init__(*a, **kw)  # type: ignore[arg-type]
         self.fed: list[tuple[float, str, float]] = []
         e = self.estimators
-        self.estimators = RecordingEstimators(e.arrivals.tau_s, e.waits.tau_s, e.work.tau_s)
+        self.estimators = RecordingEstimators(  # type: ignore[assignment]
+            FleetEstimators(e.arrivals.tau_s, e.waits.tau_s, e.work.tau_s)
+        )
 
     @property
     def routes(self) -> list[tuple[float, str, float]]:
@@ -162,3 +167,29 @@ def test_a_bad_time_constant_is_refused() -> None:
         parse_policy({**POLICY, "fleet_stats": {"arrival_tau_s": 0}})
     with pytest.raises(ValueError):
         ArrivalRate(0.0)
+
+
+def test_the_simulator_calibrates_as_the_router_does() -> None:
+    """The simulator feeds the router's calibration (`ramjet.policy.calibration`) every
+    simulated TTFT of a tier_aware pick, with the raw terms the pick recorded; its
+    engines run the profile the cost model prices, so the predictions it learns are
+    close. With `fleet_stats.calibrate: false` there is none."""
+    config = parse_policy(POLICY)
+    reqs = _workload()
+    sim = Simulation(
+        reqs, spec(), create_policy("tier_aware", {}), block_tokens=64,
+        fleet_stats=config.fleet_stats,
+    )  # fmt: skip
+    out = sim.run()
+    cal = sim.estimators.calibration
+    assert cal is not None
+    weights = cal.weights()
+    assert set(weights) == {"e0", "e1"}
+    assert sum(w.samples for w in weights.values()) == len(reqs)
+    assert all(not math.isnan(t) for t in out.ttft)
+    off = parse_policy(POLICY | {"fleet_stats": {"calibrate": False}}).fleet_stats
+    sim = Simulation(
+        reqs, spec(), create_policy("tier_aware", {}), block_tokens=64, fleet_stats=off
+    )
+    sim.run()
+    assert sim.estimators.calibration is None

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from ramjet.decisions.accounting import Accounting, MeanWait
+from ramjet.decisions.log import parse_realized
 from ramjet.decisions.record import DecisionRecord
 from ramjet.policy.base import Decision
 from ramjet.proxy.exchange import Attempt
@@ -183,12 +184,23 @@ def test_accounting_feeds_mean_wait_and_downstream(tmp_path: Path) -> None:
     assert [json.loads(line)["realized"]["queue_ms"] for line in lines] == [200.0, 10.0]
 
 
-class _OldAccounting(Accounting):
+class _OldAccounting:
     """`_measure` as it was before the per-mode children (commit 6d46593): the reference
     the rendered metrics are compared against, step by step (which series exist after each
     record, every bucket). Its engine-side part (usage, waits, realized tokens) is today's
     code unchanged, copied so the method stays whole. A deliberate change to `_measure`'s
-    series changes this reference with it."""
+    series changes this reference with it. It wraps an `Accounting` (its metrics, label
+    cache, waits and clock) and stands in for its `on_decision`: the compiled class is not
+    subclassed."""
+
+    def __init__(self, registry: CollectorRegistry, clock: Any) -> None:
+        self.acc = Accounting(registry, clock=clock)
+        self.metrics, self._of, self.waits = self.acc.metrics, self.acc._of, self.acc.waits
+        self.clock = clock
+
+    def on_decision(self, record: DecisionRecord) -> None:  # Accounting's, with no log
+        realized = parse_realized(record.response_tail) if record.engine is not None else None
+        self._measure(record, realized)
 
     def _measure(self, record: DecisionRecord, realized: Any) -> None:
         from ramjet.decisions.log import predicted_for, realized_ttft
@@ -218,6 +230,7 @@ class _OldAccounting(Accounting):
         else:
             self.waits.add(self.clock(), realized.queue_ms / 1e3)
             m.mean_wait.set(self.waits.mean())
+            self._of(m.wait_samples, "engine").inc()
             for source, n in (
                 ("hbm", realized.hbm_tokens),
                 ("host", realized.host_tokens),
@@ -237,6 +250,7 @@ class _OldAccounting(Accounting):
             m.ttft_realized.labels(mode).observe(real)
             if real > 0:
                 m.ttft_relative_error.labels(mode).observe((predicted - real) / real)
+                m.ttft_abs_relative.labels(mode).observe(abs(predicted - real) / real)
         resume = predicted_for(cand, record.engine, "resume_tokens")
         if resume is not None and realized is not None:
             m.cached_error.labels(mode).observe(resume - realized.cached_tokens)
@@ -289,3 +303,48 @@ def test_metrics_render_the_same_as_before_the_per_mode_children() -> None:
     assert series > 200  # the sequence reached every group of series
     assert value(new_reg, "ramjet_policy_compared_total", mode="canary") > 0
     assert value(new_reg, "ramjet_ttft_prediction_relative_error_ratio_count", mode="enforce")
+
+
+def _with_features(r: DecisionRecord, engine: EngineId, x: list[float]) -> DecisionRecord:
+    import dataclasses
+
+    names = ("x_prefill_s", "x_context_s", "x_resume_s", "x_wait_s", "x_packing_s")
+    comps = {engine: {"ttft_s": sum(x), "resume_tokens": 0.0, **dict(zip(names, x, strict=True))}}
+    assert r.candidate is not None
+    return dataclasses.replace(r, candidate=Decision(engine, "tier_aware", comps))
+
+
+def test_an_engine_without_queue_times_gets_its_wait_from_the_router() -> None:
+    """vLLM sends no `prompt_work`: the wait W is the realized TTFT less the calibrated
+    service, so the externality λ·W is live in front of it; the calibration learns from
+    every realized TTFT and shows its weights."""
+    import dataclasses
+
+    from ramjet.policy.calibration import Calibrations
+
+    reg, now = CollectorRegistry(), [0.0]
+    acc = Accounting(reg, clock=lambda: now[0], calibration=Calibrations())
+    for i in range(30):
+        now[0] = i * 0.5
+        r = record(mode="enforce", cand="e0", engine="e0", ttft=0.9)
+        r = _with_features(r, E0, [0.4, 0.0, 0.0, 0.2, 0.0])
+        r = dataclasses.replace(r, response_tail=b"")
+        acc.on_decision(r)
+    assert value(reg, "ramjet_realized_usage_missing_total", engine="e0") == 30
+    assert value(reg, "ramjet_mean_wait_samples_total", source="router") == 30
+    assert value(reg, "ramjet_mean_wait_samples_total", source="engine") == 0
+    assert acc.mean_wait_s() > 0.05  # 0.9 s realized against 0.4 s of predicted prefill
+    assert value(reg, "ramjet_ttft_calibration_samples_total", engine="e0") == 30
+    w = value(reg, "ramjet_ttft_calibration_weight", engine="e0", term="prefill")
+    assert w > 1.0  # it took 0.9 s where the profile said 0.6 s
+
+
+def test_an_engine_that_reports_queue_times_keeps_them_as_w() -> None:
+    from ramjet.policy.calibration import Calibrations
+
+    reg = CollectorRegistry()
+    acc = Accounting(reg, clock=lambda: 0.0, calibration=Calibrations())
+    acc.on_decision(_with_features(record(queue_ms=80.0), E0, [0.1, 0.0, 0.0, 0.0, 0.0]))
+    assert acc.mean_wait_s() == pytest.approx(0.08)
+    assert value(reg, "ramjet_mean_wait_samples_total", source="router") == 0
+    assert value(reg, "ramjet_ttft_calibration_samples_total", engine="e0") == 1

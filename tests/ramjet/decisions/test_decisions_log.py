@@ -254,12 +254,12 @@ def test_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
     gate = threading.Event()
     dropped: list[int] = []
 
-    class SlowLog(DecisionLog):  # not a method set on the instance: the class is compiled
-        def _write_batch(self, items: list[Any]) -> None:
-            gate.wait(5.0)
-            super()._write_batch(items)
+    def slow(n: int) -> None:  # the writer thread waits here after its first batch
+        gate.wait(5.0)
 
-    lg = SlowLog(tmp_path / "d.jsonl", queue_size=2, on_dropped=lambda: dropped.append(1))
+    lg = DecisionLog(
+        tmp_path / "d.jsonl", queue_size=2, on_dropped=lambda: dropped.append(1), on_written=slow
+    )
     results = [lg.submit(_record(f"r{i}"), None) for i in range(10)]
     # the writer holds at most one batch, the queue two: the rest are dropped at once
     assert results.count(False) >= 7 and len(dropped) == results.count(False)

@@ -3,8 +3,9 @@
 A small package is compiled with the real build script (mypyc) into a build folder
 beside it, and each case runs in a fresh interpreter, since the finder is per process:
 the build is loaded when every source matches it; an edited, added or removed source,
-the env switch, no build, or a build for another interpreter all give pure Python, and
-the edited code is what runs. Then the repository itself: `ramjet native` says what the
+the env switch, no build, a build for another interpreter or another mypyc, an extension
+file changed since the build, or a manifest that binds a module to another name or path
+all give pure Python, and the edited code is what runs. Then the repository itself: `ramjet native` says what the
 checkout runs, and under `make test` (RAMJET_NATIVE_EXPECT=compiled) every listed module
 must have come from the build.
 """
@@ -88,6 +89,7 @@ def _probe(tree: Path, **env: str) -> dict[str, object]:
     )
     assert out.returncode == 0, out.stderr
     result: dict[str, object] = json.loads(out.stdout)
+    result["stderr"] = out.stderr
     return result
 
 
@@ -202,15 +204,139 @@ def test_a_build_missing_an_extension_file_is_not_used(tree: Path) -> None:
     assert (r["state"], r["loaded"]) == ("invalid", [])
 
 
+def _edit_manifest(tree: Path, **fields: object) -> dict[str, object]:
+    manifest = tree / "build" / "manifest.json"
+    m: dict[str, object] = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(dict(m, **fields)))
+    return m
+
+
+def test_a_build_by_another_mypyc_is_stale(tree: Path) -> None:
+    m = _edit_manifest(tree, mypyc="0.0.1")
+    assert m["mypyc"] and m["tool"] == f"mypyc {m['mypyc']}"
+    r = _probe(tree)
+    assert (r["state"], r["loaded"], r["answer"]) == ("stale", [], 42)
+    assert "built by mypyc 0.0.1, not " + str(m["mypyc"]) in str(r["reason"])
+
+
+def test_the_build_script_rebuilds_only_what_the_loader_would_not_load(tree: Path) -> None:
+    """`--if-stale` (make native): a current build is kept as it is; a removed source
+    (which make's timestamps miss) or another mypyc rebuilds."""
+
+    def build() -> str:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "build_native.py"), "--if-stale",
+             "--package", str(tree / "toy"), "--modules", "toy.core,toy.user",
+             "--out", str(tree / "build"), "--group", "toy_native", "--jobs", "1"],
+            env=_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    manifest = tree / "build" / "manifest.json"
+    before = manifest.read_text()
+    assert "is current" in build()
+    assert manifest.read_text() == before
+    m = json.loads(before)
+    m["sources"]["toy/gone.py"] = "0" * 64  # a file the build had and the tree lost
+    manifest.write_text(json.dumps(m))
+    out = build()
+    assert "rebuilding" in out and "toy/gone.py" in out
+    assert "toy/gone.py" not in json.loads(manifest.read_text())["sources"]
+    assert _probe(tree)["state"] == "compiled"
+    _edit_manifest(tree, mypyc="0.0.1")
+    assert "built by mypyc 0.0.1" in build()
+    assert _probe(tree)["state"] == "compiled"
+
+
+def test_an_extension_file_changed_since_the_build_is_not_loaded(tree: Path) -> None:
+    so = next((tree / "build" / "toy").glob("core*.so"))
+    so.write_bytes(so.read_bytes() + b"\0")
+    r = _probe(tree)
+    assert (r["state"], r["loaded"], r["answer"]) == ("invalid", [], 42)
+    assert f"{so}: sha256 differs from" in str(r["reason"])
+    assert f"native: pure Python (invalid: {so}: sha256 differs" in str(r["stderr"])  # logged
+
+
+def test_each_module_is_bound_to_its_own_name_and_path(tree: Path) -> None:
+    """The manifest names what the finder loads: a module it maps to another module's
+    file, a path outside the build, a name outside the package, or a second shared
+    library is refused, and everything runs from source."""
+    m = _edit_manifest(tree)
+    files = m["files"]
+    assert isinstance(files, dict)
+    core, user = files["toy.core"], files["toy.user"]
+    for bad, why in [
+        (dict(files, **{"toy.core": user}), f"toy.core points at {user!r}"),
+        (dict(files, **{"toy.core": "../" + core}), "toy.core points at '../"),
+        (dict(files, json="json" + core[len("toy/core") :]), "json is not under toy"),
+        (dict(files, **{"toy..core": core}), "'toy..core' is not a module name"),
+        (dict(files, other__mypyc="x.so"), "not one shared library (__mypyc) but 2"),
+    ]:
+        _edit_manifest(tree, files=bad)
+        r = _probe(tree)
+        assert (r["state"], r["loaded"], r["answer"]) == ("invalid", [], 42), bad
+        assert why in str(r["reason"]), (why, r["reason"])
+    good = {k: m[k] for k in ("files", "sha256", "modules")}
+    for key, bad_value in [("files", ["x"]), ("sha256", {"a": 1}), ("modules", "toy.core")]:
+        _edit_manifest(tree, **{**good, key: bad_value})
+        r = _probe(tree)  # a well-formed JSON of the wrong shape: refused, not a traceback
+        assert (r["state"], r["loaded"], r["answer"]) == ("invalid", [], 42), key
+        assert f"{key} is not a" in str(r["reason"]), r["reason"]
+    _edit_manifest(tree, **{**good, "modules": ["toy.core"]})
+    assert "its modules and files differ" in str(_probe(tree)["reason"])
+    _edit_manifest(tree, files=files, modules=["toy.core", "toy.user"])
+    assert _probe(tree)["state"] == "compiled"
+
+
+def _run_python(code: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def test_only_the_router_entry_points_install_the_build() -> None:
+    """`import ramjet` (the engine, the simulator, a script) puts no finder on
+    `sys.meta_path`; `ramjet serve` checks the build and installs it, before it imports
+    anything else of ramjet."""
+    alone = _run_python(
+        "import json, sys\n"
+        "import ramjet, ramjet.keys.prefix, engine_stub.reporting, simulations.probes\n"
+        "from ramjet import native\n"
+        "print(json.dumps({'finders': [type(f).__name__ for f in sys.meta_path],\n"
+        "                  'status': native.STATUS is None, 'file': ramjet.keys.prefix.__file__}))\n"
+    )
+    assert "_Finder" not in alone["finders"] and alone["status"] is True
+    assert str(alone["file"]).endswith("ramjet/keys/prefix.py")
+    serve = _run_python(
+        "import json, sys\n"
+        "from ramjet import cli, native\n"
+        "rc = cli.main(['serve', '--policy', '/nonexistent/policy.yaml'])\n"
+        "print(json.dumps({'rc': rc, 'state': native.STATUS and native.STATUS.state,\n"
+        "                  'finders': [type(f).__name__ for f in sys.meta_path]}))\n"
+    )
+    assert serve["rc"] == 2  # the policy file is missing: the build was checked before
+    from ramjet import native
+
+    state = native.check_build(ROOT / "ramjet", ROOT / "build" / "native", native.COMPILED)[0]
+    assert serve["state"] == state.state
+    assert ("_Finder" in serve["finders"]) is (state.state == "compiled")
+
+
 def test_the_repository_reports_what_it_runs() -> None:
     """`ramjet native` on this checkout; under `make test` the build must be current and
     every listed module compiled (RAMJET_NATIVE_EXPECT=compiled, set by the Makefile)."""
     from ramjet import native
 
+    same = {"RAMJET_NATIVE": os.environ[native.ENV]} if native.ENV in os.environ else {}
     proc = subprocess.run(
         [sys.executable, "-m", "ramjet", "native"],
         cwd=ROOT,
-        env=_env(),
+        env=_env(**same),
         capture_output=True,
         text=True,
         timeout=60,

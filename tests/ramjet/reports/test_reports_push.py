@@ -211,3 +211,38 @@ async def test_connections_beyond_the_cap_are_closed_at_accept(rig: Rig) -> None
     assert rig.sample("ramjet_reports_push_connections") == 2
     for _, w in held:
         w.close()
+
+
+async def test_replays_pushed_from_many_sources_do_not_drain_the_engine_budget() -> None:
+    """Issue 29: an authentic frame replayed from more than 10 source addresses (each
+    within its own push bucket) drained the engine's bucket, because the bucket was
+    charged before the replay check; the engine's next report was then rate limited."""
+    r = Rig(PushConfig(port=0, rate_per_s=0.01, burst=5))
+    cfg = ReportsConfig(push=r.processor.config.push, rate_per_s=0.01, burst=10)
+    r.registry = CollectorRegistry()
+    r.tables = ResidencyTables(registry=r.registry)
+    r.processor = ReportProcessor(keyring(), r.tables, cfg, r.registry)
+    r.ingest = ReportIngest(r.processor, {}, registry=r.registry)
+    await r.ingest.start()
+    assert r.ingest.push is not None
+    port = r.ingest.push.port
+    try:
+        first = r.frame(1)
+        assert (await exchange(port, post(first)))[0][0] == 202
+        for i in range(2, 14):  # 12 sources, 4 replays each: 48 > the engine's burst of 10
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", port, local_addr=(f"127.0.0.{i}", 0)
+            )
+            writer.write(post(first) * 4)
+            await writer.drain()
+            for _ in range(4):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+                assert b" 400 " in head.split(b"\r\n")[0], head
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                assert b"replayed" in await reader.readexactly(length)
+            writer.close()
+        assert r.sample("ramjet_reports_rejected_total", engine="e0", reason="replayed") == 48
+        assert r.sample("ramjet_reports_rejected_total", engine="e0", reason="rate_limited") == 0
+        assert (await exchange(port, post(r.frame(2))))[0][0] == 202  # the engine's next one
+    finally:
+        await r.ingest.stop()

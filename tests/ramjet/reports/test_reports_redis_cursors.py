@@ -180,3 +180,61 @@ async def test_redis_away_fails_open_and_the_batch_is_deduplicated_later(
     finally:
         for r in (a, b):
             await r.store.link.close()
+
+
+async def test_shared_claim_takes_a_lower_epoch_only_after_silence(server: RedisProcess) -> None:
+    """Issue 29: an engine restarted under a clock stepped back (a lower epoch) was refused
+    by the shared claim forever; it is taken once the current epoch has been silent for
+    `stale_after_s` and the report is issued after the last accepted one."""
+    from ramjet.reports.config import ReportsConfig
+
+    def fresh() -> Replica:
+        reg = CollectorRegistry()
+        cfg = ResidencyConfig()
+        link = RedisLink(RedisSettings(url=server.url, timeout_ms=150, breaker_open_ms=50), reg)
+        store = RedisStore(link, cfg, engines=(E0,), registry=reg)
+        tables = ResidencyTables(cfg, store)
+        proc = ReportProcessor(RING, tables, ReportsConfig(stale_after_s=0.3), registry=reg)
+        return Replica(store, tables, proc, SharedReports(proc, store, (E0,), reg), reg)
+
+    a, c, d = fresh(), fresh(), fresh()
+    try:
+        old = frame(5, 1, keys=(1,))
+        assert isinstance(await a.shared.submit(old, E0), Accepted)
+        # c has no local state: only the shared claim can refuse; epoch 5 still reports
+        early = await c.shared.submit(frame(4, 1, keys=(2,)), E0)
+        assert isinstance(early, Rejected) and early.reason is Reason.EPOCH_OLD, early
+        time.sleep(0.4)
+        assert isinstance(await c.shared.submit(frame(4, 1, keys=(2,)), E0), Accepted)
+        # the old process's frame, replayed to a replica that never saw epoch 4, is refused
+        again = await d.shared.submit(old, E0)
+        assert isinstance(again, Rejected) and again.reason is Reason.REPLAYED, again
+    finally:
+        for r in (a, c, d):
+            await r.store.link.close()
+
+
+async def test_revoking_a_key_drops_the_shared_cursor_it_moved(
+    pair: tuple[Replica, Replica],
+) -> None:
+    """Issue 29: a revoked key's last word must not hold the engine back on any replica:
+    the purge drops the engine's shared cursor too, so the engine's real key starts over
+    at any epoch."""
+    import asyncio
+
+    a, _b = pair
+    assert isinstance(await a.shared.submit(frame(50, 3, keys=(1,)), E0), Accepted)
+    vc = a.shared._keys[E0].vc
+    assert await a.store.link.call(lambda c: c.exists(vc)) == 1
+    other = Ed25519PrivateKey.generate()
+    out = a.processor.replace_keyring(KeyRing({"k1": (E0, other.public_key())}))
+    assert out == {"revoked": ["k0"], "purged": ["e0"]}
+    for _ in range(50):
+        if await a.store.link.call(lambda c: c.exists(vc)) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await a.store.link.call(lambda c: c.exists(vc)) == 0
+    env = Envelope(
+        E0, "k1", 2, 1, int(time.time() * 1000), "delta", encode_body(DeltaBuilder().build())
+    )
+    assert isinstance(await a.shared.submit(sign(env, other), E0), Accepted)

@@ -127,3 +127,16 @@ def test_a_re_store_on_the_same_medium_is_not_a_new_copy() -> None:
     apply(t, stored([1], toks=TOKS[:4], medium="CPU"))  # another medium is another copy
     d = apply(t, BlockRemoved((1,), "GPU"))
     assert d.moved[0].tier == "host" and t.tier_of(KEYS[0]) == Tier.HOST
+
+
+def test_two_engine_hashes_of_one_router_key_removed_both() -> None:
+    """Issue 29: the engine keyed the same tokens under two hashes; removing both raised
+    KeyError (and killed the sidecar's event thread)."""
+    t = ResidencyTracker("m", VLLM_MEDIA, B)
+    apply(t, stored([1], toks=TOKS[:4]), stored([2], toks=TOKS[:4]))
+    assert t.key_of(1) == t.key_of(2) == KEYS[0]
+    d = apply(t, BlockRemoved((1,)), BlockRemoved((2,)))
+    assert list(d.evicted) == [KEYS[0]] and t.resident() == {}
+    assert t.key_of(2) is None and t.stats["removed_absent_copy"] == 1
+    d = apply(t, stored([3], toks=TOKS[:4]))  # stored again: reported again
+    assert list(d.stored[0].keys) == [KEYS[0]]

@@ -1,0 +1,368 @@
+"""A pool of KV blocks in one directory, shared by any number of processes.
+
+Blocks are immutable byte strings keyed by a hex block hash (the engine's block hash
+for the same tokens, so every engine that computes the same hashes finds the same
+block). Only plain file operations are used (no daemon, no torch), so vLLM engines, the
+reference engine and a sidecar that reports residency can all share one pool.
+
+Directory layout under `root`:
+
+    blocks/<key>                 one published block (the file is the block's bytes)
+    tmp/<key>.<pid>.<nonce>      a block being written (never read)
+    leases/<key>.<pid>.<ns>      a hard link to blocks/<key> held by a reader
+    lock                         the pool lock (flock): taken only to publish and evict
+
+Protocol:
+
+- Publish (`put`). The writer writes the bytes to `tmp/`, fsyncs them when the pool is
+  durable, then, holding the pool lock, evicts least recently used blocks until the
+  new one fits and hard-links the temp file to `blocks/<key>` (`link` fails if the name
+  exists: a block is never replaced, so a reader never sees two versions). The temp
+  name is then unlinked; a durable pool also fsyncs `blocks/`. A reader therefore sees
+  either no block or the whole block: no torn read.
+- Read (`read`, or `lease` then `read_lease`). The reader opens `blocks/<key>`, takes a
+  shared flock on it and checks that the inode is still linked (`st_nlink > 0`). A
+  lease is a hard link `leases/<key>.<pid>.<ns>` made under that shared flock; it keeps
+  the block's inode alive and, while it exists, marks the block as in use.
+- Evict (under the pool lock). The evictor walks blocks oldest `mtime` first (a read or
+  a re-publish touches `mtime`: LRU), opens each, takes an exclusive flock without
+  waiting and unlinks the block only if it got the flock (no reader is reading it) and
+  `st_nlink == 1` (no lease). A lease can only be made under the shared flock, so
+  none appears between the check and the unlink. Eviction therefore never removes a
+  block that another process is reading or holds a lease on.
+- Leases end by `release` (unlink of the lease name). Leases of dead processes, and
+  leases older than `lease_ttl_s`, are removed by `sweep_leases` (run by every evictor),
+  so a crashed reader cannot pin a block forever.
+
+Capacity: the bytes under `blocks/` never exceed `capacity_bytes`. A block that cannot
+fit (every older block is leased or being read) is not published: `put` returns
+False. Temp files are outside the bound while they are written.
+
+Concurrency: any number of processes and threads may call any method at once. The
+pool lock serializes publishers and evictors only; readers never take it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+_KEY = re.compile(r"^[0-9a-f]{8,128}$")
+
+
+class PoolError(ValueError):
+    """A bad argument to the pool (the pool is unchanged)."""
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """One published block: its key, size in bytes and last use (`mtime`, seconds)."""
+
+    key: str
+    size: int
+    last_used: float
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A reader's hold on one block: while it exists the block is not evicted."""
+
+    key: str
+    path: str
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY.match(key):
+        raise PoolError(f"pool key must be 8-128 lowercase hex digits, got {key!r}")
+    return key
+
+
+class Pool:
+    """A directory of KV blocks; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        durable: bool = False,
+        lease_ttl_s: float = 600.0,
+    ) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise PoolError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if lease_ttl_s <= 0:
+            raise PoolError(f"lease_ttl_s must be positive, got {lease_ttl_s!r}")
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.durable = durable
+        self.lease_ttl_s = lease_ttl_s
+        self.blocks = self.root / "blocks"
+        self.tmp = self.root / "tmp"
+        self.leases = self.root / "leases"
+        for d in (self.blocks, self.tmp, self.leases):
+            d.mkdir(parents=True, exist_ok=True)
+        self._lock_path = self.root / "lock"
+        self._lock_path.touch(exist_ok=True)
+
+    # -- publish ---------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        """Publish `data` as block `key`. True when the pool holds the block afterwards
+        (published now or already there; an existing block is touched, not replaced),
+        False when it cannot fit under the capacity."""
+        check_key(key)
+        size = len(data)
+        if size > self.capacity_bytes:
+            return False
+        dst = self.blocks / key
+        if self._touch(dst):
+            return True
+        tmp = self.tmp / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as out:
+                out.write(data)
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            with self._pool_lock():
+                if self._touch(dst):
+                    return True
+                if not self._make_room(size):
+                    return False
+                os.link(tmp, dst)
+            if self.durable:
+                self._fsync_dir(self.blocks)
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    # -- read ------------------------------------------------------------------------------
+
+    def contains(self, key: str) -> bool:
+        return (self.blocks / check_key(key)).exists()
+
+    def read(self, key: str) -> bytearray | None:
+        """The block's bytes, or None if the pool does not hold it. The block is read
+        under a shared flock, so it is not evicted while it is read."""
+        fd = self._open_linked(check_key(key))
+        if fd is None:
+            return None
+        try:
+            os.utime(fd)  # LRU: a read is a use
+            buf = bytearray(os.fstat(fd).st_size)
+            _read_into(fd, memoryview(buf))
+            return buf
+        finally:
+            os.close(fd)  # releases the flock
+
+    def lease(self, key: str) -> Lease | None:
+        """Hold block `key` until `release`: None if the pool does not hold it."""
+        fd = self._open_linked(check_key(key))
+        if fd is None:
+            return None
+        try:
+            os.utime(fd)
+            path = self.leases / f"{key}.{os.getpid()}.{time.time_ns()}.{secrets.token_hex(2)}"
+            os.link(self.blocks / key, path)  # under our shared flock: still this inode
+            return Lease(key, str(path))
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def read_lease(lease: Lease) -> bytearray | None:
+        """The leased block's bytes (any process may read a lease by its path); None if
+        the lease was swept (it outlived `lease_ttl_s` or its process)."""
+        try:
+            fd = os.open(lease.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            buf = bytearray(os.fstat(fd).st_size)
+            _read_into(fd, memoryview(buf))
+            return buf
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def read_lease_into(lease: Lease, out: memoryview) -> bool:
+        """Read the leased block into `out` (a writable buffer of exactly the block's
+        size, e.g. a tensor's memory): False if the lease is gone or the size differs."""
+        try:
+            fd = os.open(lease.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            if os.fstat(fd).st_size != out.nbytes:
+                return False
+            _read_into(fd, out.cast("B"))
+            return True
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def release(lease: Lease) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lease.path)
+
+    # -- what the pool holds ---------------------------------------------------------------
+
+    def listing(self) -> list[BlockInfo]:
+        """Every published block, oldest use first."""
+        out = []
+        for entry in self._scan(self.blocks):
+            with contextlib.suppress(FileNotFoundError):  # evicted while listing
+                st = entry.stat()
+                out.append(BlockInfo(entry.name, st.st_size, st.st_mtime))
+        out.sort(key=lambda b: (b.last_used, b.key))
+        return out
+
+    def held_keys(self) -> set[str]:
+        return {e.name for e in self._scan(self.blocks)}
+
+    def used_bytes(self) -> int:
+        return sum(b.size for b in self.listing())
+
+    def active_leases(self) -> int:
+        return sum(1 for _ in self._scan(self.leases))
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def evict_to(self, target_bytes: int) -> int:
+        """Evict least recently used blocks (never a leased one or one being read) until
+        at most `target_bytes` are held, as far as leases and readers allow; the bytes
+        evicted."""
+        with self._pool_lock():
+            return self._evict_until(target_bytes)
+
+    def sweep_leases(self) -> int:
+        """Remove leases whose process is gone or that are older than `lease_ttl_s`."""
+        now = time.time_ns()
+        removed = 0
+        for entry in self._scan(self.leases):
+            parts = entry.name.split(".")
+            try:
+                pid, born = int(parts[1]), int(parts[2])
+            except (IndexError, ValueError):
+                pid, born = -1, 0  # not a lease name of ours: stale by definition
+            if _alive(pid) and now - born < self.lease_ttl_s * 1e9:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+        return removed
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _make_room(self, size: int) -> bool:
+        """Under the pool lock: evict until `size` more bytes fit. False if they cannot."""
+        limit = self.capacity_bytes - size
+        self._evict_until(limit)
+        return self.used_bytes() <= limit
+
+    def _evict_until(self, limit: int) -> int:
+        """Under the pool lock: evict oldest-used first until at most `limit` bytes are
+        held; the bytes evicted."""
+        blocks = self.listing()
+        used = sum(b.size for b in blocks)
+        if used <= limit:
+            return 0
+        self.sweep_leases()
+        freed = 0
+        for b in blocks:
+            if used - freed <= limit:
+                break
+            if self._evict_one(b.key):
+                freed += b.size
+        return freed
+
+    def _evict_one(self, key: str) -> bool:
+        path = self.blocks / key
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # a reader holds it
+            if os.fstat(fd).st_nlink != 1:
+                return False  # leased
+            os.unlink(path)
+            return True
+        finally:
+            os.close(fd)
+
+    def _open_linked(self, key: str) -> int | None:
+        """An fd on blocks/<key> holding a shared flock, the block still published."""
+        try:
+            fd = os.open(self.blocks / key, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if os.fstat(fd).st_nlink == 0:  # evicted between open and flock
+            os.close(fd)
+            return None
+        return fd
+
+    def _touch(self, path: Path) -> bool:
+        try:
+            os.utime(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    @contextlib.contextmanager
+    def _pool_lock(self) -> Iterator[None]:
+        fd = os.open(self._lock_path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _scan(d: Path) -> Iterator[os.DirEntry[str]]:
+        with os.scandir(d) as it:
+            yield from it
+
+    @staticmethod
+    def _fsync_dir(d: Path) -> None:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _read_into(fd: int, view: memoryview) -> None:
+    size, got = view.nbytes, 0
+    while got < size:
+        n = os.preadv(fd, [view[got:]], got)
+        if n == 0:
+            raise OSError(errno.EIO, f"short read: {got} of {size} bytes")
+        got += n
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
