@@ -269,3 +269,24 @@ async def test_a_large_seed_goes_in_chunks_and_a_fresh_replica_pulls_all_of_it(
     stores.append(b)
     await b.sync_once()
     assert all(held(b, *range(1, 101), 500))
+
+
+def test_the_shared_secret_settings_refuse_bad_input(tmp_path: Path) -> None:
+    good = tmp_path / "secret"
+    good.write_bytes(b"  0123456789abcdef0123  \n")
+    assert RedisSettings(shared_secret_file=str(good)).secret() == b"0123456789abcdef0123"
+    assert RedisSettings().secret() is None
+    with pytest.raises(ValueError, match="not both"):
+        RedisSettings(shared_secret="0123456789abcdef", shared_secret_file=str(good))
+    with pytest.raises(ValueError, match="at least 16"):
+        RedisSettings(shared_secret="short")
+    short = tmp_path / "short"
+    short.write_bytes(b"tiny\n")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        RedisSettings(shared_secret_file=str(short)).secret()
+    with pytest.raises(ValueError, match="shared_secret_file"):
+        RedisSettings(shared_secret_file=str(tmp_path / "missing")).secret()
+    # a replica with another secret skips everything the first one wrote (counted)
+    assert Sealer(b"a" * 16).batch_mac("e0", "free", -1, -1, "[]") != Sealer(b"b" * 16).batch_mac(
+        "e0", "free", -1, -1, "[]"
+    )
