@@ -9,6 +9,7 @@ operation is a list whose first item is its code:
 | `["p", kind, tier, confirmed_ms, expires_ms, [key16...]]` | put |
 | `["r", table, [key16...]]` | remove |
 | `["R", table, now_ms, [[key16, tier, expires_ms]...]]` | replace the exact entries |
+| `["R", table, now_ms, [...], n]` | the first chunk of a replace cut in chunks: `n` `E` chunks follow |
 | `["E", table, now_ms, [[key16, tier, expires_ms]...]]` | more entries of the `R` before it (a chunked snapshot) |
 | `["P"]` | purge the engine |
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ramjet.residency.redis_scripts import key16
-from ramjet.residency.store import MemoryStore, Table
+from ramjet.residency.store import ExactStager, MemoryStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 TABLE_CODE = {Table.GLOBAL: "g", Table.SWA: "s"}
@@ -189,14 +190,8 @@ class Sealer:
                 out.append([*op, [rec(engine, k, k16, tier, conf, exp) for k16 in ks]])
             elif code in ("R", "E"):
                 kind, conf = op[1] + "x", op[2]
-                out.append(
-                    [
-                        code,
-                        op[1],
-                        conf,
-                        [[k, t, e, rec(engine, kind, k, t, conf, e)] for k, t, e in op[3]],
-                    ]
-                )
+                entries = [[k, t, e, rec(engine, kind, k, t, conf, e)] for k, t, e in op[3]]
+                out.append([code, op[1], conf, entries, *op[4:]])
             else:
                 out.append(op)
         return out
@@ -266,7 +261,7 @@ def decode_ops(raw: str) -> list[tuple[Any, ...]]:
             )
         elif code == "r" and len(op) == 3:
             out.append(("r", _table(op[1]), _keys16(op[2])))
-        elif code in ("R", "E") and len(op) == 4:
+        elif (code == "R" and len(op) in (4, 5)) or (code == "E" and len(op) == 4):
             if not isinstance(op[3], list):
                 raise InvalidEntry("malformed", "replace entries are not a list")
             entries = []
@@ -274,7 +269,10 @@ def decode_ops(raw: str) -> list[tuple[Any, ...]]:
                 if not isinstance(e, list) or len(e) not in (3, 4):
                     raise InvalidEntry("malformed", f"bad replace entry {e!r:.80}")
                 entries.append((_keys16([e[0]])[0], _tier(e[1]), _int(e[2])))
-            out.append((code, _table(op[1]), _int(op[2]), entries))
+            more = _int(op[4]) if len(op) == 5 else 0
+            if more < 0:
+                raise InvalidEntry("malformed", "negative chunk count")
+            out.append((code, _table(op[1]), _int(op[2]), entries, more))
         elif code == "P" and len(op) == 1:
             out.append(("P",))
         elif code in ("p", "r", "R", "E", "P"):
@@ -300,16 +298,46 @@ def decode_evictions(raw: str) -> list[tuple[Table, list[PrefixKey]]]:
     return out
 
 
+@dataclass
+class StagedReplace:
+    """A chunked replace being replayed: its `R` and `E` chunks go into a staged copy
+    (`ResidencyStore.stage_exact`) swapped in when the last arrives, so a mirror never
+    shows the first chunks of a snapshot alone."""
+
+    stager: ExactStager
+    remaining: int
+
+
+Staged = dict[tuple[EngineId, Table], StagedReplace]
+
+
+def settle(staged: Staged, engine: EngineId, keep: tuple[EngineId, Table] | None = None) -> None:
+    """Swap in (as far as it got) every staged replace of `engine` but `keep`: another
+    op of the engine comes between its chunks, and must apply after it, as in Redis."""
+    for key in [k for k in staged if k[0] == engine and k != keep]:
+        staged.pop(key).stager.commit()
+
+
+def discard(staged: Staged, engine: EngineId) -> None:
+    """Forget staged replaces of `engine` (the mirror's copy is about to be pulled)."""
+    for key in [k for k in staged if k[0] == engine]:
+        del staged[key]
+
+
 def replay(
     local: MemoryStore,
     engine: EngineId,
     f: dict[str, str],
     clocks: Clocks,
     sealer: Sealer | None = None,
+    staged: Staged | None = None,
 ) -> None:
     """Check, then replay, one logged batch (a change-log entry's fields) on the mirror
     `local`. Raises `InvalidEntry` (and changes nothing) for an entry this replica cannot
-    read or verify."""
+    read or verify. With `staged` (kept by the caller across entries), a chunked replace
+    is swapped in whole when its last chunk arrives."""
+    keeps = staged is not None  # without a caller's state a replace is applied at once
+    staged = staged if staged is not None else {}
     sealer = sealer if sealer is not None else Sealer(None)
     raw = f.get("ops")
     if raw is None:
@@ -323,19 +351,38 @@ def replay(
     loc = clocks.to_local
     for op in ops:
         code = op[0]
+        if code == "E" and (engine, op[1]) in staged:
+            settle(staged, engine, keep=(engine, op[1]))
+            st = staged[(engine, op[1])]
+            for k, t, e in op[3]:
+                st.stager.add((k,), t, loc(e))
+            st.remaining -= 1
+            if st.remaining <= 0:
+                staged.pop((engine, op[1])).stager.commit()
+            continue
+        settle(staged, engine)
         if code == "p":
             _, table, exact, tier, conf, exp, keys = op
             local.put(table, engine, keys, tier, loc(conf), loc(exp), exact)
         elif code == "r":
             local.remove(op[1], engine, op[2])
         elif code == "R":
-            local.replace_exact(op[1], engine, [(k, t, loc(e)) for k, t, e in op[3]], loc(op[2]))
-        elif code == "E":
+            stager = local.stage_exact(op[1], engine, loc(op[2])) if keeps and op[4] else None
+            if stager is None:
+                entries = [(k, t, loc(e)) for k, t, e in op[3]]
+                local.replace_exact(op[1], engine, entries, loc(op[2]))
+            else:
+                for k, t, e in op[3]:
+                    stager.add((k,), t, loc(e))
+                staged[(engine, op[1])] = StagedReplace(stager, op[4])
+        elif code == "E":  # its R was not seen here (a pull came between): plain puts
             now = loc(op[2])
             for k, t, e in op[3]:
                 local.put(op[1], engine, (k,), t, now, loc(e), True)
         elif code == "P":
             local.purge(engine)
+    if evictions:
+        settle(staged, engine)
     for table, keys in evictions:
         local.remove(table, engine, keys)
 
@@ -378,7 +425,8 @@ def split_ops(ops: list[list[Any]], limit: int) -> list[list[list[Any]]]:
             for i in range(0, len(op[2]), limit):
                 push([op[0], op[1], op[2][i : i + limit]])
         elif code == "R" and len(op[3]) > limit:
-            push(["R", op[1], op[2], op[3][:limit]])
+            more = (len(op[3]) - 1) // limit  # the E chunks that follow
+            push(["R", op[1], op[2], op[3][:limit], more])
             for i in range(limit, len(op[3]), limit):
                 push(["E", op[1], op[2], op[3][i : i + limit]])
         else:

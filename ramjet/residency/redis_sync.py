@@ -57,6 +57,8 @@ from ramjet.residency.redis_ops import (
     Clocks,
     InvalidEntry,
     Sealer,
+    Staged,
+    discard,
     fields,
     put_op,
     replay,
@@ -141,6 +143,8 @@ class RedisSync:
         self.cursor: dict[EngineId, tuple[int, int]] = {}
         """(epoch, seq) of each engine's last report this replica knows applied."""
         self.outbox: deque[Batch] = deque()
+        self.staged: Staged = {}
+        """Chunked replaces being replayed, swapped in when their last chunk arrives."""
         self._seeding: dict[EngineId, deque[Batch]] = {}
         """Chunks of a seed this replica won that Redis has not taken yet."""
         self.wake = asyncio.Event()
@@ -370,7 +374,7 @@ class RedisSync:
 
     def _apply_entry(self, engine: EngineId, f: dict[str, str]) -> None:
         """Replay one logged batch on the mirror."""
-        replay(self.local, engine, f, self.clocks, self.sealer)
+        replay(self.local, engine, f, self.clocks, self.sealer, self.staged)
         self.metrics.applied.inc()
 
     async def _pull(self, engine: EngineId, reason: str) -> None:
@@ -384,6 +388,7 @@ class RedisSync:
             if gen < 0:
                 self.tails[engine] = Tail(synced=True, last_id="0-0", gen=0)
                 return
+        discard(self.staged, engine)
         loaded: list[tuple[str, list[tuple[str, int, bytes | None]]]] = []
         dump = self._dump_packed if self.packed else self._dump
         for kind in KINDS:

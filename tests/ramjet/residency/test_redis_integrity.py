@@ -290,3 +290,36 @@ def test_the_shared_secret_settings_refuse_bad_input(tmp_path: Path) -> None:
     assert Sealer(b"a" * 16).batch_mac("e0", "free", -1, -1, "[]") != Sealer(b"b" * 16).batch_mac(
         "e0", "free", -1, -1, "[]"
     )
+
+
+async def test_another_replica_swaps_a_chunked_snapshot_in_whole(
+    server: RedisProcess, stores: list[RedisStore]
+) -> None:
+    a, _ = make(server, snapshot_chunk_entries=16)
+    b, _ = make(server)
+    stores += [a, b]
+    ta = ResidencyTables(CFG, a)
+    now = ta.clock()
+    ta.store_global(E0, [PrefixKey(1000)], Tier.HOST, now)  # the old content
+    await a.sync_once()
+    await b.sync_once()
+    a.replace_exact(
+        Table.GLOBAL, E0, [(PrefixKey(k), Tier.SSD, now + 600) for k in range(1, 101)], now
+    )
+    assert a.pending == 7  # R + 6 E chunks of 16
+    for _ in range(3):  # Redis takes the first chunks only (a slow writer, say)
+        batch = a.sync.outbox[0]
+        assert await a.sync._apply(batch) == "ok"
+        batch.status = "ok"
+        a.sync.outbox.popleft()
+    await b.sync_once()
+    # b keeps the old content whole rather than showing 48 of the 100 new blocks
+    assert held(b, 1000, 1, 48) == [True, False, False]
+    await a.sync_once()
+    await b.sync_once()
+    assert held(b, 1000) == [False]
+    assert all(held(b, *range(1, 101)))
+    c, _ = make(server)  # and a fresh replica pulls the same
+    stores.append(c)
+    await c.sync_once()
+    assert held(c, 1000) == [False] and all(held(c, *range(1, 101)))
