@@ -67,6 +67,7 @@ from ramjet.reports.bodies import (
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected, cursor_newer
 from ramjet.residency.redis_link import LuaScript, RedisLink, RedisUnavailable
+from ramjet.residency.redis_ops import Sealer
 from ramjet.residency.redis_scripts import EngineKeys
 from ramjet.residency.store import SharedStore
 from ramjet.residency.tables import ViewMode
@@ -77,37 +78,50 @@ log = logging.getLogger(__name__)
 CLAIM = LuaScript(
     "ramjet_reports_claim",
     r"""
--- KEYS: vc.  ARGV: epoch, seq, kind, issued_at_ms, now_ms, retention_ms, body, quiet_ms.
--- Returns {status, epoch, seq, issued, gap}: the shared cursor before this claim.
+-- KEYS: vc.  ARGV: epoch, seq, kind, issued_at_ms, now_ms, retention_ms, body, quiet_ms,
+-- mac, body mac, max clock skew ms, force (a stored mac the caller found invalid, or '').
+-- Returns {status, epoch, seq, issued, gap, mac, mi, at}: the shared cursor before this
+-- claim, with what its MAC covers.
 local vc = KEYS[1]
 local epoch, seq, kind = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local issued, now, retention = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local cur = redis.call('HMGET', vc, 'epoch', 'seq', 'issued', 'gap')
+local cur = redis.call('HMGET', vc, 'epoch', 'seq', 'issued', 'gap', 'mac', 'mi', 'at')
 local cepoch, cseq, cissued = tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3])
 local gap = tonumber(cur[4]) or 0
+local cmac = cur[5] or ''
+if cmac == '' then cmac = '-' end
+local stored = {cmac, tonumber(cur[6]) or -1, tonumber(cur[7]) or -1}
+-- a cursor no replica wrote does not count: an epoch in the future (epochs are wall-clock
+-- start times) or one whose MAC the caller found wrong (compare-and-set on that MAC)
+if cepoch ~= nil and (cepoch > now + tonumber(ARGV[11]) or (ARGV[12] ~= '' and cmac == ARGV[12])) then
+  cepoch, cseq, cissued, gap = nil, nil, nil, 0
+end
 if cepoch ~= nil then
   -- epochs as ramjet.reports.verify.epoch_change: a lower one issued after the last
   -- accepted report, the engine silent for quiet_ms, is a restart under a clock stepped
   -- back; a higher one issued before it is a replay of an older process
   local quiet = now - (tonumber(redis.call('HGET', vc, 'at')) or 0) > tonumber(ARGV[8])
   if epoch < cepoch and (issued <= cissued or not quiet) then
-    return {'epoch_old', cepoch, cseq, cissued, gap}
+    return {'epoch_old', cepoch, cseq, cissued, gap, stored[1], stored[2], stored[3]}
   end
-  if epoch > cepoch and issued < cissued then return {'replayed', cepoch, cseq, cissued, gap} end
+  if epoch > cepoch and issued < cissued then
+    return {'replayed', cepoch, cseq, cissued, gap, stored[1], stored[2], stored[3]}
+  end
   if epoch == cepoch then
     local stale
     if kind == 'snapshot' then stale = seq < cseq or issued <= cissued else stale = seq <= cseq end
-    if stale then return {'replayed', cepoch, cseq, cissued, gap} end
+    if stale then return {'replayed', cepoch, cseq, cissued, gap, stored[1], stored[2], stored[3]} end
   end
 end
-local before = {'ok', cepoch or -1, cseq or -1, cissued or 0, gap}
+local before = {'ok', cepoch or -1, cseq or -1, cissued or 0, gap, stored[1], stored[2], stored[3]}
 if cepoch == nil or epoch ~= cepoch then cseq, cissued, gap = 0, 0, 0 end
 if kind == 'snapshot' then gap = 0 elseif seq > cseq + 1 then gap = 1 end
 if issued < cissued then issued = cissued end
-redis.call('HSET', vc, 'epoch', epoch, 'seq', seq, 'issued', issued, 'gap', gap, 'at', now)
-if kind == 'load' then redis.call('HSET', vc, 'load', ARGV[7], 'load_at', now) end
+redis.call('HSET', vc, 'epoch', epoch, 'seq', seq, 'issued', issued, 'gap', gap, 'at', now,
+  'mi', ARGV[4], 'mac', ARGV[9])
+if kind == 'load' then redis.call('HSET', vc, 'load', ARGV[7], 'load_at', now, 'load_mac', ARGV[10]) end
 if (kind == 'profile' or kind == 'snapshot') and ARGV[7] ~= '' then
-  redis.call('HSET', vc, 'profile', ARGV[7])
+  redis.call('HSET', vc, 'profile', ARGV[7], 'profile_mac', ARGV[10])
 end
 redis.call('PEXPIRE', vc, retention)
 return before
@@ -138,6 +152,11 @@ class SharedReports:
         reg = registry if registry is not None else CollectorRegistry()
         self.unclaimed = counter(reg, "ramjet_reports_unclaimed_total")
         self.absorbed = counter(reg, "ramjet_reports_shared_absorbed_total")
+        self.refused = counter(reg, "ramjet_reports_shared_rejected_total")
+        for reason in ("mac", "epoch"):  # exported from the start (alerts)
+            self.refused.labels(reason)
+        self.sealer = Sealer(store.settings.secret())
+        self.skew_ms = int(store.settings.max_clock_skew_s * 1000)
         for engine in (*engines, *processor.engines()):
             self._track(engine)
         processor.on_purged.append(self._forget_soon)
@@ -230,25 +249,51 @@ class SharedReports:
             # a replica that learns this engine from Redis (it never pulls the snapshot
             # itself, or its own claim of one loses) must get the measured profile too
             body = encode_body(profile_body(outcome.body.profile)).decode("utf-8")
-        try:
-            res = await self.link.script(
-                CLAIM,
-                [keys.vc],
-                [
-                    env.epoch,
-                    env.seq,
-                    env.kind,
-                    env.issued_at_ms,
-                    int(self.wall() * 1000),
-                    self.store.retention_ms,
-                    body,
-                    int(p.config.stale_after_s * 1000),
-                ],
+        now_ms = int(self.wall() * 1000)
+        mac = self.sealer.mac("cursor", engine, env.epoch, env.seq, env.issued_at_ms, now_ms)
+        if env.kind == "load":
+            body_mac = self.sealer.mac("load", engine, body, now_ms)
+        else:
+            body_mac = self.sealer.mac("profile", engine, body) if body else ""
+        force = ""
+        while True:
+            try:
+                res = await self.link.script(
+                    CLAIM,
+                    [keys.vc],
+                    [
+                        env.epoch,
+                        env.seq,
+                        env.kind,
+                        env.issued_at_ms,
+                        now_ms,
+                        self.store.retention_ms,
+                        body,
+                        int(p.config.stale_after_s * 1000),
+                        mac,
+                        body_mac,
+                        self.skew_ms,
+                        force,
+                    ],
+                )
+            except RedisUnavailable:
+                self.unclaimed.labels(engine).inc()
+                return outcome
+            status = _text(res[0])
+            stored_ok = self._cursor_ok(
+                engine,
+                int(res[1]),
+                int(res[2]),
+                int(res[3]),
+                _text(res[5]),
+                int(res[6]),
+                int(res[7]),
             )
-        except RedisUnavailable:
-            self.unclaimed.labels(engine).inc()
-            return outcome
-        status = _text(res[0])
+            if status == "ok" or stored_ok or force:
+                break
+            # the cursor that refused this report is not one a replica wrote (wrong or no
+            # MAC): claim again, telling the script to disregard exactly that cursor
+            force = _text(res[5])
         if status != "ok":
             rejected = Rejected(
                 Reason.EPOCH_OLD if status == "epoch_old" else Reason.REPLAYED,
@@ -263,7 +308,11 @@ class SharedReports:
         # start from the shared cursor so the processor judges gaps as Redis did
         shared = Cursor(int(res[1]), int(res[2]), int(res[3]))
         st = p.state(engine)
-        if shared.epoch >= 0 and (st.cursor is None or cursor_newer(shared, st.cursor)):
+        if (
+            stored_ok
+            and shared.epoch >= 0
+            and (st.cursor is None or cursor_newer(shared, st.cursor))
+        ):
             st.cursor = shared
             st.gap = int(res[4]) == 1
         return outcome
@@ -305,10 +354,36 @@ class SharedReports:
         if raw:
             self._absorb(engine, {_text(k): _text(v) for k, v in raw.items()})
 
+    def _cursor_ok(
+        self, engine: EngineId, epoch: int, seq: int, issued: int, mac: str, mi: int, at: int
+    ) -> bool:
+        """Whether a shared cursor read from Redis is one a replica wrote: its MAC (over
+        epoch, seq, the claimed issue time and the claim time) checks, and neither its
+        epoch nor its issue time is in the future. No cursor (epoch < 0) is fine."""
+        if epoch < 0:
+            return True
+        limit = self.wall() * 1000 + self.skew_ms
+        if epoch > limit or issued > limit:
+            self.refused.labels("epoch").inc()
+            return False
+        if self.sealer.check(mac, "cursor", engine, epoch, seq, mi, at) and (
+            not self.sealer.authenticated or mi <= issued
+        ):
+            return True
+        self.refused.labels("mac").inc()
+        return False
+
     def _absorb(self, engine: EngineId, rec: dict[str, str]) -> None:
+        try:
+            epoch, seq, issued = int(rec["epoch"]), int(rec["seq"]), int(rec["issued"])
+            mi, at_ms = int(rec.get("mi", "-1")), int(rec["at"])
+        except (KeyError, ValueError):
+            self.refused.labels("mac").inc()  # not a record a replica wrote
+            return
+        if not self._cursor_ok(engine, epoch, seq, issued, rec.get("mac", ""), mi, at_ms):
+            return  # a forged or broken cursor steers nothing; the next claim replaces it
         p = self.processor
         st = p.state(engine)
-        epoch, seq, issued = int(rec["epoch"]), int(rec["seq"]), int(rec["issued"])
         now, wall = self.clock(), self.wall()
         moved = False
         if st.cursor is None or cursor_newer(Cursor(epoch, seq, issued), st.cursor):
@@ -333,7 +408,11 @@ class SharedReports:
         if st.last_report_at is None or at > st.last_report_at + 1e-3:
             st.last_report_at = at
             moved = True
-        if "load" in rec:
+        if "load" in rec and not self.sealer.check(
+            rec.get("load_mac", ""), "load", engine, rec["load"], rec.get("load_at", "")
+        ):
+            self.refused.labels("mac").inc()
+        elif "load" in rec:
             load_at = now - max(0.0, wall - int(rec["load_at"]) / 1000)
             if st.load_at is None or load_at > st.load_at + 1e-3:
                 with contextlib.suppress(BodyError):
@@ -341,7 +420,11 @@ class SharedReports:
                     if isinstance(body, LoadBody):
                         st.load, st.load_at = body, load_at
         prof = rec.get("profile")
-        if prof is not None and self._profiles.get(engine) != prof:
+        if prof is not None and not self.sealer.check(
+            rec.get("profile_mac", ""), "profile", engine, prof
+        ):
+            self.refused.labels("mac").inc()
+        elif prof is not None and self._profiles.get(engine) != prof:
             with contextlib.suppress(BodyError):
                 pbody = parse_body("profile", prof.encode())
                 if isinstance(pbody, ProfileBody):

@@ -3,6 +3,7 @@ the `store:` section (where the tables live; the Redis link's settings)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -64,11 +65,55 @@ class RedisSettings(BaseModel):
     max_swa_entries_per_engine: int = Field(default=100_000, ge=1)
     log_max_entries: int = Field(default=10_000, ge=16)
     """Change-log entries kept per engine; a replica further behind resyncs in full."""
+    log_max_age_s: float = Field(default=120.0, ge=1.0, le=86_400.0)
+    """Change-log entries older than this are trimmed (replicas read the log every
+    `sync_interval_ms`; one further behind resyncs in full), so a large snapshot's chunks
+    do not stay in Redis memory beside the entries they wrote."""
     max_pending_writes: int = Field(default=10_000, ge=1)
     """Writes queued while Redis is unreachable; beyond it the oldest are dropped and
     the replica re-seeds Redis from its local copy on recovery."""
     retention_slack_s: float = Field(default=86_400.0, ge=0)
     """Bookkeeping keys (cursors, indexes, logs) live this long past the longest entry TTL."""
+    shared_secret: str | None = Field(default=None, min_length=16, repr=False)
+    """Key of the MACs every replica puts on what it writes to Redis and checks on what
+    it reads (docs/redis.md, "Authentication"). Prefer `shared_secret_file`."""
+    shared_secret_file: str | None = None
+    """A file holding the shared secret (leading and trailing whitespace ignored)."""
+    max_clock_skew_s: float = Field(default=300.0, gt=0)
+    """An epoch (a report's wall-clock start time in ms) more than this far in the
+    future is refused wherever Redis shows one: it would freeze the engine's reports."""
+    snapshot_chunk_entries: int = Field(default=500, ge=16, le=100_000)
+    """Entries per write batch sent to Redis: a snapshot, or any large write, goes in
+    chunks of this many, each one script call well inside `timeout_ms`."""
+    encoding: Literal["packed", "keys"] = "packed"
+    """How entries are stored (docs/redis.md): `packed`, 27-byte records in one hash per
+    engine and kind, bucketed by the key's first 16 bits (about 30 bytes per entry at
+    scale); `keys`, one string key and one index member per entry (the encoding before
+    issue 33, hundreds of bytes per entry). Every replica must use the same."""
+    max_batch_attempts: int = Field(default=5, ge=1, le=1000)
+    """A batch Redis refuses with an error reply (OOM, script error) this many times is
+    dropped (counted) and its engines pulled again, so it cannot block the queue."""
+
+    @model_validator(mode="after")
+    def _check_secret(self) -> RedisSettings:
+        if self.shared_secret is not None and self.shared_secret_file is not None:
+            raise ValueError("store: set shared_secret or shared_secret_file, not both")
+        return self
+
+    def secret(self) -> bytes | None:
+        """The shared secret's bytes (read from `shared_secret_file` when set), or None:
+        unauthenticated (structure is still checked). Raises ValueError on a bad file."""
+        if self.shared_secret is not None:
+            return self.shared_secret.encode()
+        if self.shared_secret_file is None:
+            return None
+        try:
+            raw = Path(self.shared_secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"store.shared_secret_file: {exc}") from exc
+        if len(raw) < 16:
+            raise ValueError("store.shared_secret_file: the secret must be at least 16 bytes")
+        return raw
 
     @field_validator("url")
     @classmethod

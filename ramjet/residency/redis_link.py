@@ -10,7 +10,9 @@ Contract: every Redis call the router makes goes through `RedisLink.call` (or
   up to `breaker_max_open_ms`; after that one call is let through as a probe (half-open)
   and its success closes the breaker,
 - never raises anything but `RedisUnavailable` for transport trouble, so callers have one
-  thing to catch: they fail open to their local state.
+  thing to catch: they fail open to their local state. An error reply (OOM when Redis
+  hits maxmemory, a script error) is `RedisCommandError`, a `RedisUnavailable`: it
+  counts as a failure (breaker, `ramjet_redis_command_errors_total`), never a success.
 
 Server-side scripts run by EVALSHA; a NOSCRIPT reply (script cache flushed, failover to a
 replica that never saw SCRIPT LOAD, a restarted server) loads the script again and retries
@@ -33,7 +35,7 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ramjet.errors import RamjetError
@@ -47,6 +49,16 @@ Client = aioredis.Redis | RedisCluster
 
 class RedisUnavailable(RamjetError):
     """Redis did not answer in time, refused, or the breaker is open. Fail open."""
+
+
+class RedisCommandError(RedisUnavailable):
+    """Redis answered with an error reply (OOM, a script error, WRONGTYPE...): the call
+    did nothing. A counted failure (`ramjet_redis_command_errors_total`), never a
+    success; callers fail open as for any `RedisUnavailable`."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class LinkMetrics:
         self.breaker_opens = counter(registry, "ramjet_redis_breaker_opens_total")
         self.script_reloads = counter(registry, "ramjet_redis_script_reloads_total")
         self.call_seconds = histogram(registry, "ramjet_redis_call_seconds")
+        self.command_errors = counter(registry, "ramjet_redis_command_errors_total")
 
 
 class Breaker:
@@ -184,8 +197,12 @@ class RedisLink:
             raise RedisUnavailable("redis call timed out") from exc
         except (RedisError, OSError) as exc:
             if isinstance(exc, ResponseError) and not _is_transient(exc):
-                self._succeeded()  # the server answered: a bug in the call, not an outage
-                raise
+                # an error reply did nothing: OOM (maxmemory reached), a script error,
+                # a wrong type. A failure, counted and alerted on, never a success
+                code = _code(exc)
+                self.metrics.command_errors.inc()
+                self._failed("oom" if code == "OOM" else "response")
+                raise RedisCommandError(f"redis refused the call: {exc}", code) from exc
             self._failed("connection" if isinstance(exc, OSError | ConnectionError) else "other")
             raise RedisUnavailable(f"redis call failed: {exc!r}") from exc
         self.metrics.call_seconds.observe(time.perf_counter() - t0)
@@ -225,6 +242,13 @@ class RedisLink:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _code(exc: ResponseError) -> str:
+    """The error reply's code, e.g. OOM, ERR, WRONGTYPE (script errors arrive as ERR)."""
+    if isinstance(exc, OutOfMemoryError) or "maxmemory" in str(exc):
+        return "OOM"  # redis-py strips the code from the text of its OutOfMemoryError
+    return str(exc).split(" ", 1)[0].upper()
 
 
 def _is_transient(exc: ResponseError) -> bool:

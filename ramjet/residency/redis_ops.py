@@ -9,24 +9,34 @@ operation is a list whose first item is its code:
 | `["p", kind, tier, confirmed_ms, expires_ms, [key16...]]` | put |
 | `["r", table, [key16...]]` | remove |
 | `["R", table, now_ms, [[key16, tier, expires_ms]...]]` | replace the exact entries |
+| `["R", table, now_ms, [...], n]` | the first chunk of a replace cut in chunks: `n` `E` chunks follow |
+| `["E", table, now_ms, [[key16, tier, expires_ms]...]]` | more entries of the `R` before it (a chunked snapshot) |
 | `["P"]` | purge the engine |
 
 `kind` is a table code (`g` global, `s` SWA) and a source (`x` exact, `a` approximate);
 `key16` is the prefix key as 16 hex digits. Times in Redis are Unix milliseconds; store
 times are seconds of the caller's monotonic clock, and `Clocks` converts with the current
 offset between the two clocks.
+
+Sent to Redis, each record carries its MAC (`Sealer.seal`: a put gets a 7th item, the
+list of its keys' MACs; a replace entry a 4th item), and each batch a MAC of its own in
+the log. A replica checks a logged batch completely (`decode_ops`) before it applies any
+of it, and skips what it cannot read or verify (`InvalidEntry`, counted by the sync).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ramjet.residency.redis_scripts import key16
-from ramjet.residency.store import MemoryStore, Table
+from ramjet.residency.store import ExactStager, MemoryStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 TABLE_CODE = {Table.GLOBAL: "g", Table.SWA: "s"}
@@ -44,6 +54,13 @@ class Batch:
     epoch: int = -1
     seq: int = -1
     ops: list[list[Any]] = field(default_factory=list)
+    lead: Batch | None = None
+    """For a later chunk of a batch cut in chunks: the first chunk. The later chunks are
+    sent only if Redis applied the first (`ok`); a refused report or seed drops them."""
+    status: str = ""
+    """Redis's answer to this batch once sent (`ok`, `dup`, `stale`, ...)."""
+    attempts: int = 0
+    """Error replies Redis gave this batch (`RedisSettings.max_batch_attempts`)."""
 
 
 @dataclass(frozen=True)
@@ -98,34 +115,325 @@ def replace_op(
     ]
 
 
-def replay(local: MemoryStore, engine: EngineId, f: dict[str, str], clocks: Clocks) -> None:
-    """Replay one logged batch (a change-log entry's fields) on the mirror `local`."""
-    for op in json.loads(f["ops"]):
+class InvalidEntry(ValueError):
+    """A change-log entry or record this replica cannot read or verify; `reason` is the
+    label of `ramjet_redis_rejected_total`."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+REJECT_REASONS = ("mac", "malformed", "op", "kind", "tier", "epoch")
+"""Why a replica skipped something it read from Redis (all counted, none applied):
+`mac` missing or wrong MAC, `malformed` not the documented shape, `op` unknown op code,
+`kind` unknown table or kind, `tier` unknown tier, `epoch` an epoch in the future."""
+
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_TIERS = frozenset(int(t) for t in Tier)
+
+
+class Sealer:
+    """MACs over what replicas share through Redis (docs/redis.md, "Authentication").
+
+    - a batch (as logged): HMAC-SHA256 over engine, mode, epoch, seq and the ops JSON;
+    - a record (one entry as stored, read back by a full pull): keyed BLAKE2b, 8 bytes,
+      over engine, kind, key16, tier, confirmed ms and expiry ms;
+    - a report-cursor field group (`{P:E}:vc`): HMAC-SHA256 over its values.
+    The key is derived from the shared secret, so one secret serves all three. Without a
+    secret (`authenticated` False) every MAC is "" and only structure is checked."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self.key = (
+            hmac.new(secret, b"ramjet redis residency v1", hashlib.sha256).digest()
+            if secret
+            else None
+        )
+
+    @property
+    def authenticated(self) -> bool:
+        return self.key is not None
+
+    def mac(self, *parts: object) -> str:
+        if self.key is None:
+            return ""
+        msg = "\x1f".join(map(str, parts)).encode()
+        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()
+
+    def record(self, engine: str, kind: str, k16: str, tier: int, conf_ms: int, exp_ms: int) -> str:
+        if self.key is None:
+            return ""
+        msg = f"{engine}|{kind}|{k16}|{tier}|{conf_ms}|{exp_ms}".encode()
+        return hashlib.blake2b(msg, key=self.key, digest_size=8).hexdigest()
+
+    def check(self, given: str, *parts: object) -> bool:
+        return self.key is None or hmac.compare_digest(given, self.mac(*parts))
+
+    def check_record(
+        self, given: str, engine: str, kind: str, k16: str, tier: int, conf_ms: int, exp_ms: int
+    ) -> bool:
+        return self.key is None or hmac.compare_digest(
+            given, self.record(engine, kind, k16, tier, conf_ms, exp_ms)
+        )
+
+    def seal(self, engine: str, ops: list[list[Any]]) -> list[list[Any]]:
+        """The ops as sent to Redis: each record carries its MAC (puts: a parallel list
+        as item 7; replace entries: item 4). Unchanged without a secret."""
+        if self.key is None:
+            return ops
+        out: list[list[Any]] = []
+        rec = self.record
+        for op in ops:
+            code = op[0]
+            if code == "p":
+                _, k, tier, conf, exp, ks = op
+                out.append([*op, [rec(engine, k, k16, tier, conf, exp) for k16 in ks]])
+            elif code in ("R", "E"):
+                kind, conf = op[1] + "x", op[2]
+                entries = [[k, t, e, rec(engine, kind, k, t, conf, e)] for k, t, e in op[3]]
+                out.append([code, op[1], conf, entries, *op[4:]])
+            else:
+                out.append(op)
+        return out
+
+    def batch_mac(self, engine: str, mode: str, epoch: int, seq: int, ops_json: str) -> str:
+        return self.mac("batch", engine, mode, epoch, seq, ops_json)
+
+
+def _int(v: Any) -> int:
+    if type(v) is not int:
+        raise InvalidEntry("malformed", f"not an integer: {v!r}")
+    return v
+
+
+def _keys16(v: Any) -> list[PrefixKey]:
+    if not isinstance(v, list):
+        raise InvalidEntry("malformed", "keys are not a list")
+    out = []
+    for k in v:
+        if not isinstance(k, str) or not _HEX16.match(k):
+            raise InvalidEntry("malformed", f"bad key16 {k!r}")
+        out.append(PrefixKey(int(k, 16)))
+    return out
+
+
+def _table(code: Any) -> Table:
+    t = CODE_TABLE.get(code) if isinstance(code, str) else None
+    if t is None:
+        raise InvalidEntry("kind", f"unknown table {code!r}")
+    return t
+
+
+def _tier(v: Any) -> Tier:
+    if _int(v) not in _TIERS:
+        raise InvalidEntry("tier", f"unknown tier {v!r}")
+    return Tier(v)
+
+
+def decode_ops(raw: str) -> list[tuple[Any, ...]]:
+    """Parse and check a logged ops list completely before anything is applied. Returns
+    (code, ...) tuples with store types (times still wall ms); raises `InvalidEntry`."""
+    try:
+        ops = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidEntry("malformed", "ops are not JSON") from exc
+    if not isinstance(ops, list):
+        raise InvalidEntry("malformed", "ops are not a list")
+    out: list[tuple[Any, ...]] = []
+    for op in ops:
+        if not isinstance(op, list) or not op or not isinstance(op[0], str):
+            raise InvalidEntry("malformed", f"bad op {op!r:.80}")
         code = op[0]
+        if code == "p" and len(op) in (6, 7):
+            k = op[1]
+            if not isinstance(k, str) or len(k) != 2 or k[1] not in "xa":
+                raise InvalidEntry("kind", f"unknown kind {k!r}")
+            out.append(
+                (
+                    "p",
+                    _table(k[0]),
+                    k[1] == "x",
+                    _tier(op[2]),
+                    _int(op[3]),
+                    _int(op[4]),
+                    _keys16(op[5]),
+                )
+            )
+        elif code == "r" and len(op) == 3:
+            out.append(("r", _table(op[1]), _keys16(op[2])))
+        elif (code == "R" and len(op) in (4, 5)) or (code == "E" and len(op) == 4):
+            if not isinstance(op[3], list):
+                raise InvalidEntry("malformed", "replace entries are not a list")
+            entries = []
+            for e in op[3]:
+                if not isinstance(e, list) or len(e) not in (3, 4):
+                    raise InvalidEntry("malformed", f"bad replace entry {e!r:.80}")
+                entries.append((_keys16([e[0]])[0], _tier(e[1]), _int(e[2])))
+            more = _int(op[4]) if len(op) == 5 else 0
+            if more < 0:
+                raise InvalidEntry("malformed", "negative chunk count")
+            out.append((code, _table(op[1]), _int(op[2]), entries, more))
+        elif code == "P" and len(op) == 1:
+            out.append(("P",))
+        elif code in ("p", "r", "R", "E", "P"):
+            raise InvalidEntry("malformed", f"op {code!r} with {len(op)} items")
+        else:
+            raise InvalidEntry("op", f"unknown op code {code!r:.20}")
+    return out
+
+
+def decode_evictions(raw: str) -> list[tuple[Table, list[PrefixKey]]]:
+    """The `x` field: [[kind, [key16...]]...], keys Redis evicted under its caps."""
+    try:
+        x = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidEntry("malformed", "evictions are not JSON") from exc
+    if not isinstance(x, list):
+        raise InvalidEntry("malformed", "evictions are not a list")
+    out = []
+    for item in x:
+        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
+            raise InvalidEntry("malformed", "bad eviction")
+        out.append((_table(item[0][:1]), _keys16(item[1])))
+    return out
+
+
+@dataclass
+class StagedReplace:
+    """A chunked replace being replayed: its `R` and `E` chunks go into a staged copy
+    (`ResidencyStore.stage_exact`) swapped in when the last arrives, so a mirror never
+    shows the first chunks of a snapshot alone."""
+
+    stager: ExactStager
+    remaining: int
+
+
+Staged = dict[tuple[EngineId, Table], StagedReplace]
+
+
+def settle(staged: Staged, engine: EngineId, keep: tuple[EngineId, Table] | None = None) -> None:
+    """Swap in (as far as it got) every staged replace of `engine` but `keep`: another
+    op of the engine comes between its chunks, and must apply after it, as in Redis."""
+    for key in [k for k in staged if k[0] == engine and k != keep]:
+        staged.pop(key).stager.commit()
+
+
+def discard(staged: Staged, engine: EngineId) -> None:
+    """Forget staged replaces of `engine` (the mirror's copy is about to be pulled)."""
+    for key in [k for k in staged if k[0] == engine]:
+        del staged[key]
+
+
+def replay(
+    local: MemoryStore,
+    engine: EngineId,
+    f: dict[str, str],
+    clocks: Clocks,
+    sealer: Sealer | None = None,
+    staged: Staged | None = None,
+) -> None:
+    """Check, then replay, one logged batch (a change-log entry's fields) on the mirror
+    `local`. Raises `InvalidEntry` (and changes nothing) for an entry this replica cannot
+    read or verify. With `staged` (kept by the caller across entries), a chunked replace
+    is swapped in whole when its last chunk arrives."""
+    keeps = staged is not None  # without a caller's state a replace is applied at once
+    staged = staged if staged is not None else {}
+    sealer = sealer if sealer is not None else Sealer(None)
+    raw = f.get("ops")
+    if raw is None:
+        raise InvalidEntry("malformed", "entry without ops")
+    if sealer.authenticated and not sealer.check(
+        f.get("mac", ""), "batch", engine, f.get("m", ""), f.get("e", ""), f.get("s", ""), raw
+    ):
+        raise InvalidEntry("mac", "batch MAC missing or wrong")
+    ops = decode_ops(raw)
+    evictions = decode_evictions(f.get("x", "[]"))
+    loc = clocks.to_local
+    for op in ops:
+        code = op[0]
+        if code == "E" and (engine, op[1]) in staged:
+            settle(staged, engine, keep=(engine, op[1]))
+            st = staged[(engine, op[1])]
+            for k, t, e in op[3]:
+                st.stager.add((k,), t, loc(e))
+            st.remaining -= 1
+            if st.remaining <= 0:
+                staged.pop((engine, op[1])).stager.commit()
+            continue
+        settle(staged, engine)
         if code == "p":
-            op_kind = op[1]
-            local.put(
-                CODE_TABLE[op_kind[0]],
-                engine,
-                keys_from16(op[5]),
-                Tier(op[2]),
-                clocks.to_local(op[3]),
-                clocks.to_local(op[4]),
-                op_kind[1] == "x",
-            )
+            _, table, exact, tier, conf, exp, keys = op
+            local.put(table, engine, keys, tier, loc(conf), loc(exp), exact)
         elif code == "r":
-            local.remove(CODE_TABLE[op[1]], engine, keys_from16(op[2]))
+            local.remove(op[1], engine, op[2])
         elif code == "R":
-            local.replace_exact(
-                CODE_TABLE[op[1]],
-                engine,
-                [(PrefixKey(int(k, 16)), Tier(t), clocks.to_local(exp)) for k, t, exp in op[3]],
-                clocks.to_local(op[2]),
-            )
+            stager = local.stage_exact(op[1], engine, loc(op[2])) if keeps and op[4] else None
+            if stager is None:
+                entries = [(k, t, loc(e)) for k, t, e in op[3]]
+                local.replace_exact(op[1], engine, entries, loc(op[2]))
+            else:
+                for k, t, e in op[3]:
+                    stager.add((k,), t, loc(e))
+                staged[(engine, op[1])] = StagedReplace(stager, op[4])
+        elif code == "E":  # its R was not seen here (a pull came between): plain puts
+            now = loc(op[2])
+            for k, t, e in op[3]:
+                local.put(op[1], engine, (k,), t, now, loc(e), True)
         elif code == "P":
             local.purge(engine)
-    for op_kind, evicted in json.loads(f.get("x", "[]")):
-        local.remove(CODE_TABLE[op_kind[0]], engine, keys_from16(evicted))
+    if evictions:
+        settle(staged, engine)
+    for table, keys in evictions:
+        local.remove(table, engine, keys)
+
+
+def weight(op: list[Any]) -> int:
+    """Entries an op writes (its share of a chunk)."""
+    code = op[0]
+    if code == "p":
+        return max(1, len(op[5]))
+    if code == "r":
+        return max(1, len(op[2]))
+    if code in ("R", "E"):
+        return max(1, len(op[3]))
+    return 1
+
+
+def split_ops(ops: list[list[Any]], limit: int) -> list[list[list[Any]]]:
+    """Cut an ops list into chunks of at most `limit` entries, in order: a long put or
+    remove becomes several; a replace becomes an `R` (clear, first entries) and `E`
+    continuations. Applying the chunks in order gives what the whole list gives."""
+    chunks: list[list[list[Any]]] = []
+    cur: list[list[Any]] = []
+    room = limit
+
+    def push(op: list[Any]) -> None:
+        nonlocal cur, room
+        w = weight(op)
+        if w > room and cur:
+            chunks.append(cur)
+            cur, room = [], limit
+        cur.append(op)
+        room -= w
+
+    for op in ops:
+        code = op[0]
+        if code == "p" and len(op[5]) > limit:
+            for i in range(0, len(op[5]), limit):
+                push([*op[:5], op[5][i : i + limit]])
+        elif code == "r" and len(op[2]) > limit:
+            for i in range(0, len(op[2]), limit):
+                push([op[0], op[1], op[2][i : i + limit]])
+        elif code == "R" and len(op[3]) > limit:
+            more = (len(op[3]) - 1) // limit  # the E chunks that follow
+            push(["R", op[1], op[2], op[3][:limit], more])
+            for i in range(limit, len(op[3]), limit):
+                push(["E", op[1], op[2], op[3][i : i + limit]])
+        else:
+            push(op)
+    if cur:
+        chunks.append(cur)
+    return chunks
 
 
 def keys_from16(hex_keys: Iterable[str]) -> list[PrefixKey]:

@@ -7,8 +7,8 @@ approximate, `sx` SWA exact, `sa` SWA approximate.
 
 | key | type | holds | TTL |
 |---|---|---|---|
-| `{P:E}:st` | hash | `epoch`, `seq` (last report applied), `gen` (batch counter) | retention |
-| `{P:E}:<kind>:<key16>` | string | `"<tier>,<confirmed_ms>"`: one entry | its expiry (PXAT) |
+| `{P:E}:st` | hash | `epoch`, `seq` (last report applied), `gen` (batch counter), `at` (last write ms) | retention |
+| `{P:E}:<kind>:<key16>` | string | `"<tier>,<confirmed_ms>,<mac>"`: one entry | its expiry (PXAT) |
 | `{P:E}:i:<kind>` | zset | index: key16 → expiry ms (resync, caps, purge) | retention |
 | `{P:E}:log` | stream | one entry per applied batch, tailed by every replica | retention |
 | `{P:E}:vc` | hash | the report verifier's shared cursor (`ramjet.reports.redis_cursors`) | retention |
@@ -32,7 +32,11 @@ Ops (ARGV[5], JSON list), mirroring `ResidencyStore`:
 `["p", kind, tier, confirmed_ms, expires_ms, [key16...]]` put (exact puts drop the
 approximate twin; approximate puts skip keys with a live exact entry),
 `["r", table, [key16...]]` remove both sources, `["R", table, confirmed_ms,
-[[key16, tier, expires_ms]...]]` replace the exact content, `["P"]` purge the engine.
+[[key16, tier, expires_ms]...]]` replace the exact content, `["E", ...]` (same shape)
+more exact entries of the replace before it (a chunked snapshot), `["P"]` purge the
+engine. Each record may carry its MAC (`redis_ops.Sealer`), stored in the entry's value;
+the batch's MAC, epoch and seq go into its log entry. A stored epoch more than the max
+clock skew in the future counts as none (it would refuse every real report).
 Then expired index members go, and caps evict the members that expire soonest
 (ZPOPMIN), deleting their keys; the batch and those evictions are appended to the log
 (XADD MAXLEN ~) with the new `gen`. Entry keys are reached by name from KEYS[1]'s prefix:
@@ -77,6 +81,10 @@ class EngineKeys:
     def entry(self, kind: str, key16: str) -> str:
         return f"{self.base}:{kind}:{key16}"
 
+    def packed(self, kind: str) -> str:
+        """The packed encoding's hash of one kind (`APPLY_PACKED`)."""
+        return f"{self.base}:b:{kind}"
+
 
 def key16(key: int) -> str:
     return f"{key:016x}"
@@ -86,7 +94,7 @@ APPLY = LuaScript(
     "ramjet_residency_apply",
     r"""
 -- KEYS: st, log.  ARGV: mode, epoch, seq, retention_ms, ops json, caps "gcap,scap,logmax",
--- origin.  Returns {status, gen, epoch, seq}.
+-- origin, batch mac, max clock skew ms, log max age ms.  Returns {status, gen, epoch, seq}.
 local st, log = KEYS[1], KEYS[2]
 local base = string.sub(st, 1, -4)
 local mode, epoch, seq = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -99,6 +107,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local cur = redis.call('HMGET', st, 'epoch', 'seq', 'gen')
 local cepoch, cseq, gen = tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3])
+-- an epoch is a wall-clock start time: one in the future was not written by a replica
+-- (or its clock is wrong) and would refuse every real report, so it does not count
+if cepoch ~= nil and cepoch > now + tonumber(ARGV[9]) then cepoch, cseq = nil, nil end
 if gen == nil then
   if mode ~= 'seed' then return {'missing', 0, -1, -1} end
   gen = 0
@@ -109,6 +120,9 @@ if mode == 'seq' and cepoch ~= nil then
   if epoch < cepoch then return {'stale', gen, cepoch, cseq} end
   if epoch == cepoch and seq <= cseq then return {'dup', gen, cepoch, cseq} end
 end
+-- the first write must be one Redis refuses at maxmemory (HSET is deny-oom): after any
+-- write (a DEL), Redis lets the rest of a script write past maxmemory
+redis.call('HSET', st, 'at', now)
 if mode == 'seq' or (mode == 'seed' and epoch >= 0) then
   redis.call('HSET', st, 'epoch', epoch, 'seq', seq)
 end
@@ -125,9 +139,9 @@ local function clear(kind)
   end
   redis.call('DEL', idx(kind))
 end
-local function set(kind, k, tier, confirmed, exp)
+local function set(kind, k, tier, confirmed, exp, mac)
   if exp > now then
-    redis.call('SET', ekey(kind, k), tier .. ',' .. confirmed, 'PXAT', exp)
+    redis.call('SET', ekey(kind, k), tier .. ',' .. confirmed .. ',' .. (mac or ''), 'PXAT', exp)
     redis.call('ZADD', idx(kind), exp, k)
   else
     drop(kind, k)
@@ -139,22 +153,23 @@ for _, op in ipairs(ops) do
   if o == 'p' then
     local kind, tier, confirmed, exp = op[2], op[3], op[4], tonumber(op[5])
     local tbl, src = string.sub(kind, 1, 1), string.sub(kind, 2, 2)
-    for _, k in ipairs(op[6]) do
+    local macs = op[7] or {}
+    for i, k in ipairs(op[6]) do
       if src == 'x' then
         drop(tbl .. 'a', k)
-        set(kind, k, tier, confirmed, exp)
+        set(kind, k, tier, confirmed, exp, macs[i])
       elseif redis.call('EXISTS', ekey(tbl .. 'x', k)) == 0 then
-        set(kind, k, tier, confirmed, exp)
+        set(kind, k, tier, confirmed, exp, macs[i])
       end
     end
   elseif o == 'r' then
     for _, k in ipairs(op[3]) do drop(op[2] .. 'x', k); drop(op[2] .. 'a', k) end
-  elseif o == 'R' then
+  elseif o == 'R' or o == 'E' then
     local tbl, confirmed = op[2], op[3]
-    clear(tbl .. 'x')
+    if o == 'R' then clear(tbl .. 'x') end
     for _, e in ipairs(op[4]) do
       drop(tbl .. 'a', e[1])
-      set(tbl .. 'x', e[1], e[2], confirmed, tonumber(e[3]))
+      set(tbl .. 'x', e[1], e[2], confirmed, tonumber(e[3]), e[4])
     end
   elseif o == 'P' then
     for _, kind in ipairs({'gx', 'ga', 'sx', 'sa'}) do clear(kind) end
@@ -180,8 +195,12 @@ gen = gen + 1
 redis.call('HSET', st, 'gen', gen)
 local x = '[]'
 if #evicted > 0 then x = cjson.encode(evicted) end
-redis.call('XADD', log, 'MAXLEN', '~', tonumber(logmax), '*',
-  'gen', gen, 'm', mode, 'ops', ARGV[5], 'x', x, 'o', ARGV[7])
+-- the log is for tailing replicas (every sync interval): it keeps `logmax` entries and
+-- at most ARGV[10] ms of them, so a snapshot's chunks leave it soon after they are read
+redis.call('XADD', log, 'MINID', '~', math.max(0, now - tonumber(ARGV[10])), '*',
+  'gen', gen, 'm', mode, 'e', ARGV[2], 's', ARGV[3], 'ops', ARGV[5], 'x', x, 'o', ARGV[7],
+  'mac', ARGV[8])
+redis.call('XTRIM', log, 'MAXLEN', '~', tonumber(logmax))
 redis.call('PEXPIRE', st, retention)
 redis.call('PEXPIRE', log, retention)
 for _, kind in ipairs({'gx', 'ga', 'sx', 'sa'}) do
@@ -208,5 +227,310 @@ else
   if #newest > 0 then last = newest[1][1] end
 end
 return {tonumber(cur[1]), tonumber(cur[2]) or -1, tonumber(cur[3]) or -1, entries, last}
+""",
+)
+
+
+PACKED_RECORD = 27
+"""Bytes per entry in the packed encoding: key high 48 bits (6), tier (1), confirmed ms
+(6), expiry ms (6), MAC (8). The key's low 16 bits name the bucket (hash field)."""
+
+APPLY_PACKED = LuaScript(
+    "ramjet_residency_apply_packed",
+    r"""
+-- The packed encoding (docs/redis.md, "Packed encoding"): per engine and kind one hash
+-- `{P:E}:b:<kind>`; field = the key's last 4 hex digits (a bucket); value = the bucket's
+-- entries, 27 bytes each: key high 48 bits, tier, confirmed ms, expiry ms (6 bytes each),
+-- MAC (8 bytes). Same ARGV, statuses, log and ops as APPLY; entries of one bucket are
+-- rewritten once per call. Counts per kind live in st (`n:<kind>`); each call sweeps a
+-- few buckets (HSCAN cursor `sw:<kind>` in st) to drop expired entries and, over the cap,
+-- evicts the soonest-expiring entries of the swept buckets.
+local st, log = KEYS[1], KEYS[2]
+local base = string.sub(st, 1, -4)
+local mode, epoch, seq = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local retention = tonumber(ARGV[4])
+local ops = cjson.decode(ARGV[5])
+local gcap, scap, logmax = string.match(ARGV[6], "^(%d+),(%d+),(%d+)$")
+local caps = {gx = tonumber(gcap), ga = tonumber(gcap), sx = tonumber(scap), sa = tonumber(scap)}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local cur = redis.call('HMGET', st, 'epoch', 'seq', 'gen')
+local cepoch, cseq, gen = tonumber(cur[1]), tonumber(cur[2]), tonumber(cur[3])
+if cepoch ~= nil and cepoch > now + tonumber(ARGV[9]) then cepoch, cseq = nil, nil end
+if gen == nil then
+  if mode ~= 'seed' then return {'missing', 0, -1, -1} end
+  gen = 0
+elseif mode == 'seed' then
+  return {'dup', gen, cepoch or -1, cseq or -1}
+end
+if mode == 'seq' and cepoch ~= nil then
+  if epoch < cepoch then return {'stale', gen, cepoch, cseq} end
+  if epoch == cepoch and seq <= cseq then return {'dup', gen, cepoch, cseq} end
+end
+redis.call('HSET', st, 'at', now)  -- deny-oom first write (see APPLY)
+if mode == 'seq' or (mode == 'seed' and epoch >= 0) then
+  redis.call('HSET', st, 'epoch', epoch, 'seq', seq)
+end
+
+local W = 27
+local KINDS = {'gx', 'ga', 'sx', 'sa'}
+local function hkey(kind) return base .. ':b:' .. kind end
+local cnt = {}
+do
+  local c = redis.call('HMGET', st, 'n:gx', 'n:ga', 'n:sx', 'n:sa')
+  for i, kind in ipairs(KINDS) do cnt[kind] = tonumber(c[i]) or 0 end
+end
+local cache = {gx = {}, ga = {}, sx = {}, sa = {}}
+local cleared = {}
+local dirty = {gx = {}, ga = {}, sx = {}, sa = {}}
+-- entries new to a bucket in this call: appended once at the end (no quadratic copies)
+local adds = {gx = {}, ga = {}, sx = {}, sa = {}}
+local function bucket(kind, b)
+  local v = cache[kind][b]
+  if v == nil then
+    if cleared[kind] then v = '' else v = redis.call('HGET', hkey(kind), b) or '' end
+    cache[kind][b] = v
+  end
+  return v
+end
+-- bucket: the key's last 4 hex digits; the record holds the first 12
+local function bkey(k) return string.sub(k, 13, 16) end
+local function rkey(k)
+  return struct.pack('>I2I4', tonumber(string.sub(k, 1, 4), 16), tonumber(string.sub(k, 5, 12), 16))
+end
+local function added(kind, b)
+  local a = adds[kind][b]
+  if a == nil then a = {map = {}, order = {}}; adds[kind][b] = a end
+  return a
+end
+local ms6memo = {}
+local function ms6(v)
+  local m = ms6memo[v]
+  if m == nil then
+    m = struct.pack('>I2I4', math.floor(v / 4294967296), v % 4294967296)
+    ms6memo[v] = m
+  end
+  return m
+end
+local TIERB = {[0] = struct.pack('>B', 0), [1] = struct.pack('>B', 1), [2] = struct.pack('>B', 2)}
+-- read every bucket an op touches in one HMGET (not one HGET per entry)
+local function prefetch(kind, ks, field)
+  if cleared[kind] then return end
+  local want, seen = {}, {}
+  local c = cache[kind]
+  for _, k in ipairs(ks) do
+    if field then k = k[field] end
+    local b = string.sub(k, 13, 16)
+    if c[b] == nil and not seen[b] then seen[b] = true; want[#want + 1] = b end
+  end
+  for i = 1, #want, 1000 do
+    local part = {}
+    for j = i, math.min(i + 999, #want) do part[#part + 1] = want[j] end
+    local vals = redis.call('HMGET', hkey(kind), unpack(part))
+    for j = 1, #part do c[part[j]] = vals[j] or '' end
+  end
+end
+local ZERO8 = string.rep('\0', 8)
+local function mac8(m)
+  if m == nil or m == '' then return ZERO8 end
+  return struct.pack('>I4I4', tonumber(string.sub(m, 1, 8), 16), tonumber(string.sub(m, 9, 16), 16))
+end
+local function find(v, rk)
+  local p = string.find(v, rk, 1, true)
+  while p ~= nil and (p - 1) % W ~= 0 do p = string.find(v, rk, p + 1, true) end
+  return p
+end
+local function exp_at(v, p)
+  local hi, lo = struct.unpack('>I2I4', v, p + 13)
+  return hi * 4294967296 + lo
+end
+local function drop(kind, k)
+  if cnt[kind] <= 0 then return end  -- nothing of this kind (no lookups in a snapshot)
+  local b = bkey(k)
+  local rk = rkey(k)
+  local a = adds[kind][b]
+  if a ~= nil and a.map[rk] ~= nil then
+    a.map[rk] = nil
+    cnt[kind] = cnt[kind] - 1
+    return
+  end
+  local v = bucket(kind, b)
+  local p = find(v, rk)
+  if p ~= nil then
+    cache[kind][b] = string.sub(v, 1, p - 1) .. string.sub(v, p + W)
+    dirty[kind][b] = true
+    cnt[kind] = cnt[kind] - 1
+  end
+end
+local function live(kind, k)
+  if cnt[kind] <= 0 then return false end
+  local b, rk = bkey(k), rkey(k)
+  local a = adds[kind][b]
+  if a ~= nil and a.map[rk] ~= nil then return exp_at(a.map[rk], 1) > now end
+  local v = bucket(kind, b)
+  local p = find(v, rk)
+  return p ~= nil and exp_at(v, p) > now
+end
+local function set(kind, k, tier, confirmed, exp, mac)
+  if exp <= now then drop(kind, k); return end
+  local b = bkey(k)
+  local rk = rkey(k)
+  local rec = rk .. (TIERB[tier] or struct.pack('>B', tier)) .. ms6(confirmed) .. ms6(exp) .. mac8(mac)
+  local a = added(kind, b)
+  if a.map[rk] ~= nil then a.map[rk] = rec; return end
+  local v = bucket(kind, b)
+  local p = find(v, rk)
+  if p ~= nil then
+    cache[kind][b] = string.sub(v, 1, p - 1) .. rec .. string.sub(v, p + W)
+    dirty[kind][b] = true
+  else
+    a.map[rk] = rec
+    a.order[#a.order + 1] = rk
+    cnt[kind] = cnt[kind] + 1
+  end
+end
+local function clear(kind)
+  redis.call('UNLINK', hkey(kind))
+  cleared[kind] = true
+  cache[kind], dirty[kind], adds[kind], cnt[kind] = {}, {}, {}, 0
+end
+
+for _, op in ipairs(ops) do
+  local o = op[1]
+  if o == 'p' then
+    local kind, tier, confirmed, exp = op[2], op[3], op[4], tonumber(op[5])
+    local tbl, src = string.sub(kind, 1, 1), string.sub(kind, 2, 2)
+    local macs = op[7] or {}
+    prefetch(kind, op[6])
+    if cnt[tbl .. (src == 'x' and 'a' or 'x')] > 0 then prefetch(tbl .. (src == 'x' and 'a' or 'x'), op[6]) end
+    for i, k in ipairs(op[6]) do
+      if src == 'x' then
+        drop(tbl .. 'a', k)
+        set(kind, k, tier, confirmed, exp, macs[i])
+      elseif not live(tbl .. 'x', k) then
+        set(kind, k, tier, confirmed, exp, macs[i])
+      end
+    end
+  elseif o == 'r' then
+    for _, kind in ipairs({op[2] .. 'x', op[2] .. 'a'}) do
+      if cnt[kind] > 0 then prefetch(kind, op[3]) end
+    end
+    for _, k in ipairs(op[3]) do drop(op[2] .. 'x', k); drop(op[2] .. 'a', k) end
+  elseif o == 'R' or o == 'E' then
+    local tbl, confirmed = op[2], op[3]
+    if o == 'R' then clear(tbl .. 'x') end
+    prefetch(tbl .. 'x', op[4], 1)
+    if cnt[tbl .. 'a'] > 0 then prefetch(tbl .. 'a', op[4], 1) end
+    for _, e in ipairs(op[4]) do
+      drop(tbl .. 'a', e[1])
+      set(tbl .. 'x', e[1], e[2], confirmed, tonumber(e[3]), e[4])
+    end
+  elseif o == 'P' then
+    for _, kind in ipairs(KINDS) do clear(kind) end
+  end
+end
+
+-- fold this call's new entries into their buckets
+for _, kind in ipairs(KINDS) do
+  for b, a in pairs(adds[kind]) do
+    local parts = {bucket(kind, b)}
+    for _, rk in ipairs(a.order) do
+      local rec = a.map[rk]
+      if rec ~= nil then parts[#parts + 1] = rec; a.map[rk] = nil end
+    end
+    cache[kind][b] = table.concat(parts)
+    dirty[kind][b] = true
+  end
+  adds[kind] = {}
+end
+
+local function flush(kind)
+  local hk = hkey(kind)
+  local sets, dels = {}, {}
+  for b, _ in pairs(dirty[kind]) do
+    local v = cache[kind][b]
+    if v == '' then dels[#dels + 1] = b else sets[#sets + 1] = b; sets[#sets + 1] = v end
+    if #sets >= 1000 then redis.call('HSET', hk, unpack(sets)); sets = {} end
+    if #dels >= 1000 then redis.call('HDEL', hk, unpack(dels)); dels = {} end
+  end
+  if #sets > 0 then redis.call('HSET', hk, unpack(sets)) end
+  if #dels > 0 then redis.call('HDEL', hk, unpack(dels)) end
+  dirty[kind] = {}
+  if cnt[kind] < 0 then cnt[kind] = 0 end
+end
+-- written before the sweep, so the sweep (HSCAN) sees this call's new buckets too
+for _, kind in ipairs(KINDS) do flush(kind) end
+
+-- a bounded sweep per kind: expired entries go; over the cap, the soonest-expiring
+-- entries of the swept buckets go (logged, so the mirrors drop them too)
+local evicted = {}
+local function sweep(kind, budget)
+  local hk = hkey(kind)
+  local cursor = redis.call('HGET', st, 'sw:' .. kind) or '0'
+  local out = {}
+  local seen = 0
+  repeat
+    local r = redis.call('HSCAN', hk, cursor, 'COUNT', 8)
+    cursor = r[1]
+    local fv = r[2]
+    for i = 1, #fv, 2 do
+      local b = fv[i]
+      local v = bucket(kind, b)
+      local keep, victims = {}, {}
+      for p = 1, #v, W do
+        local e = exp_at(v, p)
+        if e > now then keep[#keep + 1] = {e, p} else cnt[kind] = cnt[kind] - 1 end
+      end
+      local over = cnt[kind] - caps[kind]
+      if over > 0 then
+        table.sort(keep, function(x, y) return x[1] < y[1] end)
+        local n = math.min(over, #keep)
+        for j = 1, n do
+          local hi, lo = struct.unpack('>I2I4', v, keep[j][2])
+          out[#out + 1] = string.format('%04x%08x', hi, lo) .. b
+        end
+        cnt[kind] = cnt[kind] - n
+        local rest = {}
+        for j = n + 1, #keep do rest[#rest + 1] = keep[j] end
+        keep = rest
+      end
+      if #keep * W ~= #v then
+        table.sort(keep, function(x, y) return x[2] < y[2] end)
+        local parts = {}
+        for j = 1, #keep do parts[j] = string.sub(v, keep[j][2], keep[j][2] + W - 1) end
+        cache[kind][b] = table.concat(parts)
+        dirty[kind][b] = true
+      end
+      seen = seen + 1
+    end
+  until cursor == '0' or (seen >= budget and cnt[kind] <= caps[kind]) or seen >= budget * 64
+  redis.call('HSET', st, 'sw:' .. kind, cursor)
+  if #out > 0 then evicted[#evicted + 1] = {kind, out} end
+end
+for _, kind in ipairs(KINDS) do
+  if cnt[kind] > 0 then sweep(kind, 4) end
+end
+
+for _, kind in ipairs(KINDS) do flush(kind) end
+redis.call('HSET', st, 'n:gx', cnt.gx, 'n:ga', cnt.ga, 'n:sx', cnt.sx, 'n:sa', cnt.sa)
+
+gen = gen + 1
+redis.call('HSET', st, 'gen', gen)
+local x = '[]'
+if #evicted > 0 then x = cjson.encode(evicted) end
+-- the log is for tailing replicas (every sync interval): it keeps `logmax` entries and
+-- at most ARGV[10] ms of them, so a snapshot's chunks leave it soon after they are read
+redis.call('XADD', log, 'MINID', '~', math.max(0, now - tonumber(ARGV[10])), '*',
+  'gen', gen, 'm', mode, 'e', ARGV[2], 's', ARGV[3], 'ops', ARGV[5], 'x', x, 'o', ARGV[7],
+  'mac', ARGV[8])
+redis.call('XTRIM', log, 'MAXLEN', '~', tonumber(logmax))
+redis.call('PEXPIRE', st, retention)
+redis.call('PEXPIRE', log, retention)
+for _, kind in ipairs(KINDS) do
+  if redis.call('EXISTS', hkey(kind)) == 1 then redis.call('PEXPIRE', hkey(kind), retention) end
+end
+local ep = redis.call('HMGET', st, 'epoch', 'seq')
+return {'ok', gen, tonumber(ep[1]) or -1, tonumber(ep[2]) or -1}
 """,
 )

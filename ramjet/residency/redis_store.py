@@ -15,6 +15,9 @@ path), built as a local mirror plus a background sync (`ramjet.residency.redis_s
   approximate entries) are coalesced per engine into unsequenced batches. The queue is
   bounded (`max_pending_writes` batches; the oldest are dropped and counted when Redis is
   away too long: engine snapshots heal exact state, approximate entries age out).
+  A batch larger than `snapshot_chunk_entries` is queued as chunks, in order.
+- Everything shared carries a MAC from the replicas' shared secret, and everything read
+  back is checked before it is applied (see `ramjet.residency.redis_sync`, docs/redis.md).
 - The sync task (`run`, or `sync_once` in tests) flushes the queue, then tails each
   engine's change log and applies every entry; a gap or a first start pulls the engine
   in full, which is how a restarted replica starts warm; a Redis that lost an engine is
@@ -114,7 +117,8 @@ class RedisStore:
     # -- the ResidencyStore contract (local, synchronous) --------------------------------
 
     def stage_exact(self, table: Table, engine: EngineId, now: float) -> None:
-        """No staging: a snapshot reaches Redis as one `replace_exact` per table."""
+        """No staging: a snapshot reaches Redis as one `replace_exact` per table (sent in
+        chunks of `snapshot_chunk_entries`, each one script call)."""
         return None
 
     def shared(self) -> RedisStore:

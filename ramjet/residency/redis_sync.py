@@ -15,6 +15,14 @@ the mirror (its own included, so all mirrors replay one order and converge).
   other replicas pull.
 - A batch Redis refuses as `stale` was already applied to the mirror: the engine is
   pulled again to undo it.
+- A batch of more than `snapshot_chunk_entries` entries (a large snapshot, a seed) goes as
+  chunks, one script call each, in queue order (`redis_ops.split_ops`); the log is read
+  in small pages. So every call fits `timeout_ms` and later writes stay behind.
+- What this replica reads is checked before it is applied (`redis_ops.Sealer`, MACs from
+  the shared secret; `redis_ops.decode_ops`): a log entry or stored entry that fails is
+  skipped, never retried, and counted (`ramjet_redis_rejected_total{reason}`); a stored
+  epoch in the future is not trusted. An error reply (`RedisCommandError`: OOM, script
+  error) is a failure: the batch is retried, and dropped after `max_batch_attempts`.
 - Fail open: every Redis call goes through `RedisLink` (short timeout, breaker). While
   Redis is unreachable the mirror keeps serving and taking writes; when the breaker
   closes again every engine is pulled in full (`ramjet_redis_resyncs_total`).
@@ -28,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import struct
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -35,23 +44,44 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from ramjet.metric_catalogue import counter, gauge
-from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
+from ramjet.residency.redis_link import (
+    RedisCommandError,
+    RedisLink,
+    RedisSettings,
+    RedisUnavailable,
+)
 from ramjet.residency.redis_ops import (
     CODE_TABLE,
+    REJECT_REASONS,
     Batch,
     Clocks,
+    InvalidEntry,
+    Sealer,
+    Staged,
+    discard,
     fields,
     put_op,
     replay,
+    split_ops,
     text,
+    weight,
 )
-from ramjet.residency.redis_scripts import APPLY, KINDS, TAIL, EngineKeys
+from ramjet.residency.redis_scripts import (
+    APPLY,
+    APPLY_PACKED,
+    KINDS,
+    PACKED_RECORD,
+    TAIL,
+    EngineKeys,
+)
 from ramjet.residency.store import MemoryStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 log = logging.getLogger(__name__)
 
-TAIL_COUNT = 500
+TAIL_COUNT = 16
+_RECORD = struct.Struct(">HIBHIHI8s")  # redis_scripts.APPLY_PACKED's 27-byte entry
+_TIERS = frozenset(int(t) for t in Tier)
 PULL_PAGE = 2000
 
 
@@ -72,6 +102,9 @@ class StoreMetrics:
         self.dropped = counter(registry, "ramjet_redis_dropped_batches_total")
         self.batches = counter(registry, "ramjet_redis_batches_total")
         self.applied = counter(registry, "ramjet_redis_log_entries_applied_total")
+        self.rejected = counter(registry, "ramjet_redis_rejected_total")
+        for reason in REJECT_REASONS:  # every reason exported from the start (alerts)
+            self.rejected.labels(reason)
 
 
 class RedisSync:
@@ -85,6 +118,7 @@ class RedisSync:
         clocks: Clocks,
         metrics: StoreMetrics,
         origin: str,
+        sealer: Sealer | None = None,
     ) -> None:
         self.link = link
         self.settings: RedisSettings = link.settings
@@ -93,11 +127,26 @@ class RedisSync:
         self.clocks = clocks
         self.metrics = metrics
         self.origin = origin
+        self.sealer = sealer if sealer is not None else Sealer(link.settings.secret())
+        if not self.sealer.authenticated:
+            log.warning(
+                "store.shared_secret_file is not set: residency shared through Redis is not "
+                "authenticated (only its structure is checked); see docs/redis.md"
+            )
+        self.chunk = self.settings.snapshot_chunk_entries
+        self.packed = self.settings.encoding == "packed"
+        self.apply_script = APPLY_PACKED if self.packed else APPLY
+        self.skew_ms = int(self.settings.max_clock_skew_s * 1000)
+        self.log_age_ms = int(self.settings.log_max_age_s * 1000)
         self.keys: dict[EngineId, EngineKeys] = {}
         self.tails: dict[EngineId, Tail] = {}
         self.cursor: dict[EngineId, tuple[int, int]] = {}
         """(epoch, seq) of each engine's last report this replica knows applied."""
         self.outbox: deque[Batch] = deque()
+        self.staged: Staged = {}
+        """Chunked replaces being replayed, swapped in when their last chunk arrives."""
+        self._seeding: dict[EngineId, deque[Batch]] = {}
+        """Chunks of a seed this replica won that Redis has not taken yet."""
         self.wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._recovered = False
@@ -117,7 +166,10 @@ class RedisSync:
     # -- the queue ----------------------------------------------------------------------
 
     def enqueue(self, batch: Batch) -> None:
-        self.outbox.append(batch)
+        """Queue a batch; one over `snapshot_chunk_entries` entries goes as chunks, each
+        one script call, in order: later batches stay behind all of them."""
+        for part in self._chunks(batch):
+            self.outbox.append(part)
         while len(self.outbox) > self.settings.max_pending_writes:
             self.outbox.popleft()
             self.metrics.dropped.inc()
@@ -128,13 +180,28 @@ class RedisSync:
         """Queue one unsequenced operation, coalesced into the queue's last batch when
         that is one for `engine`."""
         last = self.outbox[-1] if self.outbox else None
-        if last is not None and last.mode == "free" and last.engine == engine:
+        if (
+            last is not None
+            and last.mode == "free"
+            and last.engine == engine
+            and sum(map(weight, last.ops)) + weight(op) <= self.chunk
+        ):
             last.ops.append(op)  # coalesce: the queue's tail is never in flight
             self.wake.set()
             return
         self.enqueue(Batch(engine, "free", ops=[op]))
 
+    def _chunks(self, batch: Batch) -> list[Batch]:
+        parts = split_ops(batch.ops, self.chunk)
+        if len(parts) <= 1:
+            return [batch]
+        lead = Batch(batch.engine, batch.mode, batch.epoch, batch.seq, parts[0])
+        return [lead] + [Batch(batch.engine, "free", ops=p, lead=lead) for p in parts[1:]]
+
     def note_cursor(self, engine: EngineId, epoch: int, seq: int) -> None:
+        if epoch > self.clocks.wall() * 1000 + self.skew_ms:
+            self.metrics.rejected.labels("epoch").inc()
+            return  # a future epoch read from Redis: not a replica's, never trusted
         cur = self.cursor.get(engine)
         if cur is None or (epoch, seq) > cur:
             self.cursor[engine] = (epoch, seq)
@@ -168,6 +235,8 @@ class RedisSync:
         """Flush queued writes, then bring the mirror up to Redis. Raises
         `RedisUnavailable` when Redis is away (the mirror keeps serving)."""
         async with self._lock:
+            for engine in list(self._seeding):
+                await self._finish_seed(engine)
             if self._recovered:
                 self._recovered = False
                 await self._flush()
@@ -182,10 +251,22 @@ class RedisSync:
         stale: set[EngineId] = set()
         while self.outbox:
             batch = self.outbox[0]
-            status = await self._apply(batch)
-            if status == "missing":
-                await self._seed(batch.engine)
-                status = await self._apply(batch)
+            if batch.lead is not None and batch.lead.status != "ok":
+                status = "skipped"  # Redis refused the first chunk: drop the rest
+            else:
+                try:
+                    status = await self._apply(batch)
+                    if status == "missing":
+                        await self._seed(batch.engine)
+                        status = await self._apply(batch)
+                except RedisCommandError:
+                    batch.attempts += 1
+                    if batch.attempts < self.settings.max_batch_attempts:
+                        raise  # counted by the link; the next round tries again
+                    status = "refused"  # a poison batch must not block the queue
+                    self.metrics.dropped.inc()
+                    stale.add(batch.engine)
+            batch.status = status
             self.metrics.batches.labels(status).inc()
             if status == "stale":
                 stale.add(batch.engine)  # the mirror took a change Redis refused: undo it
@@ -197,17 +278,21 @@ class RedisSync:
 
     async def _apply(self, batch: Batch) -> str:
         keys = self.keys[batch.engine]
+        ops = json.dumps(self.sealer.seal(batch.engine, batch.ops), separators=(",", ":"))
         res = await self.link.script(
-            APPLY,
+            self.apply_script,
             [keys.st, keys.log],
             [
                 batch.mode,
                 batch.epoch,
                 batch.seq,
                 self.retention_ms,
-                json.dumps(batch.ops, separators=(",", ":")),
+                ops,
                 self._caps,
                 self.origin,
+                self.sealer.batch_mac(batch.engine, batch.mode, batch.epoch, batch.seq, ops),
+                self.skew_ms,
+                self.log_age_ms,
             ],
         )
         return text(res[0])
@@ -224,12 +309,24 @@ class RedisSync:
                         )
                     )
         epoch, seq = self.cursor.get(engine, (-1, -1))
-        seed = Batch(engine, "seed", epoch, seq, ops)
-        status = await self._apply(seed)
+        parts = self._chunks(Batch(engine, "seed", epoch, seq, ops))
+        status = await self._apply(parts[0])
         self.metrics.batches.labels(f"seed_{status}").inc()
+        if status == "ok":  # this replica's seed won: the rest of it follows, in chunks
+            self._seeding[engine] = deque(parts[1:])
+            await self._finish_seed(engine)
         if status == "ok":
             self.metrics.resyncs.labels("push", "redis_empty").inc()
         self.tails[engine] = Tail()  # re-read from Redis, whoever seeded
+
+    async def _finish_seed(self, engine: EngineId) -> None:
+        """Send the rest of a seed this replica won, in order; what a timeout leaves is
+        sent first thing next round (before any pull could read a half seed)."""
+        rest = self._seeding.get(engine)
+        while rest:
+            self.metrics.batches.labels(f"seed_{await self._apply(rest[0])}").inc()
+            rest.popleft()
+        self._seeding.pop(engine, None)
 
     async def _tail(self, engine: EngineId) -> None:
         keys = self.keys[engine]
@@ -237,31 +334,47 @@ class RedisSync:
         if not tail.synced:
             await self._pull(engine, "start")
             return
+        while await self._tail_page(engine, keys, tail):
+            pass  # a full page: more may follow (pages are small: a log entry holds a chunk)
+
+    async def _tail_page(self, engine: EngineId, keys: EngineKeys, tail: Tail) -> bool:
+        """Read and apply one page of the engine's log; True when the page was full."""
         res = await self.link.script(TAIL, [keys.st, keys.log], [tail.last_id, TAIL_COUNT])
         gen, epoch, seq, entries = int(res[0]), int(res[1]), int(res[2]), res[3]
         if gen < 0:  # Redis lost this engine (restart, expiry): seed it, then pull
             if self.local.holds(engine) or engine in self.cursor:
                 await self._seed(engine)
                 await self._pull(engine, "redis_empty")
-            return
+            return False
         if not entries:
             if gen != tail.gen:
                 await self._pull(engine, "gap")
-            return
-        first_gen = int(fields(entries[0][1])["gen"])
+            return False
+        try:
+            first_gen = int(fields(entries[0][1])["gen"])
+        except (KeyError, ValueError):
+            first_gen = -1  # not an entry a replica wrote: pull what Redis holds
         if first_gen != tail.gen + 1:
             await self._pull(engine, "gap")
-            return
+            return False
         for entry_id, raw in entries:
-            self._apply_entry(engine, fields(raw))
+            try:
+                self._apply_entry(engine, fields(raw))
+            except InvalidEntry as exc:
+                # skipped and counted, never retried: one bad entry must not halt the sync
+                self.metrics.rejected.labels(exc.reason).inc()
+                log.warning("skipped change-log entry %s of %s: %s", text(entry_id), engine, exc)
             tail.last_id = text(entry_id)
             tail.gen += 1
-        if len(entries) < TAIL_COUNT and epoch >= 0:
-            self.note_cursor(engine, epoch, seq)
+        if len(entries) < TAIL_COUNT:
+            if epoch >= 0:
+                self.note_cursor(engine, epoch, seq)
+            return False
+        return True
 
     def _apply_entry(self, engine: EngineId, f: dict[str, str]) -> None:
         """Replay one logged batch on the mirror."""
-        replay(self.local, engine, f, self.clocks)
+        replay(self.local, engine, f, self.clocks, self.sealer, self.staged)
         self.metrics.applied.inc()
 
     async def _pull(self, engine: EngineId, reason: str) -> None:
@@ -275,9 +388,11 @@ class RedisSync:
             if gen < 0:
                 self.tails[engine] = Tail(synced=True, last_id="0-0", gen=0)
                 return
+        discard(self.staged, engine)
         loaded: list[tuple[str, list[tuple[str, int, bytes | None]]]] = []
+        dump = self._dump_packed if self.packed else self._dump
         for kind in KINDS:
-            loaded.append((kind, await self._dump(keys, kind)))
+            loaded.append((kind, await dump(keys, kind)))
         self.local.purge(engine)
         now_local, now_wall = self.clocks.clock(), self.clocks.wall()
         for kind, rows in loaded:
@@ -285,13 +400,16 @@ class RedisSync:
             for k, exp_ms, value in rows:
                 if value is None:
                     continue  # expired between ZRANGE and MGET
-                tier_s, confirmed_s = text(value).split(",")
+                rec = self._record(engine, kind, k, exp_ms, text(value))
+                if rec is None:
+                    continue
+                tier, confirmed_ms = rec
                 self.local.put(
                     table,
                     engine,
                     (PrefixKey(int(k, 16)),),
-                    Tier(int(tier_s)),
-                    now_local + (int(confirmed_s) / 1000 - now_wall),
+                    tier,
+                    now_local + (confirmed_ms / 1000 - now_wall),
                     now_local + (exp_ms / 1000 - now_wall),
                     exact,
                 )
@@ -300,10 +418,60 @@ class RedisSync:
             self.note_cursor(engine, epoch, seq)
         self.metrics.resyncs.labels("pull", reason).inc()
 
+    def _record(
+        self, engine: EngineId, kind: str, k16: str, exp_ms: int, value: str
+    ) -> tuple[Tier, int] | None:
+        """One stored entry, checked (shape, tier, MAC); None (counted) if it fails."""
+        parts = value.split(",")
+        try:
+            if len(parts) not in (2, 3) or len(k16) != 16:
+                raise ValueError(value)
+            int(k16, 16)
+            tier_i, confirmed_ms = int(parts[0]), int(parts[1])
+        except ValueError:
+            self.metrics.rejected.labels("malformed").inc()
+            return None
+        if tier_i not in _TIERS:
+            self.metrics.rejected.labels("tier").inc()
+            return None
+        mac = parts[2] if len(parts) == 3 else ""
+        if not self.sealer.check_record(mac, engine, kind, k16, tier_i, confirmed_ms, exp_ms):
+            self.metrics.rejected.labels("mac").inc()
+            return None
+        return Tier(tier_i), confirmed_ms
+
     async def _head(self, keys: EngineKeys) -> tuple[int, int, int, str]:
         """(gen, epoch, seq, last log id) of one engine in Redis; gen < 0: none there."""
         res = await self.link.script(TAIL, [keys.st, keys.log], ["", 0])
         return int(res[0]), int(res[1]), int(res[2]), text(res[4])
+
+    async def _dump_packed(
+        self, keys: EngineKeys, kind: str
+    ) -> list[tuple[str, int, bytes | None]]:
+        """One kind's live entries from the packed hash (HSCAN pages), in the same
+        (key16, expiry ms, "tier,confirmed,mac") rows as `_dump`."""
+        name = keys.packed(kind)
+        out: list[tuple[str, int, bytes | None]] = []
+        cursor: int = 0
+        now_ms = int(self.clocks.wall() * 1000)
+        while True:
+            cursor, page = await self.link.call(
+                lambda c, cur=cursor: c.hscan(name, cur, count=PULL_PAGE // 16)  # type: ignore[misc]
+            )
+            for field, value in page.items():
+                b = text(field)
+                if len(b) != 4 or len(value) % PACKED_RECORD:
+                    self.metrics.rejected.labels("malformed").inc()
+                    continue
+                for hi16, hi32, tier, c_hi, c_lo, e_hi, e_lo, mac in _RECORD.iter_unpack(value):
+                    exp_ms = (e_hi << 32) | e_lo
+                    if exp_ms <= now_ms:
+                        continue  # expired, not swept yet
+                    conf_ms = (c_hi << 32) | c_lo
+                    rec = f"{tier},{conf_ms},{mac.hex() if any(mac) else ''}".encode()
+                    out.append((f"{hi16:04x}{hi32:08x}{b}", exp_ms, rec))
+            if cursor == 0:
+                return out
 
     async def _dump(self, keys: EngineKeys, kind: str) -> list[tuple[str, int, bytes | None]]:
         idx = keys.index(kind)

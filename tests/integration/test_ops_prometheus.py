@@ -64,6 +64,8 @@ MUST_NOT_FIRE = {
     "RamjetReportVerificationFailures",
     "RamjetRedisDegraded",
     "RamjetRedisBatchesDropped",
+    "RamjetRedisCommandErrors",
+    "RamjetRedisRejectedData",
     "RamjetHighErrorRate",
     "RamjetDecisionLogDropping",
     "RamjetReportPullSilent",

@@ -73,9 +73,11 @@ async def make_replicas(
 ) -> AsyncIterator[Any]:
     started: list[Replica] = []
 
-    async def make(kind: str, n: int = 2) -> list[Replica]:
+    async def make(kind: str, n: int = 2, encoding: str = "keys") -> list[Replica]:
+        # the per-key encoding by default: the fault test below reads its key layout
         store = {
             "kind": kind,
+            "encoding": encoding,
             "url": redis_proc.url,
             "timeout_ms": 100,
             "breaker_open_ms": 100,
@@ -186,8 +188,11 @@ async def run_sessions(
         await asyncio.gather(*(one(s) for s in range(sessions)))
 
 
-async def test_two_replicas_agree_through_redis_and_not_without(make_replicas: Any) -> None:
-    shared = Fleet(await make_replicas("redis"))
+@pytest.mark.parametrize("encoding", ["keys", "packed"])
+async def test_two_replicas_agree_through_redis_and_not_without(
+    make_replicas: Any, encoding: str
+) -> None:
+    shared = Fleet(await make_replicas("redis", encoding=encoding))
     await asyncio.sleep(0.3)  # let start-up (probes, first syncs) settle
     await run_sessions(shared, sessions=20, turns=6, think_s=0.25, jitter_s=0.05)
     assert not shared.errors, shared.errors[:5]

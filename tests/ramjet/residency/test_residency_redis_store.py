@@ -166,7 +166,9 @@ def make_from(other: RedisStore) -> tuple[RedisStore, CollectorRegistry]:
 
 
 async def test_every_key_has_a_ttl_and_caps_bound_redis(server: RedisProcess) -> None:
-    a, _reg = make(server, max_global_entries_per_engine=50, max_swa_entries_per_engine=5)
+    a, _reg = make(
+        server, max_global_entries_per_engine=50, max_swa_entries_per_engine=5, encoding="keys"
+    )
     try:
         now = a.clock()
         for r in range(4):
@@ -194,6 +196,43 @@ async def test_every_key_has_a_ttl_and_caps_bound_redis(server: RedisProcess) ->
         assert len([n for n in names if b":gx:" in n]) == 50
     finally:
         await a.link.close()
+
+
+async def test_every_key_has_a_ttl_and_caps_bound_redis_packed(server: RedisProcess) -> None:
+    """The packed encoding: the same caps, counted in `st`, and the mirrors follow."""
+    a, _reg = make(server, max_global_entries_per_engine=50, max_swa_entries_per_engine=5)
+    b, _ = make(server)
+    try:
+        now = a.clock()
+        for r in range(4):
+            with a.report(E0, 1, r + 1):
+                a.put(
+                    Table.GLOBAL,
+                    E0,
+                    keys(*range(r * 40, r * 40 + 40)),
+                    Tier.HBM,
+                    now,
+                    now + 3600,
+                    True,
+                )
+                a.put(Table.SWA, E0, keys(*range(r * 4, r * 4 + 4)), Tier.HBM, now, now + 60, True)
+        a.put(Table.GLOBAL, E1, keys(1), Tier.HBM, now, now + 60, False)
+        await sync(a, b)
+        client = a.link.client
+        names = [k async for k in client.scan_iter(count=1000)]
+        assert names
+        for name in names:
+            assert await client.pttl(name) > 0, name
+        st = await client.hgetall("{ramjet:e0}:st")
+        assert (st[b"n:gx"], st[b"n:sx"]) == (b"50", b"5")
+        records = sum(len(v) for v in (await client.hgetall("{ramjet:e0}:b:gx")).values())
+        assert records == 50 * 27
+        for s in (a, b):  # the evictions reached both mirrors through the log
+            got = [s.get(Table.GLOBAL, E0, PrefixKey(k), s.clock(), False) for k in range(160)]
+            assert sum(e is not None for e in got) == 50
+    finally:
+        await a.link.close()
+        await b.link.close()
 
 
 async def test_script_flush_is_recovered(pair: tuple[RedisStore, RedisStore]) -> None:
