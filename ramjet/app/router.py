@@ -41,6 +41,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -61,10 +62,10 @@ from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.fleet_stats import WorkRates, fleet_stats
 from ramjet.policy.registry import create_policy
 from ramjet.proxy.exchange import Exchange, ForwardResult
-from ramjet.proxy.forward import Proxy
+from ramjet.proxy.forward import Proxy, generation_deadline
 from ramjet.proxy.http1 import EnginePool
 from ramjet.proxy.transport import EngineTransport, fetch
-from ramjet.request.admission import Admission, reject
+from ramjet.request.admission import Admission, charged_here, reject
 from ramjet.request.client import ClientRequest
 from ramjet.request.openai_errors import json_error
 from ramjet.request.parse import (
@@ -133,7 +134,14 @@ class Router:
         self.metrics.registry.register(self.profile_sources)
         self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
         self.work_rates = WorkRates(config.fleet_stats.work_tau_s)
-        self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
+        lim = config.limits
+        self.parse_limits = ParseLimits(
+            max_body_bytes=lim.max_body_bytes,
+            max_depth=lim.max_json_depth,
+            max_messages=lim.max_messages,
+        )
+        self._parse_pool: ThreadPoolExecutor | None = None
+        """Threads parsing large bodies (`_parse`), made on first use."""
         self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
         self.priority = PriorityHints(config.priority, self.metrics.registry)
         self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
@@ -188,6 +196,9 @@ class Router:
             await pt.close()
         self._probe_transports.clear()
         await self.proxy.close()
+        if self._parse_pool is not None:
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
+            self._parse_pool = None
         await asyncio.to_thread(self.accounting.close)
 
     async def _probe(self, e: EngineState) -> bool:
@@ -209,21 +220,43 @@ class Router:
         t0 = self.clock()
         self.arrivals.arrive(t0)
         refused = self.admission.refuse_early(request, self.draining)
-        if refused is None and not self.admission.take():  # else wait for a slot
-            refused = await self.admission.acquire()
         if refused is not None:
             return refused
-        try:
-            return await self._admitted(request, t0)
-        finally:
-            self.admission.release()
-
-    async def _admitted(self, request: ClientRequest, t0: float) -> web.StreamResponse:
+        # The body first: a client that sends it slowly (or never) holds no slot.
         body = await self.admission.read_body(request)
         if isinstance(body, web.Response):
             return body
+        held = len(body) if charged_here(request) else 0
         try:
+            if not self.admission.take():  # else wait for a slot
+                refused = await self.admission.acquire()
+                if refused is not None:
+                    return refused
+            try:
+                return await self._admitted(request, t0, body)
+            finally:
+                self.admission.release()
+        finally:
+            self.admission.bodies.give(held)
+
+    async def _parse(self, request: ClientRequest, body: bytes) -> ParsedRequest:
+        """Parse, render and key `body`: a large one on the parse threads, so the event
+        loop keeps serving others meanwhile (`limits.parse_thread_bytes`)."""
+        if len(body) <= self.config.limits.parse_thread_bytes:
             parsed = parse_request(request.path, body, request.headers, self.parse_limits)
+            return parsed
+        pool = self._parse_pool
+        if pool is None:
+            pool = self._parse_pool = ThreadPoolExecutor(
+                self.config.limits.parse_threads, thread_name_prefix="ramjet-parse"
+            )
+        return await self._loop().run_in_executor(
+            pool, parse_request, request.path, body, request.headers, self.parse_limits
+        )
+
+    async def _admitted(self, request: ClientRequest, t0: float, body: bytes) -> web.StreamResponse:
+        try:
+            parsed = await self._parse(request, body)
         except RequestError as exc:
             self.metrics.rejected.labels(reason=exc.code).inc()
             resp = web.Response(
@@ -310,6 +343,12 @@ class Router:
         in flight there until the first byte (a retry counts the same figure). `body`: what
         is forwarded (the client's, or with a priority hint `hint`)."""
         first = self.fleet.get(outcome.live.engine)
+        t = self.config.timeouts
+        deadline_s = (
+            None
+            if parsed.stream
+            else generation_deadline(t.first_byte_s, t.token_s, t.generation_s, parsed.max_tokens)
+        )
         pending = self.residency.add_pending(first.id, parsed.keys, self.clock())
         exchange = Exchange()
         self._exchanges.add(exchange)
@@ -324,6 +363,7 @@ class Router:
                 lambda tried: retry_engine(self.fleet, parsed.model, tried),
                 request_id,
                 exchange,
+                deadline_s,
             )
             if res.engine is not None and res.status < 400:
                 self.residency.record_routed(res.engine, parsed.keys, self.clock())

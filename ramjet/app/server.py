@@ -13,6 +13,10 @@ Connection-level protections live below the app, in a `RequestHandler` subclass:
   request (or right after connect), its headers must be complete within
   `timeouts.header_deadline_s`, else it gets 408 and is closed. Other connections are
   unaffected (the timer is per connection, on the event loop).
+- **Pending connections** (`limits.max_pending_per_client`): while its headers are due,
+  a connection counts as one of its client's that have not sent a whole request (the
+  router counts it again while its body is read); one too many is answered 429
+  `too_many_pending` and closed.
 - **Parser refusals**: aiohttp's strict parser rejects Content-Length with
   Transfer-Encoding, duplicate Content-Length, bare LF, CR/LF in header values, too many
   headers and over-long header lines. They are answered with an OpenAI error object
@@ -46,6 +50,7 @@ from ramjet.app.router import Router
 from ramjet.app.wiring import build_router, mount
 from ramjet.config import PolicyConfig
 from ramjet.decisions.record import DecisionSink
+from ramjet.request.admission import PendingClients, client_of
 from ramjet.request.openai_errors import json_error
 from ramjet.residency.tables import ResidencyTables
 from ramjet.runtime.gc import tune_gc
@@ -58,22 +63,54 @@ ROUTER_KEY = web.AppKey("router", Router)
 class _Handler(RequestHandler):
     """aiohttp's connection handler plus a header deadline and OpenAI-style refusals."""
 
-    def __init__(self, manager: Any, *, header_deadline_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        *,
+        header_deadline_s: float,
+        pending: PendingClients | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._deadline_s = header_deadline_s
         self._deadline: asyncio.TimerHandle | None = None
+        self._pending = pending
+        self._client = ""
 
     def _arm(self) -> None:
+        """Headers are due: start the deadline, and count the connection as its
+        client's pending one (`limits.max_pending_per_client`; one too many is 429)."""
         if self._deadline is None:
+            pending = self._pending
+            if pending is not None and not pending.enter(self._client):
+                self._pending = None  # nothing counted: nothing to give back
+                if self.transport is not None:
+                    self.transport.write(
+                        raw_error(
+                            429,
+                            "Too Many Requests",
+                            f"More than {pending.limit} connections from this client have "
+                            "not sent a whole request.",
+                            "too_many_pending",
+                            retry_after_s=1,
+                        )
+                    )
+                self.force_close()
+                if self.transport is not None:
+                    self.transport.close()
+                return
             self._deadline = self._loop.call_later(self._deadline_s, self._headers_late)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+            if self._pending is not None:
+                self._pending.leave(self._client)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self._client = client_of(transport)
         self._arm()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -92,6 +129,8 @@ class _Handler(RequestHandler):
 
     def _headers_late(self) -> None:
         self._deadline = None
+        if self._pending is not None:
+            self._pending.leave(self._client)
         if self._request_in_progress or self._messages or self.transport is None:
             return
         self.transport.write(
@@ -130,13 +169,19 @@ class _Server(web.Server):
     def __init__(self, *args: Any, header_deadline_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_deadline_s = header_deadline_s
+        self.pending: PendingClients | None = None
+        """Set by `RouterServer.start`: the router's pending connections by client."""
         self.fast: FastServer | None = None
         """Set by `RouterServer.start`: the completion routes' own server, in front."""
 
     def handler(self) -> RequestHandler:
         """aiohttp's handler for one connection (with the header deadline)."""
         return _Handler(
-            self, loop=self._loop, header_deadline_s=self._header_deadline_s, **self._kwargs
+            self,
+            loop=self._loop,
+            header_deadline_s=self._header_deadline_s,
+            pending=self.pending,
+            **self._kwargs,
         )
 
     def __call__(self) -> RequestHandler:
@@ -279,6 +324,8 @@ class RouterServer:
     async def start(self) -> None:
         await self._runner.setup()
         server = self._runner.server
+        if isinstance(server, _Server):
+            server.pending = self.router.admission.pending
         if self.fast_path and isinstance(server, _Server):
             cfg, metrics = self.config, self.router.metrics
             server.fast = FastServer(
@@ -290,6 +337,9 @@ class RouterServer:
                 max_line_bytes=cfg.limits.max_header_line_bytes,
                 max_body_bytes=cfg.limits.max_body_bytes,
                 on_body_timeout=lambda: metrics.rejected.labels(reason="body_timeout").inc(),
+                bodies=self.router.admission.bodies,
+                pending=self.router.admission.pending,
+                on_refused=lambda reason: metrics.rejected.labels(reason=reason).inc(),
             )
         self._site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await self._site.start()

@@ -92,9 +92,17 @@ class ParseLimits:
     """Rendered bytes per prompt token; 1.0 for the byte-level reference engine."""
     max_session_chars: int = 256
     """Longest session id accepted from the header or `user`."""
+    max_messages: int = 10_000
+    """Most chat messages accepted (`limits.max_messages`); a large body is checked
+    before it is decoded into objects."""
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0 or self.max_depth <= 0 or self.max_session_chars <= 0:
+        if (
+            self.max_body_bytes <= 0
+            or self.max_depth <= 0
+            or self.max_session_chars <= 0
+            or self.max_messages <= 0
+        ):
             raise ValueError("ParseLimits: limits must be positive")
         if not (self.bytes_per_token > 0 and math.isfinite(self.bytes_per_token)):
             raise ValueError("ParseLimits: bytes_per_token must be a positive number")
@@ -259,6 +267,40 @@ def _check_depth(root: Any, limit: int) -> None:
 
 _decode = msgspec.json.decode
 _COUNT_BRACKETS_BELOW = 64 * 1024
+_PRECHECK_ABOVE = 256 * 1024
+"""Bodies larger than this have their message count checked before the full decode."""
+
+
+class _Skipped(msgspec.Struct, gc=False):
+    """A message, every field skipped (it is only counted)."""
+
+
+class _Envelope(msgspec.Struct, gc=False):
+    """The fields of a body that bound the work of decoding the rest."""
+
+    messages: list[_Skipped] | None = None
+
+
+def _too_many_messages(n: int, limit: int) -> RequestError:
+    return _bad(
+        "too_many_messages",
+        f"'messages' has {n} messages; at most {limit} are accepted",
+        "messages",
+    )
+
+
+def _precheck(body: bytes, limits: ParseLimits) -> None:
+    """Refuse a large body with too many messages before decoding it into objects: the
+    typed decode skips every message's fields (one small object each) instead of making
+    a dict and strings per message. A body the envelope cannot read is left to the full
+    decode, which names what is wrong with it."""
+    try:
+        env = _decode(body, type=_Envelope)
+    except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
+        return
+    n = len(env.messages) if env.messages is not None else 0
+    if n > limits.max_messages:
+        raise _too_many_messages(n, limits.max_messages)
 
 
 def _decode_body(body: bytes, limits: ParseLimits) -> dict[str, Any]:
@@ -272,6 +314,8 @@ def _decode_body(body: bytes, limits: ParseLimits) -> dict[str, Any]:
         )
     if not body.strip():
         raise _bad("invalid_json", "request body is empty; expected a JSON object", None)
+    if len(body) > _PRECHECK_ABOVE:
+        _precheck(body, limits)
     try:
         obj = _decode(body)
     except RecursionError:
@@ -361,6 +405,8 @@ def parse_request(
                     f"'messages' must be an array, got {_type_name(messages)}",
                     "messages",
                 )
+            if len(messages) > limits.max_messages:
+                raise _too_many_messages(len(messages), limits.max_messages)
             rendered = render_chat(messages, obj.get("tools"))
             max_tokens = obj.get("max_completion_tokens")
             if max_tokens is None:
