@@ -32,8 +32,10 @@ What this layer keeps itself, as aiohttp's handler does:
   read;
 - the pending connections of each client (`limits.max_pending_per_client`,
   `ramjet.request.admission.PendingClients`, shared with the router): a connection
-  counts from connect, or from the first byte of a request, until that request's head
-  and body are in; one more past the limit is refused with 429 `too_many_pending`.
+  counts from the first byte of a request that did not come whole until its head and
+  body are in (one that arrives whole never counts); one more past the limit is refused
+  with 429 `too_many_pending`. A connection that sends nothing is bounded by the header
+  deadline alone.
 
 The response head and framing are aiohttp's (`ramjet.request.client`).
 """
@@ -273,8 +275,6 @@ class FastProtocol(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         self._server.connections.add(self)
         self._client = client_of(transport)
-        if not self._enter_pending():
-            return
         self._arm("head", self._server.header_deadline_s)
 
     def _enter_pending(self) -> bool:

@@ -13,10 +13,11 @@ Connection-level protections live below the app, in a `RequestHandler` subclass:
   request (or right after connect), its headers must be complete within
   `timeouts.header_deadline_s`, else it gets 408 and is closed. Other connections are
   unaffected (the timer is per connection, on the event loop).
-- **Pending connections** (`limits.max_pending_per_client`): while its headers are due,
-  a connection counts as one of its client's that have not sent a whole request (the
-  router counts it again while its body is read); one too many is answered 429
-  `too_many_pending` and closed.
+- **Pending connections** (`limits.max_pending_per_client`): from the first bytes of a
+  request that did not come with its whole head until the head is in, a connection
+  counts as one of its client's that have not sent a whole request (the router counts
+  it again while its body is read); one too many is answered 429 `too_many_pending`
+  and closed.
 - **Parser refusals**: aiohttp's strict parser rejects Content-Length with
   Transfer-Encoding, duplicate Content-Length, bare LF, CR/LF in header values, too many
   headers and over-long header lines. They are answered with an OpenAI error object
@@ -76,37 +77,47 @@ class _Handler(RequestHandler):
         self._deadline: asyncio.TimerHandle | None = None
         self._pending = pending
         self._client = ""
+        self._counted = False
 
     def _arm(self) -> None:
-        """Headers are due: start the deadline, and count the connection as its
-        client's pending one (`limits.max_pending_per_client`; one too many is 429)."""
         if self._deadline is None:
-            pending = self._pending
-            if pending is not None and not pending.enter(self._client):
-                self._pending = None  # nothing counted: nothing to give back
-                if self.transport is not None:
-                    self.transport.write(
-                        raw_error(
-                            429,
-                            "Too Many Requests",
-                            f"More than {pending.limit} connections from this client have "
-                            "not sent a whole request.",
-                            "too_many_pending",
-                            retry_after_s=1,
-                        )
-                    )
-                self.force_close()
-                if self.transport is not None:
-                    self.transport.close()
-                return
             self._deadline = self._loop.call_later(self._deadline_s, self._headers_late)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-            if self._pending is not None:
-                self._pending.leave(self._client)
+        self._uncount()
+
+    def _count(self) -> None:
+        """A request's first bytes came without its whole head: count the connection as
+        its client's pending one (`limits.max_pending_per_client`); one too many is
+        answered 429 and closed."""
+        pending = self._pending
+        if self._counted or pending is None:
+            return
+        if pending.enter(self._client):
+            self._counted = True
+            return
+        if self.transport is not None:
+            self.transport.write(
+                raw_error(
+                    429,
+                    "Too Many Requests",
+                    f"More than {pending.limit} connections from this client have "
+                    "not sent a whole request.",
+                    "too_many_pending",
+                    retry_after_s=1,
+                )
+            )
+        self.force_close()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _uncount(self) -> None:
+        if self._counted and self._pending is not None:
+            self._counted = False
+            self._pending.leave(self._client)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -126,11 +137,11 @@ class _Handler(RequestHandler):
             # The first bytes of a request whose headers are not complete yet. (A
             # request that arrives whole, the common case, never arms the timer.)
             self._arm()
+            self._count()
 
     def _headers_late(self) -> None:
         self._deadline = None
-        if self._pending is not None:
-            self._pending.leave(self._client)
+        self._uncount()
         if self._request_in_progress or self._messages or self.transport is None:
             return
         self.transport.write(

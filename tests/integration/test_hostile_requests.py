@@ -39,6 +39,12 @@ async def make_router(
 
     async def make(sink: Any = None, fast_path: bool = True, **overrides: Any) -> RouterServer:
         overrides.setdefault("health", {"probe_interval_s": 0.2})
+        # engines on a busy CI machine: seconds per request, not the rig's tens of ms
+        overrides["timeouts"] = {
+            "first_byte_s": 30.0,
+            "idle_s": 30.0,
+            **overrides.get("timeouts", {}),
+        }
         cfg = router_config([e.url for e in engines], **overrides)
         server = RouterServer(cfg, sink=sink, fast_path=fast_path)
         await server.start()
@@ -70,6 +76,15 @@ async def _post(
         url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
     ) as r:
         return r.status, await r.read()
+
+
+def _metric(server: RouterServer, name: str, labels: dict[str, str]) -> float:
+    total = 0.0
+    for metric in server.router.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
 
 
 def _ejections(server: RouterServer) -> float:
@@ -185,3 +200,148 @@ async def test_killing_an_engine_under_load_loses_no_request_without_a_byte(
     assert len(statuses) == 128
     assert not lost, lost
     assert all(st == 200 for st, _, _ in statuses)
+
+
+# -- bounded work per request and in total ---------------------------------------------
+
+
+def _messages(n: int, size: int = 1) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "w" * size}] * n,
+        "max_tokens": 1,
+    }
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_message_count_and_nesting_limits_refuse_with_400(
+    make_router: Any, engines: list[EngineProcess], fast_path: bool
+) -> None:
+    router = await make_router(
+        fast_path=fast_path,
+        limits={"max_body_bytes": 4 << 20, "max_messages": 50, "max_json_depth": 8},
+    )
+    deep: Any = "x"
+    for _ in range(10):
+        deep = [deep]
+    cases = [
+        (_messages(51), "too_many_messages"),  # a small body: checked after decoding
+        (_messages(30_000), "too_many_messages"),  # a large one: before
+        ({**_messages(1), "metadata": deep}, "nesting_too_deep"),
+    ]
+    async with aiohttp.ClientSession() as s:
+        for body, code in cases:
+            status, raw = await _post(s, router.url, body)
+            assert status == 400, raw[:300]
+            err = json.loads(raw)["error"]
+            assert err["code"] == code and err["type"] == "invalid_request_error"
+        status, raw = await _post(s, router.url, _messages(50))
+        assert status == 200, raw[:300]
+    for code in ("too_many_messages", "nesting_too_deep"):
+        assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 1
+
+
+async def _open_idle_chunked(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    await writer.drain()
+    return reader, writer
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_idle_chunked_bodies_do_not_lock_out_a_normal_request(
+    make_router: Any, fast_path: bool
+) -> None:
+    """1,100 connections send chunked headers and then nothing: they hold no forwarding
+    slot, at most `max_pending_per_client` of them wait, and a normal request still gets
+    200 at once."""
+    router = await make_router(
+        fast_path=fast_path,
+        timeouts={"body_s": 60.0, "header_deadline_s": 60.0},
+        limits={"max_body_bytes": 64 * 1024},
+    )
+    conns = []
+    try:
+        for _ in range(1100):
+            conns.append(await _open_idle_chunked(router.url))
+        await asyncio.sleep(0.5)
+        async with aiohttp.ClientSession() as s:
+            status, raw = await asyncio.wait_for(_post(s, router.url, _chat(2)), 30)
+        assert status == 200, raw[:300]
+        pending = router.router.admission.pending
+        assert sum(pending.counts.values()) <= pending.limit == 256
+        refused = 0
+        for reader, _ in conns[-100:]:  # the last ones found the client's pending full
+            head = await asyncio.wait_for(reader.read(4096), 5)
+            if head.startswith(b"HTTP/1.1 429"):
+                assert b"too_many_pending" in head
+                refused += 1
+        assert refused == 100
+    finally:
+        for _, writer in conns:
+            writer.close()
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_bodies_in_flight_share_one_budget(make_router: Any, fast_path: bool) -> None:
+    """A body that would take the bodies held at once past
+    `limits.max_inflight_body_bytes` is refused with 503 `overloaded`; once the first is
+    gone, the same request passes."""
+    router = await make_router(
+        fast_path=fast_path,
+        timeouts={"body_s": 60.0},
+        limits={"max_body_bytes": 64 * 1024, "max_inflight_body_bytes": 100 * 1024},
+    )
+    host, port = router.url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 60000\r\n\r\n{"
+    )
+    await writer.drain()
+    await asyncio.sleep(0.3)
+    body = {**_messages(1, 45_000), "model": "not-served"}  # 404 once past the budget
+    try:
+        async with aiohttp.ClientSession() as s:
+            status, raw = await _post(s, router.url, body)
+            assert status == 503, raw[:300]  # 60,000 held + 45,000 > 100 KiB
+            assert json.loads(raw)["error"]["code"] == "overloaded"
+            writer.close()
+            await asyncio.sleep(0.3)
+            assert router.router.admission.bodies.used == 0
+            status, raw = await _post(s, router.url, body)
+            assert status == 404, raw[:300]
+            assert json.loads(raw)["error"]["code"] == "model_not_found"
+        assert router.router.admission.bodies.used == 0
+    finally:
+        writer.close()
+
+
+async def test_a_head_in_small_segments_is_scanned_once(make_router: Any) -> None:
+    """A 760 KB head sent in 1460-byte segments: the fast server searches each byte for
+    the head's end about once (it searched the whole head again per segment)."""
+    router = await make_router(
+        limits={"max_headers": 100, "max_header_line_bytes": 8190},
+        timeouts={"header_deadline_s": 60.0},
+    )
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    lines = [b"POST /v1/chat/completions HTTP/1.1", b"Host: x", b"Content-Length: 2"]
+    lines += [b"X-Pad-%d: %s" % (i, b"p" * 8000) for i in range(95)]
+    head = b"\r\n".join(lines) + b"\r\n\r\n"
+    assert len(head) > 750_000
+    head += b"{}"
+    for i in range(0, len(head), 1460):
+        writer.write(head[i : i + 1460])
+        await writer.drain()
+        await asyncio.sleep(0)
+    reply = await asyncio.wait_for(reader.read(4096), 30)
+    writer.close()
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]  # headers over max_header_bytes
+    fast = router.fast
+    assert fast is not None
+    assert fast.head_scanned <= 2 * len(head), fast.head_scanned
