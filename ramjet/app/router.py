@@ -156,6 +156,10 @@ class Router:
         # Probes and /v1/models go through the engine transport seam, on pools of their
         # own: a probe must not queue behind forwards for a connection.
         self._probe_transports: dict[EngineId, EngineTransport] = {}
+        # /v1/models has pools of its own too (a flood of it must not take the probes'
+        # connections), and concurrent calls share one fetch of every engine's list.
+        self._models_transports: dict[EngineId, EngineTransport] = {}
+        self._models_fetch: asyncio.Future[list[dict[str, Any]]] | None = None
         self._prober: HealthProber | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         """The loop serving requests, kept on first use (`asyncio.get_running_loop` makes a
@@ -171,6 +175,7 @@ class Router:
         t = self.config.timeouts
         for e in self.fleet.engines:
             self._probe_transports[e.id] = EnginePool(e.url, limit=4, connect_s=t.connect_s)
+            self._models_transports[e.id] = EnginePool(e.url, limit=2, connect_s=t.connect_s)
         self._prober = HealthProber(self.fleet, self._probe, self.config.health)
         await self._prober.probe_all()
         self._prober.start()
@@ -192,9 +197,10 @@ class Router:
     async def stop(self) -> None:
         if self._prober is not None:
             await self._prober.stop()
-        for pt in self._probe_transports.values():
+        for pt in (*self._probe_transports.values(), *self._models_transports.values()):
             await pt.close()
         self._probe_transports.clear()
+        self._models_transports.clear()
         await self.proxy.close()
         if self._parse_pool is not None:
             self._parse_pool.shutdown(wait=False, cancel_futures=True)
@@ -455,16 +461,31 @@ class Router:
             log.exception("decision sink failed")
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        """The union of the engines' models (live from each admitted engine, else config)."""
+        """The union of the engines' models (live from each admitted engine, else config).
+        Requests that come while a fetch of the engines' lists is under way share it, on
+        pools apart from the health probes' (a flood of this route must not starve them)."""
+        fetching = self._models_fetch
+        if fetching is None:
+            fetching = self._models_fetch = asyncio.ensure_future(self._fetch_models())
+
+            def done(f: asyncio.Future[list[dict[str, Any]]]) -> None:
+                if self._models_fetch is f:
+                    self._models_fetch = None
+
+            fetching.add_done_callback(done)
+        data = await asyncio.shield(fetching)
+        return web.json_response({"object": "list", "data": data})
+
+    async def _fetch_models(self) -> list[dict[str, Any]]:
         timeout_s = self.config.timeouts.probe_s
 
         async def one(e: EngineState) -> list[dict[str, Any]]:
             declared = [{"id": m, "object": "model", "owned_by": e.id} for m in e.models]
-            if e.ejected or e.id not in self._probe_transports:
+            if e.ejected or e.id not in self._models_transports:
                 return declared
             try:
                 status, body = await fetch(
-                    self._probe_transports[e.id], "GET", "/v1/models", timeout_s=timeout_s
+                    self._models_transports[e.id], "GET", "/v1/models", timeout_s=timeout_s
                 )
                 if status != 200:
                     return declared
@@ -478,7 +499,7 @@ class Router:
         for models in await asyncio.gather(*(one(e) for e in self.fleet.engines)):
             for m in models:
                 merged.setdefault(str(m["id"]), m)
-        return web.json_response({"object": "list", "data": list(merged.values())})
+        return list(merged.values())
 
     async def handle_healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
