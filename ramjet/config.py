@@ -15,6 +15,7 @@ the residency tables); `reports:` and `keys:` are `ramjet.reports.config`'s
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -150,6 +151,22 @@ class LimitsConfig(_Frozen):
     """Threads that parse, render and key large bodies off the event loop."""
     parse_thread_bytes: int = Field(default=256 * 1024, ge=0)
     """Bodies larger than this are parsed on those threads; smaller ones on the loop."""
+    priority_trusted_networks: tuple[str, ...] = ()
+    """Client addresses (CIDR networks, e.g. "10.1.0.0/16", "127.0.0.1/32") whose own
+    `priority` field is trusted: kept, then handled by its engine pool's `client`
+    setting (docs/priority.md). Every other client's `priority` is removed before the
+    request is routed, so no client can jump an engine's queue unless the operator says
+    so. Empty (the default): no client is trusted."""
+
+    @field_validator("priority_trusted_networks")
+    @classmethod
+    def _check_networks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for net in v:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"not a network: {net!r} ({exc})") from None
+        return v
 
 
 class HealthConfig(_Frozen):

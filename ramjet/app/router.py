@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import itertools
 import json
 import logging
@@ -47,7 +49,7 @@ from typing import Any
 from aiohttp import web
 
 from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
-from ramjet.app.priority import PriorityHint, PriorityHints, decided_work
+from ramjet.app.priority import PriorityHint, PriorityHints, decided_work, without_priority
 from ramjet.app.profile_source import ProfileSources
 from ramjet.config import PolicyConfig
 from ramjet.decisions.accounting import Accounting
@@ -65,7 +67,7 @@ from ramjet.proxy.exchange import Exchange, ForwardResult
 from ramjet.proxy.forward import Proxy, generation_deadline
 from ramjet.proxy.http1 import EnginePool
 from ramjet.proxy.transport import EngineTransport, fetch
-from ramjet.request.admission import Admission, charged_here, reject
+from ramjet.request.admission import Admission, charged_here, client_of, reject
 from ramjet.request.client import ClientRequest
 from ramjet.request.openai_errors import json_error
 from ramjet.request.parse import (
@@ -139,6 +141,9 @@ class Router:
             max_body_bytes=lim.max_body_bytes,
             max_depth=lim.max_json_depth,
             max_messages=lim.max_messages,
+        )
+        self._trusted_networks = tuple(
+            ipaddress.ip_network(n, strict=False) for n in lim.priority_trusted_networks
         )
         self._parse_pool: ThreadPoolExecutor | None = None
         """Threads parsing large bodies (`_parse`), made on first use."""
@@ -245,6 +250,16 @@ class Router:
         finally:
             self.admission.bodies.give(held)
 
+    def _priority_trusted(self, request: ClientRequest) -> bool:
+        """Whether the client's own `priority` is kept (`limits.priority_trusted_networks`)."""
+        if not self._trusted_networks:
+            return False
+        try:
+            addr = ipaddress.ip_address(client_of(request.transport))
+        except ValueError:
+            return False
+        return any(addr in net for net in self._trusted_networks)
+
     async def _parse(self, request: ClientRequest, body: bytes) -> ParsedRequest:
         """Parse, render and key `body`: a large one on the parse threads, so the event
         loop keeps serving others meanwhile (`limits.parse_thread_bytes`)."""
@@ -269,6 +284,8 @@ class Router:
                 status=exc.status, body=exc.to_openai_json(), content_type="application/json"
             )
             return resp
+        if "priority" in parsed.json and not self._priority_trusted(request):
+            parsed = untrusted_priority_removed(parsed)
         request_id = request.headers.get("X-Request-Id", "")[:64] or self._new_id()
         views, serving, retry_after = engine_views(
             self.fleet, self.signals, self.residency, parsed.model, t0
@@ -523,3 +540,10 @@ class Router:
         return web.Response(
             body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
         )
+
+
+def untrusted_priority_removed(parsed: ParsedRequest) -> ParsedRequest:
+    """`parsed` with the client's top-level `priority` taken out of its body and JSON (a
+    client not in `limits.priority_trusted_networks`)."""
+    rest = {k: v for k, v in parsed.json.items() if k != "priority"}
+    return dataclasses.replace(parsed, body=without_priority(parsed.body), json=rest)
