@@ -87,7 +87,7 @@ class TimeoutsConfig(_Frozen):
     first_byte_s: float = Field(default=60.0, gt=0)
     """From sending the request to the first response body byte (includes prefill). A
     non-stream request that sets `max_tokens` gets more (`token_s`)."""
-    token_s: float = Field(default=0.1, ge=0)
+    token_s: float = Field(default=0.5, ge=0)
     """A non-stream request's first byte comes after its whole generation: its deadline
     is `first_byte_s + token_s * max_tokens` (at most `generation_s`). Passing a deadline
     so extended is not an engine fault and is not retried (the work has started)."""

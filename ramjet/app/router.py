@@ -74,13 +74,18 @@ from ramjet.request.parse import (
     ParsedRequest,
     ParseLimits,
     RequestError,
+    check_message_count,
     parse_request,
     to_request_view,
 )
+from ramjet.request.precheck import Prechecker
 from ramjet.residency.source import NoResidency, ResidencySource
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
+
+PRECHECK_PROCESS_BYTES = 4 * 1024 * 1024
+"""Bodies larger than this have their messages counted in a child process, off the GIL."""
 
 
 class Router:
@@ -146,6 +151,8 @@ class Router:
             ipaddress.ip_network(n, strict=False) for n in lim.priority_trusted_networks
         )
         self._parse_pool: ThreadPoolExecutor | None = None
+        self._prechecker = Prechecker()
+        """Counts a large body's messages in a child process (`ramjet.request.precheck`)."""
         """Threads parsing large bodies (`_parse`), made on first use."""
         self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
         self.priority = PriorityHints(config.priority, self.metrics.registry)
@@ -207,6 +214,7 @@ class Router:
         self._probe_transports.clear()
         self._models_transports.clear()
         await self.proxy.close()
+        self._prechecker.close()
         if self._parse_pool is not None:
             self._parse_pool.shutdown(wait=False, cancel_futures=True)
             self._parse_pool = None
@@ -266,13 +274,22 @@ class Router:
         if len(body) <= self.config.limits.parse_thread_bytes:
             parsed = parse_request(request.path, body, request.headers, self.parse_limits)
             return parsed
+        prechecked = False
+        if len(body) > PRECHECK_PROCESS_BYTES:  # its message count, in a child process
+            try:
+                n = await self._prechecker.count(body)
+            except Exception:  # the child failed: the parse thread counts instead
+                log.exception("message count in the child process failed")
+            else:
+                check_message_count(n, self.parse_limits)
+                prechecked = True
         pool = self._parse_pool
         if pool is None:
             pool = self._parse_pool = ThreadPoolExecutor(
                 self.config.limits.parse_threads, thread_name_prefix="ramjet-parse"
             )
         return await self._loop().run_in_executor(
-            pool, parse_request, request.path, body, request.headers, self.parse_limits
+            pool, parse_request, request.path, body, request.headers, self.parse_limits, prechecked
         )
 
     async def _admitted(self, request: ClientRequest, t0: float, body: bytes) -> web.StreamResponse:

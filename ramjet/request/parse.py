@@ -46,6 +46,7 @@ from ramjet.keys.prefix import (
     render_completion,
 )
 from ramjet.policy.base import RequestView
+from ramjet.request.precheck import message_count
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
@@ -271,16 +272,6 @@ _PRECHECK_ABOVE = 256 * 1024
 """Bodies larger than this have their message count checked before the full decode."""
 
 
-class _Skipped(msgspec.Struct, gc=False):
-    """A message, every field skipped (it is only counted)."""
-
-
-class _Envelope(msgspec.Struct, gc=False):
-    """The fields of a body that bound the work of decoding the rest."""
-
-    messages: list[_Skipped] | None = None
-
-
 def _too_many_messages(n: int, limit: int) -> RequestError:
     return _bad(
         "too_many_messages",
@@ -290,20 +281,20 @@ def _too_many_messages(n: int, limit: int) -> RequestError:
 
 
 def _precheck(body: bytes, limits: ParseLimits) -> None:
-    """Refuse a large body with too many messages before decoding it into objects: the
-    typed decode skips every message's fields (one small object each) instead of making
-    a dict and strings per message. A body the envelope cannot read is left to the full
-    decode, which names what is wrong with it."""
-    try:
-        env = _decode(body, type=_Envelope)
-    except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
-        return
-    n = len(env.messages) if env.messages is not None else 0
+    """Refuse a large body with too many messages before decoding it into objects
+    (`ramjet.request.precheck.message_count`: one small object per message instead of a
+    dict and strings). A body it cannot read is left to the full decode, which names what
+    is wrong with it."""
+    check_message_count(message_count(body), limits)
+
+
+def check_message_count(n: int, limits: ParseLimits) -> None:
+    """Raise `RequestError` (400 `too_many_messages`) when `n` messages are too many."""
     if n > limits.max_messages:
         raise _too_many_messages(n, limits.max_messages)
 
 
-def _decode_body(body: bytes, limits: ParseLimits) -> dict[str, Any]:
+def _decode_body(body: bytes, limits: ParseLimits, prechecked: bool = False) -> dict[str, Any]:
     if len(body) > limits.max_body_bytes:
         raise RequestError(
             413,
@@ -314,7 +305,7 @@ def _decode_body(body: bytes, limits: ParseLimits) -> dict[str, Any]:
         )
     if not body.strip():
         raise _bad("invalid_json", "request body is empty; expected a JSON object", None)
-    if len(body) > _PRECHECK_ABOVE:
+    if len(body) > _PRECHECK_ABOVE and not prechecked:
         _precheck(body, limits)
     try:
         obj = _decode(body)
@@ -371,9 +362,15 @@ def token_offset(byte_offset: int, bytes_per_token: float) -> int:
 
 
 def parse_request(
-    path: str, body: bytes, headers: Mapping[str, str], limits: ParseLimits
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    limits: ParseLimits,
+    prechecked: bool = False,
 ) -> ParsedRequest:
-    """Parse, validate and key one request; raise `RequestError` on anything malformed."""
+    """Parse, validate and key one request; raise `RequestError` on anything malformed.
+    `prechecked`: a large body's message count was checked already (`check_message_count`
+    on `ramjet.request.precheck`'s count)."""
     route = path.split("?", 1)[0].rstrip("/")
     kind: RequestKind
     if route == CHAT_PATH:
@@ -382,7 +379,7 @@ def parse_request(
         kind = "completion"
     else:
         raise RequestError(404, "not_found_error", "unknown_url", f"no such endpoint: {path}", None)
-    obj = _decode_body(body, limits)
+    obj = _decode_body(body, limits, prechecked)
 
     model = obj.get("model")
     if model is None:
