@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -71,7 +72,8 @@ def _chat(max_tokens: int, stream: bool = False, **extra: Any) -> dict[str, Any]
 async def _post(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any] | bytes
 ) -> tuple[int, bytes]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    data = io.BytesIO(raw) if len(raw) > 1 << 20 else raw  # aiohttp warns on large bytes
     async with session.post(
         url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
     ) as r:
@@ -219,14 +221,15 @@ async def test_message_count_and_nesting_limits_refuse_with_400(
 ) -> None:
     router = await make_router(
         fast_path=fast_path,
-        limits={"max_body_bytes": 4 << 20, "max_messages": 50, "max_json_depth": 8},
+        limits={"max_body_bytes": 8 << 20, "max_messages": 50, "max_json_depth": 8},
     )
     deep: Any = "x"
     for _ in range(10):
         deep = [deep]
     cases = [
         (_messages(51), "too_many_messages"),  # a small body: checked after decoding
-        (_messages(30_000), "too_many_messages"),  # a large one: before
+        (_messages(30_000), "too_many_messages"),  # a large one: before, on a thread
+        (_messages(150_000), "too_many_messages"),  # over 4 MiB: counted in a child process
         ({**_messages(1), "metadata": deep}, "nesting_too_deep"),
     ]
     async with aiohttp.ClientSession() as s:
