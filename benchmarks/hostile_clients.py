@@ -372,6 +372,11 @@ async def run(args: argparse.Namespace) -> int:
                 f"{'n/a' if g['ejections'] is None else int(g['ejections'])}; retries "
                 f"{'n/a' if g['retries'] is None else int(g['retries'])}"
             )
+        if b is not None:
+            print(f"figure: hostile clients / {name} case 1 extra TTFT = {b['extra_ttft_s']:.3f} s")
+            print(
+                f"figure: hostile clients / {name} case 1 RSS growth = {b['rss_growth_mb']:.0f} MB"
+            )
         if name != "ramjet":
             continue
         checks: list[tuple[str, bool]] = []
