@@ -52,6 +52,7 @@ BENCHMARKS = (
         timeout_s=300,
     ),
     Bench("report_flood", ("--quick",), headline=r"^report flood result:", timeout_s=300),
+    Bench("hostile_clients", ("--quick",), headline=r"^self-check:", timeout_s=600),
     Bench(
         "decision",
         ("--repeats", "5", "--requests", "300"),

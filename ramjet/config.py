@@ -15,6 +15,7 @@ the residency tables); `reports:` and `keys:` are `ramjet.reports.config`'s
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -84,7 +85,14 @@ class PolicyRef(_Frozen):
 class TimeoutsConfig(_Frozen):
     connect_s: float = Field(default=1.0, gt=0)
     first_byte_s: float = Field(default=60.0, gt=0)
-    """From sending the request to the first response body byte (includes prefill)."""
+    """From sending the request to the first response body byte (includes prefill). A
+    non-stream request that sets `max_tokens` gets more (`token_s`)."""
+    token_s: float = Field(default=0.5, ge=0)
+    """A non-stream request's first byte comes after its whole generation: its deadline
+    is `first_byte_s + token_s * max_tokens` (at most `generation_s`). Passing a deadline
+    so extended is not an engine fault and is not retried (the work has started)."""
+    generation_s: float = Field(default=3600.0, gt=0)
+    """Cap on a non-stream request's extended deadline (`token_s`)."""
     idle_s: float = Field(default=30.0, gt=0)
     """Longest gap between two response chunks; no total timeout on streams."""
     send_s: float = Field(default=30.0, gt=0)
@@ -127,6 +135,38 @@ class LimitsConfig(_Frozen):
     stream_buffer_bytes: int = Field(default=256 * 1024, gt=0)
     """Bytes buffered towards a slow client before the upstream read pauses."""
     connections_per_engine: int = Field(default=1024, gt=0)
+    max_messages: int = Field(default=10_000, gt=0)
+    """Most chat messages in one request (400 `too_many_messages` beyond), checked
+    before the body is decoded into objects."""
+    max_json_depth: int = Field(default=64, gt=0)
+    """Deepest nesting of arrays/objects in a body (400 `nesting_too_deep` beyond)."""
+    max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    """One budget for every request body held at once (being read, parsed or
+    forwarded), whichever server read it; a body that does not fit is refused with 503
+    `overloaded` and Retry-After."""
+    max_pending_per_client: int = Field(default=256, gt=0)
+    """Connections from one client address that have not sent a whole request (head and
+    body) yet; one more is refused with 429 `too_many_pending` and closed."""
+    parse_threads: int = Field(default=2, gt=0)
+    """Threads that parse, render and key large bodies off the event loop."""
+    parse_thread_bytes: int = Field(default=256 * 1024, ge=0)
+    """Bodies larger than this are parsed on those threads; smaller ones on the loop."""
+    priority_trusted_networks: tuple[str, ...] = ()
+    """Client addresses (CIDR networks, e.g. "10.1.0.0/16", "127.0.0.1/32") whose own
+    `priority` field is trusted: kept, then handled by its engine pool's `client`
+    setting (docs/priority.md). Every other client's `priority` is removed before the
+    request is routed, so no client can jump an engine's queue unless the operator says
+    so. Empty (the default): no client is trusted."""
+
+    @field_validator("priority_trusted_networks")
+    @classmethod
+    def _check_networks(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for net in v:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"not a network: {net!r} ({exc})") from None
+        return v
 
 
 class HealthConfig(_Frozen):

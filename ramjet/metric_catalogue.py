@@ -156,7 +156,7 @@ CATALOGUE: tuple[Metric, ...] = (
     Metric("ramjet_engine_healthy", GAUGE, "", ("engine",), "ramjet.metrics",
            "1 if the engine is routable (probe ok, not ejected)"),
     Metric("ramjet_upstream_errors_total", COUNTER, "", ("engine", "kind"), "ramjet.metrics",
-           "Upstream failures by kind (connect, first_byte_timeout, idle_timeout, disconnect, status_5xx, backpressure)"),
+           "Upstream failures by kind (connect, first_byte_timeout, generation_timeout, idle_timeout, disconnect, status_5xx, backpressure)"),
     Metric("ramjet_rejected_requests_total", COUNTER, "", ("reason",), "ramjet.metrics",
            "Requests refused before forwarding, by reason"),
     Metric("ramjet_stream_errors_total", COUNTER, "", ("reason",), "ramjet.metrics",

@@ -37,7 +37,8 @@ class _Labelled(Protocol):
 M = TypeVar("M")
 
 UPSTREAM_ERROR_KINDS = (
-    "connect", "first_byte_timeout", "idle_timeout", "disconnect", "status_5xx", "backpressure",
+    "connect", "first_byte_timeout", "generation_timeout", "idle_timeout", "disconnect",
+    "status_5xx", "backpressure",
 )  # fmt: skip
 """The `kind` values of `ramjet_upstream_errors_total` (`ramjet.proxy.forward`)."""
 POLICY_ERROR_KINDS = {

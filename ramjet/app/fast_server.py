@@ -22,7 +22,20 @@ What this layer keeps itself, as aiohttp's handler does:
   waits), and `Connection: close` honoured;
 - the handler task is cancelled when the client goes away (aiohttp's
   `handler_cancellation`), so the engine's request is aborted;
-- backpressure: `FastResponse` waits for the transport to drain when it has paused.
+- backpressure: `FastResponse` waits for the transport to drain when it has paused;
+- a head that comes in pieces is searched for its end once per piece, from where the
+  last search stopped (not all of it again per packet: a 1.6 MB head in 1460-byte
+  segments cost seconds of CPU that way);
+- the body budget (`limits.max_inflight_body_bytes`, `ramjet.request.admission.BodyBudget`,
+  shared with the router): a body is charged from its head on (Content-Length), until
+  its request ends; one that does not fit is refused with 503 `overloaded` before it is
+  read;
+- the pending connections of each client (`limits.max_pending_per_client`,
+  `ramjet.request.admission.PendingClients`, shared with the router): a connection
+  counts from the first byte of a request that did not come whole until its head and
+  body are in (one that arrives whole never counts); one more past the limit is refused
+  with 429 `too_many_pending`. A connection that sends nothing is bounded by the header
+  deadline alone.
 
 The response head and framing are aiohttp's (`ramjet.request.client`).
 """
@@ -39,6 +52,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ramjet.request.admission import BodyBudget, PendingClients, client_of
 from ramjet.request.client import FastRequest, FastResponse, serialize_response
 from ramjet.request.openai_errors import error_body, json_error
 
@@ -53,11 +67,19 @@ BACKLOG_BYTES = 1 << 20
 Handler = Callable[[FastRequest], Awaitable[web.StreamResponse]]
 
 
-def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+def raw_error(
+    status: int,
+    reason: str,
+    message: str,
+    code: str,
+    type_: str = "invalid_request_error",
+    retry_after_s: int | None = None,
+) -> bytes:
     """A whole error response (OpenAI error object) that closes the connection."""
-    body = json.dumps(error_body(message, "invalid_request_error", code)).encode()
+    body = json.dumps(error_body(message, type_, code)).encode()
+    retry = f"Retry-After: {retry_after_s}\r\n" if retry_after_s is not None else ""
     head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n{retry}"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
@@ -96,7 +118,12 @@ class FastServer:
         max_line_bytes: int,
         max_body_bytes: int,
         on_body_timeout: Callable[[], None] = lambda: None,
+        bodies: BodyBudget | None = None,
+        pending: PendingClients | None = None,
+        on_refused: Callable[[str], None] = lambda reason: None,
     ) -> None:
+        """`bodies`, `pending`: the router's body budget and pending-connection counts
+        (none: unbounded); `on_refused(reason)` counts a refusal made here."""
         self.handler = handler
         self.fallback = fallback
         self.header_deadline_s = header_deadline_s
@@ -105,6 +132,11 @@ class FastServer:
         self.max_line_bytes = max_line_bytes
         self.max_body_bytes = max_body_bytes
         self.on_body_timeout = on_body_timeout
+        self.bodies = bodies if bodies is not None else BodyBudget(1 << 62)
+        self.pending = pending if pending is not None else PendingClients(1 << 62)
+        self.on_refused = on_refused
+        self.head_scanned = 0
+        """Bytes searched for a head's end so far (tests read it)."""
         self.keepalive_s = KEEPALIVE_S
         """An idle connection is closed after this long."""
         # A head longer than this breaks a limit (aiohttp refuses it once handed over).
@@ -162,6 +194,13 @@ class FastProtocol(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._reading_paused = False
         self._closed = False
+        self._scanned = 0
+        """Bytes of the buffered head already searched for its end."""
+        self._client = ""
+        self._pending = False
+        """Counted in the server's `pending` (a request not whole yet)."""
+        self._held = 0
+        """Body bytes charged to the server's `bodies` for the current request."""
 
     # -- llhttp callbacks (the head only; the body is sliced by Content-Length) ---------
 
@@ -235,10 +274,51 @@ class FastProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self._server.connections.add(self)
+        self._client = client_of(transport)
         self._arm("head", self._server.header_deadline_s)
+
+    def _enter_pending(self) -> bool:
+        """Count this connection as its client's pending one (once); False when that is
+        one too many: the client has been refused and the connection is closing."""
+        if self._pending:
+            return True
+        srv = self._server
+        if srv.pending.enter(self._client):
+            self._pending = True
+            return True
+        srv.on_refused("too_many_pending")
+        self._refuse(
+            raw_error(
+                429,
+                "Too Many Requests",
+                f"More than {srv.pending.limit} connections from this client have not "
+                "sent a whole request.",
+                "too_many_pending",
+                retry_after_s=1,
+            )
+        )
+        return False
+
+    def _leave_pending(self) -> None:
+        if self._pending:
+            self._pending = False
+            self._server.pending.leave(self._client)
+
+    def _give_back(self) -> None:
+        if self._held:
+            self._server.bodies.give(self._held)
+            self._held = 0
+
+    def _refuse(self, response: bytes) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.write(response)
+        self.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._closed = True
+        self._leave_pending()
+        if self.task is None:
+            self._give_back()  # a body never handed to a handler (else `_run` gives it)
         self._stop_timer()
         self._server.connections.discard(self)
         if self.task is not None:
@@ -282,6 +362,9 @@ class FastProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         self._stop_timer()
+        self._leave_pending()
+        if self.task is None:
+            self._give_back()
         if self.transport is not None and not self._closed:
             self._closed = True
             self.transport.close()
@@ -297,22 +380,45 @@ class FastProtocol(asyncio.Protocol):
             return
         head = self._head
         if head is None:
-            end = buf.find(b"\r\n\r\n")
+            # Search only what the last search did not (less the 3 bytes an end could
+            # straddle), once per piece.
+            start = max(0, self._scanned - 3)
+            end = buf.find(b"\r\n\r\n", start)
             if end < 0:
-                if len(buf) > self._server.max_head_bytes or b"\n\n" in buf:
+                self._server.head_scanned += len(buf) - start
+                self._scanned = len(buf)
+                if len(buf) > self._server.max_head_bytes or buf.find(b"\n\n", start) >= 0:
                     self._hand_over()
-                else:
+                elif self._enter_pending():
                     self._arm("head", self._server.header_deadline_s)
                 return
+            self._server.head_scanned += end + 4 - start
+            self._scanned = 0
             head = self._parse_head(bytes(buf[: end + 4]))
             if head is None:
                 self._hand_over()
                 return
+            if head.length and not self._server.bodies.take(head.length):
+                self._server.on_refused("body_budget")
+                self._refuse(
+                    raw_error(
+                        503,
+                        "Service Unavailable",
+                        "The router holds too many request bodies; retry later.",
+                        "overloaded",
+                        "server_error",
+                        retry_after_s=1,
+                    )
+                )
+                return
+            self._held = head.length
             self._head = head
         need = head.size + head.length
         if len(buf) < need:
-            self._arm("body", self._server.body_timeout_s)
+            if self._enter_pending():
+                self._arm("body", self._server.body_timeout_s)
             return
+        self._leave_pending()
         self._disarm()
         with memoryview(buf) as view:
             body = bytes(view[head.size : need])  # one copy of a large body, not two
@@ -323,6 +429,7 @@ class FastProtocol(asyncio.Protocol):
             self._parser = httptools.HttpRequestParser(self)
         self._head = None
         req = FastRequest(self, head.path, head.raw, head.headers, body, head.keep_alive)
+        req.budgeted = True  # charged here (`_held`), given back when `_run` ends
         self._server.served += 1
         self.task = self._loop.create_task(self._run(req))
 
@@ -378,6 +485,9 @@ class FastProtocol(asyncio.Protocol):
         if transport is None:
             return
         self._stop_timer()
+        self._leave_pending()  # aiohttp's handler counts a body it waits for
+        self._give_back()
+        self._scanned = 0
         self._closed = True
         self._server.connections.discard(self)
         self._server.handed_over += 1
@@ -397,6 +507,7 @@ class FastProtocol(asyncio.Protocol):
             resp = await self._server.handler(req)
         except asyncio.CancelledError:
             self.task = None
+            self._give_back()
             raise
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -406,6 +517,7 @@ class FastProtocol(asyncio.Protocol):
             log.error("unhandled error", exc_info=exc)
             resp = None
         self.task = None
+        self._give_back()
         self._finish(req, resp)
 
     def _finish(self, req: FastRequest, resp: web.StreamResponse | None) -> None:

@@ -166,6 +166,37 @@ def _priority_span(text: str) -> tuple[int, int] | None:
     return span
 
 
+def without_priority(body: bytes) -> bytes:
+    """`body` (a JSON object) with every top-level `priority` member removed; the other
+    members are the client's bytes (the whitespace between members may change)."""
+    text = body.decode("utf-8")
+    dec = json.JSONDecoder()
+    ws = " \t\n\r"
+    open_at = text.index("{")
+    i = open_at + 1
+    kept: list[str] = []
+    n = len(text)
+    while i < n:
+        while i < n and text[i] in ws:
+            i += 1
+        if i >= n or text[i] == "}":
+            break
+        if text[i] == ",":
+            i += 1
+            continue
+        start = i
+        key, i = dec.raw_decode(text, i)
+        while text[i] in ws:
+            i += 1
+        i += 1  # ':'
+        while text[i] in ws:
+            i += 1
+        _, i = dec.raw_decode(text, i)
+        if key != "priority":
+            kept.append(text[start:i])
+    return (text[: open_at + 1] + ",".join(kept) + text[i:]).encode("utf-8")
+
+
 def with_priority(body: bytes, value: int, replace: bool) -> bytes:
     """`body` (a JSON object) with top-level `priority` set to `value`; all other bytes
     unchanged. `replace`: the body already has the key (its last value is replaced)."""

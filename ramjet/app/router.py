@@ -35,18 +35,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import itertools
 import json
 import logging
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
 
 from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
-from ramjet.app.priority import PriorityHint, PriorityHints, decided_work
+from ramjet.app.priority import PriorityHint, PriorityHints, decided_work, without_priority
 from ramjet.app.profile_source import ProfileSources
 from ramjet.config import PolicyConfig
 from ramjet.decisions.accounting import Accounting
@@ -62,23 +65,28 @@ from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.fleet_stats import WorkRates, fleet_stats
 from ramjet.policy.registry import create_policy
 from ramjet.proxy.exchange import Exchange, ForwardResult
-from ramjet.proxy.forward import Proxy
+from ramjet.proxy.forward import Proxy, generation_deadline
 from ramjet.proxy.http1 import EnginePool
 from ramjet.proxy.transport import EngineTransport, fetch
-from ramjet.request.admission import Admission, reject
+from ramjet.request.admission import Admission, charged_here, client_of, reject
 from ramjet.request.client import ClientRequest
 from ramjet.request.openai_errors import json_error
 from ramjet.request.parse import (
     ParsedRequest,
     ParseLimits,
     RequestError,
+    check_message_count,
     parse_request,
     to_request_view,
 )
+from ramjet.request.precheck import Prechecker
 from ramjet.residency.source import NoResidency, ResidencySource
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
+
+PRECHECK_PROCESS_BYTES = 4 * 1024 * 1024
+"""Bodies larger than this have their messages counted in a child process, off the GIL."""
 
 
 class Router:
@@ -147,7 +155,19 @@ class Router:
         """Each engine's shared tiers (`ramjet.config.FabricConfig`); empty: islands."""
         self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
         self.work_rates = WorkRates(config.fleet_stats.work_tau_s)
-        self.parse_limits = ParseLimits(max_body_bytes=config.limits.max_body_bytes)
+        lim = config.limits
+        self.parse_limits = ParseLimits(
+            max_body_bytes=lim.max_body_bytes,
+            max_depth=lim.max_json_depth,
+            max_messages=lim.max_messages,
+        )
+        self._trusted_networks = tuple(
+            ipaddress.ip_network(n, strict=False) for n in lim.priority_trusted_networks
+        )
+        self._parse_pool: ThreadPoolExecutor | None = None
+        self._prechecker = Prechecker()
+        """Counts a large body's messages in a child process (`ramjet.request.precheck`)."""
+        """Threads parsing large bodies (`_parse`), made on first use."""
         self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
         self.priority = PriorityHints(config.priority, self.metrics.registry)
         self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
@@ -165,6 +185,10 @@ class Router:
         # Probes and /v1/models go through the engine transport seam, on pools of their
         # own: a probe must not queue behind forwards for a connection.
         self._probe_transports: dict[EngineId, EngineTransport] = {}
+        # /v1/models has pools of its own too (a flood of it must not take the probes'
+        # connections), and concurrent calls share one fetch of every engine's list.
+        self._models_transports: dict[EngineId, EngineTransport] = {}
+        self._models_fetch: asyncio.Future[list[dict[str, Any]]] | None = None
         self._prober: HealthProber | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         """The loop serving requests, kept on first use (`asyncio.get_running_loop` makes a
@@ -180,6 +204,7 @@ class Router:
         t = self.config.timeouts
         for e in self.fleet.engines:
             self._probe_transports[e.id] = EnginePool(e.url, limit=4, connect_s=t.connect_s)
+            self._models_transports[e.id] = EnginePool(e.url, limit=2, connect_s=t.connect_s)
         self._prober = HealthProber(self.fleet, self._probe, self.config.health)
         await self._prober.probe_all()
         self._prober.start()
@@ -201,10 +226,15 @@ class Router:
     async def stop(self) -> None:
         if self._prober is not None:
             await self._prober.stop()
-        for pt in self._probe_transports.values():
+        for pt in (*self._probe_transports.values(), *self._models_transports.values()):
             await pt.close()
         self._probe_transports.clear()
+        self._models_transports.clear()
         await self.proxy.close()
+        self._prechecker.close()
+        if self._parse_pool is not None:
+            self._parse_pool.shutdown(wait=False, cancel_futures=True)
+            self._parse_pool = None
         await asyncio.to_thread(self.accounting.close)
 
     async def _probe(self, e: EngineState) -> bool:
@@ -226,27 +256,70 @@ class Router:
         t0 = self.clock()
         self.arrivals.arrive(t0)
         refused = self.admission.refuse_early(request, self.draining)
-        if refused is None and not self.admission.take():  # else wait for a slot
-            refused = await self.admission.acquire()
         if refused is not None:
             return refused
-        try:
-            return await self._admitted(request, t0)
-        finally:
-            self.admission.release()
-
-    async def _admitted(self, request: ClientRequest, t0: float) -> web.StreamResponse:
+        # The body first: a client that sends it slowly (or never) holds no slot.
         body = await self.admission.read_body(request)
         if isinstance(body, web.Response):
             return body
+        held = len(body) if charged_here(request) else 0
         try:
+            if not self.admission.take():  # else wait for a slot
+                refused = await self.admission.acquire()
+                if refused is not None:
+                    return refused
+            try:
+                return await self._admitted(request, t0, body)
+            finally:
+                self.admission.release()
+        finally:
+            self.admission.bodies.give(held)
+
+    def _priority_trusted(self, request: ClientRequest) -> bool:
+        """Whether the client's own `priority` is kept (`limits.priority_trusted_networks`)."""
+        if not self._trusted_networks:
+            return False
+        try:
+            addr = ipaddress.ip_address(client_of(request.transport))
+        except ValueError:
+            return False
+        return any(addr in net for net in self._trusted_networks)
+
+    async def _parse(self, request: ClientRequest, body: bytes) -> ParsedRequest:
+        """Parse, render and key `body`: a large one on the parse threads, so the event
+        loop keeps serving others meanwhile (`limits.parse_thread_bytes`)."""
+        if len(body) <= self.config.limits.parse_thread_bytes:
             parsed = parse_request(request.path, body, request.headers, self.parse_limits)
+            return parsed
+        prechecked = False
+        if len(body) > PRECHECK_PROCESS_BYTES:  # its message count, in a child process
+            try:
+                n = await self._prechecker.count(body)
+            except Exception:  # the child failed: the parse thread counts instead
+                log.exception("message count in the child process failed")
+            else:
+                check_message_count(n, self.parse_limits)
+                prechecked = True
+        pool = self._parse_pool
+        if pool is None:
+            pool = self._parse_pool = ThreadPoolExecutor(
+                self.config.limits.parse_threads, thread_name_prefix="ramjet-parse"
+            )
+        return await self._loop().run_in_executor(
+            pool, parse_request, request.path, body, request.headers, self.parse_limits, prechecked
+        )
+
+    async def _admitted(self, request: ClientRequest, t0: float, body: bytes) -> web.StreamResponse:
+        try:
+            parsed = await self._parse(request, body)
         except RequestError as exc:
             self.metrics.rejected.labels(reason=exc.code).inc()
             resp = web.Response(
                 status=exc.status, body=exc.to_openai_json(), content_type="application/json"
             )
             return resp
+        if "priority" in parsed.json and not self._priority_trusted(request):
+            parsed = untrusted_priority_removed(parsed)
         request_id = request.headers.get("X-Request-Id", "")[:64] or self._new_id()
         views, serving, retry_after = engine_views(
             self.fleet, self.signals, self.residency, parsed.model, t0, self.pools
@@ -329,6 +402,12 @@ class Router:
         in flight there until the first byte (a retry counts the same figure). `body`: what
         is forwarded (the client's, or with a priority hint `hint`)."""
         first = self.fleet.get(outcome.live.engine)
+        t = self.config.timeouts
+        deadline_s = (
+            None
+            if parsed.stream
+            else generation_deadline(t.first_byte_s, t.token_s, t.generation_s, parsed.max_tokens)
+        )
         pending = self.residency.add_pending(first.id, parsed.keys, self.clock())
         exchange = Exchange()
         self._exchanges.add(exchange)
@@ -343,6 +422,7 @@ class Router:
                 lambda tried: retry_engine(self.fleet, parsed.model, tried),
                 request_id,
                 exchange,
+                deadline_s,
             )
             if res.engine is not None and res.status < 400:
                 self.residency.record_routed(res.engine, parsed.keys, self.clock())
@@ -434,16 +514,31 @@ class Router:
             log.exception("decision sink failed")
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        """The union of the engines' models (live from each admitted engine, else config)."""
+        """The union of the engines' models (live from each admitted engine, else config).
+        Requests that come while a fetch of the engines' lists is under way share it, on
+        pools apart from the health probes' (a flood of this route must not starve them)."""
+        fetching = self._models_fetch
+        if fetching is None:
+            fetching = self._models_fetch = asyncio.ensure_future(self._fetch_models())
+
+            def done(f: asyncio.Future[list[dict[str, Any]]]) -> None:
+                if self._models_fetch is f:
+                    self._models_fetch = None
+
+            fetching.add_done_callback(done)
+        data = await asyncio.shield(fetching)
+        return web.json_response({"object": "list", "data": data})
+
+    async def _fetch_models(self) -> list[dict[str, Any]]:
         timeout_s = self.config.timeouts.probe_s
 
         async def one(e: EngineState) -> list[dict[str, Any]]:
             declared = [{"id": m, "object": "model", "owned_by": e.id} for m in e.models]
-            if e.ejected or e.id not in self._probe_transports:
+            if e.ejected or e.id not in self._models_transports:
                 return declared
             try:
                 status, body = await fetch(
-                    self._probe_transports[e.id], "GET", "/v1/models", timeout_s=timeout_s
+                    self._models_transports[e.id], "GET", "/v1/models", timeout_s=timeout_s
                 )
                 if status != 200:
                     return declared
@@ -457,7 +552,7 @@ class Router:
         for models in await asyncio.gather(*(one(e) for e in self.fleet.engines)):
             for m in models:
                 merged.setdefault(str(m["id"]), m)
-        return web.json_response({"object": "list", "data": list(merged.values())})
+        return list(merged.values())
 
     async def handle_healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -481,3 +576,10 @@ class Router:
         return web.Response(
             body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"}
         )
+
+
+def untrusted_priority_removed(parsed: ParsedRequest) -> ParsedRequest:
+    """`parsed` with the client's top-level `priority` taken out of its body and JSON (a
+    client not in `limits.priority_trusted_networks`)."""
+    rest = {k: v for k, v in parsed.json.items() if k != "priority"}
+    return dataclasses.replace(parsed, body=without_priority(parsed.body), json=rest)

@@ -13,6 +13,11 @@ Connection-level protections live below the app, in a `RequestHandler` subclass:
   request (or right after connect), its headers must be complete within
   `timeouts.header_deadline_s`, else it gets 408 and is closed. Other connections are
   unaffected (the timer is per connection, on the event loop).
+- **Pending connections** (`limits.max_pending_per_client`): from the first bytes of a
+  request that did not come with its whole head until the head is in, a connection
+  counts as one of its client's that have not sent a whole request (the router counts
+  it again while its body is read); one too many is answered 429 `too_many_pending`
+  and closed.
 - **Parser refusals**: aiohttp's strict parser rejects Content-Length with
   Transfer-Encoding, duplicate Content-Length, bare LF, CR/LF in header values, too many
   headers and over-long header lines. They are answered with an OpenAI error object
@@ -47,6 +52,7 @@ from ramjet.app.router import Router
 from ramjet.app.wiring import build_router, mount
 from ramjet.config import PolicyConfig
 from ramjet.decisions.record import DecisionSink
+from ramjet.request.admission import PendingClients, client_of
 from ramjet.request.openai_errors import json_error
 from ramjet.residency.tables import ResidencyTables
 from ramjet.runtime.gc import tune_gc
@@ -59,10 +65,20 @@ ROUTER_KEY = web.AppKey("router", Router)
 class _Handler(RequestHandler):
     """aiohttp's connection handler plus a header deadline and OpenAI-style refusals."""
 
-    def __init__(self, manager: Any, *, header_deadline_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        *,
+        header_deadline_s: float,
+        pending: PendingClients | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._deadline_s = header_deadline_s
         self._deadline: asyncio.TimerHandle | None = None
+        self._pending = pending
+        self._client = ""
+        self._counted = False
 
     def _arm(self) -> None:
         if self._deadline is None:
@@ -72,9 +88,41 @@ class _Handler(RequestHandler):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        self._uncount()
+
+    def _count(self) -> None:
+        """A request's first bytes came without its whole head: count the connection as
+        its client's pending one (`limits.max_pending_per_client`); one too many is
+        answered 429 and closed."""
+        pending = self._pending
+        if self._counted or pending is None:
+            return
+        if pending.enter(self._client):
+            self._counted = True
+            return
+        if self.transport is not None:
+            self.transport.write(
+                raw_error(
+                    429,
+                    "Too Many Requests",
+                    f"More than {pending.limit} connections from this client have "
+                    "not sent a whole request.",
+                    "too_many_pending",
+                    retry_after_s=1,
+                )
+            )
+        self.force_close()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _uncount(self) -> None:
+        if self._counted and self._pending is not None:
+            self._counted = False
+            self._pending.leave(self._client)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self._client = client_of(transport)
         self._arm()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -90,9 +138,11 @@ class _Handler(RequestHandler):
             # The first bytes of a request whose headers are not complete yet. (A
             # request that arrives whole, the common case, never arms the timer.)
             self._arm()
+            self._count()
 
     def _headers_late(self) -> None:
         self._deadline = None
+        self._uncount()
         if self._request_in_progress or self._messages or self.transport is None:
             return
         self.transport.write(
@@ -131,13 +181,19 @@ class _Server(web.Server):
     def __init__(self, *args: Any, header_deadline_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_deadline_s = header_deadline_s
+        self.pending: PendingClients | None = None
+        """Set by `RouterServer.start`: the router's pending connections by client."""
         self.fast: FastServer | None = None
         """Set by `RouterServer.start`: the completion routes' own server, in front."""
 
     def handler(self) -> RequestHandler:
         """aiohttp's handler for one connection (with the header deadline)."""
         return _Handler(
-            self, loop=self._loop, header_deadline_s=self._header_deadline_s, **self._kwargs
+            self,
+            loop=self._loop,
+            header_deadline_s=self._header_deadline_s,
+            pending=self.pending,
+            **self._kwargs,
         )
 
     def __call__(self) -> RequestHandler:
@@ -306,6 +362,8 @@ class RouterServer:
     async def start(self) -> None:
         await self._runner.setup()
         server = self._runner.server
+        if isinstance(server, _Server):
+            server.pending = self.router.admission.pending
         if self.fast_path and isinstance(server, _Server):
             cfg, metrics = self.config, self.router.metrics
             server.fast = FastServer(
@@ -317,6 +375,9 @@ class RouterServer:
                 max_line_bytes=cfg.limits.max_header_line_bytes,
                 max_body_bytes=cfg.limits.max_body_bytes,
                 on_body_timeout=lambda: metrics.rejected.labels(reason="body_timeout").inc(),
+                bodies=self.router.admission.bodies,
+                pending=self.router.admission.pending,
+                on_refused=lambda reason: metrics.rejected.labels(reason=reason).inc(),
             )
         self._site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await self._site.start()

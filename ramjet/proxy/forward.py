@@ -10,7 +10,15 @@ request may be retried on another engine:
 - Retried (on an engine not tried yet, at most `retry.max_attempts` attempts, and only
   while the retry budget allows, `ramjet.proxy.retries`): refused/failed connections,
   disconnects before the first byte, first-byte timeouts, and 502/503/504/429 statuses.
-  Anything else is passed through.
+  Anything else is passed through. A refused connection or a disconnect needs no budget:
+  the failed engine does none of the request's work, so a retry adds no load (a killed
+  engine's requests must not be lost for want of budget); a zero budget still turns
+  retries off.
+- A non-stream request's first byte comes after its whole generation: with `max_tokens`
+  its deadline grows to `first_byte_s + token_s * max_tokens` (capped at
+  `generation_s`). Passing that extended deadline ends the request with 504
+  (`generation_timeout`): not an engine fault (no ejection, no breaker count) and never
+  retried, since the engine has been working on it.
 - From the first byte on, `ramjet.proxy.stream` sends the response; nothing is retried.
 - If the client goes away, the handler task is cancelled (server runs with
   `handler_cancellation`), and the upstream response is closed, which aborts the
@@ -41,7 +49,7 @@ from ramjet.proxy.deadlines import Deadlines
 from ramjet.proxy.exchange import Attempt, Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import upstream_request_headers
 from ramjet.proxy.http1 import EnginePool
-from ramjet.proxy.retries import RETRY_STATUSES, RetryBudget, parse_retry_after
+from ramjet.proxy.retries import FREE_RETRIES, RETRY_STATUSES, RetryBudget, parse_retry_after
 from ramjet.proxy.stream import StreamWriter
 from ramjet.proxy.transport import EngineResponse, EngineTransport, UpstreamConnectError
 from ramjet.request.client import ClientRequest
@@ -168,7 +176,10 @@ class Proxy:
         choose_next: ChooseNext,
         request_id: str,
         exchange: Exchange,
+        deadline_s: float | None = None,
     ) -> tuple[web.StreamResponse, ForwardResult]:
+        """`deadline_s`: the first-byte deadline when not `timeouts.first_byte_s` (a
+        non-stream request's, `generation_deadline`)."""
         res = ForwardResult()
         headers = upstream_request_headers(request.headers, request_id)
         t0 = time.monotonic()
@@ -185,6 +196,7 @@ class Proxy:
                 choose_next,
                 exchange,
                 res,
+                deadline_s,
             )
             if opened is None:
                 return self._give_up(res), res
@@ -215,6 +227,7 @@ class Proxy:
         choose_next: ChooseNext,
         exchange: Exchange,
         res: ForwardResult,
+        deadline_s: float | None = None,
     ) -> Opened | None:
         """Attempts, from `first`, until one gets its first body byte: that one
         (`finish` it when done), or None when every attempt failed (`res.attempts` says
@@ -232,7 +245,7 @@ class Proxy:
             got = None
             try:
                 got = await self._attempt(
-                    method, path_qs, headers, body, engine, attempt, exchange, nxt
+                    method, path_qs, headers, body, engine, attempt, exchange, nxt, deadline_s
                 )
             finally:
                 if got is None:
@@ -244,9 +257,11 @@ class Proxy:
                 ticket.first_byte(self._fleet.clock())
                 return Opened(engine, got[0], got[1], ticket, retrying)
             # The attempt failed before any byte reached the client: maybe retry.
-            if exchange.shutdown or nxt.get() is None:
+            if exchange.shutdown or attempt.error == "generation_timeout" or nxt.get() is None:
                 break
-            if not self.budget.try_acquire():
+            if attempt.error in FREE_RETRIES and self.budget.enabled:
+                self.budget.retrying += 1  # counted, but not refused (see module docstring)
+            elif not self.budget.try_acquire():
                 self._metrics.retries_denied.inc()
                 break
             retrying = True
@@ -257,6 +272,14 @@ class Proxy:
     def _give_up(self, res: ForwardResult) -> web.StreamResponse:
         last = res.attempts[-1] if res.attempts else None
         kind = last.error if last else None
+        if kind == "generation_timeout":
+            res.status, res.end = 504, "upstream_generation_timeout"
+            return json_error(
+                504,
+                "The engine did not finish the generation in time.",
+                "server_error",
+                "upstream_timeout",
+            )
         if kind == "first_byte_timeout":
             res.status, res.end = 504, "upstream_first_byte_timeout"
             return json_error(
@@ -281,36 +304,37 @@ class Proxy:
         attempt: Attempt,
         exchange: Exchange,
         nxt: _NextEngine,
+        deadline_s: float | None = None,
     ) -> tuple[EngineResponse, bytes] | None:
         """One attempt: the response and its first body piece, or None if it failed
-        before that (or answered a retryable status while a retry is possible)."""
+        before that (or answered a retryable status while a retry is possible).
+        `deadline_s`: an extended first-byte deadline (see `forward`)."""
         t = self._cfg.timeouts
         pool = self._pools[engine.id]
-        upstream: EngineResponse | None = None
+        got: list[EngineResponse] = []  # the response, once its head has come
         try:
             try:
-                with self._first_byte(t.first_byte_s).wait() as deadline:
+                if deadline_s is None or deadline_s <= t.first_byte_s:
+                    with self._first_byte(t.first_byte_s).wait() as deadline:
+                        try:
+                            first = await self._first(
+                                method, path_qs, headers, body, engine, attempt, exchange,
+                                nxt, pool, got,
+                            )  # fmt: skip
+                        except asyncio.CancelledError:
+                            deadline.raise_if_expired()  # TimeoutError if the deadline did it
+                            raise
+                else:
                     try:
-                        upstream = await pool.request(method, path_qs, headers, body)
-                        exchange.upstream = upstream
-                        status = upstream.status
-                        attempt.status = status
-                        if status in RETRY_STATUSES:
-                            outcome = classify_status(status)
-                            ra = parse_retry_after(upstream.headers.get("Retry-After"))
-                            self._fleet.record(engine, outcome, ra)
-                            kind = (
-                                "backpressure" if outcome is Outcome.BACKPRESSURE else "status_5xx"
-                            )
-                            self._metrics.upstream_errors.labels(engine=engine.id, kind=kind).inc()
-                            attempt.error = kind
-                            if nxt.get() is not None and self.budget.has_room():
-                                upstream.close()
-                                return None
-                        first = await upstream.readany()
-                    except asyncio.CancelledError:
-                        deadline.raise_if_expired()  # TimeoutError if the deadline did it
-                        raise
+                        async with asyncio.timeout(deadline_s):
+                            first = await self._first(
+                                method, path_qs, headers, body, engine, attempt, exchange,
+                                nxt, pool, got,
+                            )  # fmt: skip
+                    except TimeoutError:
+                        raise UpstreamError("generation_timeout") from None
+                if first is None:
+                    return None
             except TimeoutError:
                 raise UpstreamError("first_byte_timeout") from None
             except UpstreamConnectError as exc:
@@ -318,17 +342,63 @@ class Proxy:
             except OSError as exc:
                 raise UpstreamError("disconnect", type(exc).__name__) from None
         except asyncio.CancelledError:  # the client went away: abort the engine's request
-            if upstream is not None:
+            for upstream in got:
                 upstream.close()
             raise
         except UpstreamError as exc:
-            if upstream is not None:
+            for upstream in got:
                 upstream.close()
             if exchange.shutdown:
                 attempt.error = "shutdown"
                 return None
             attempt.error = exc.kind
-            self._fleet.record(engine, Outcome.FAILURE)
+            if exc.kind != "generation_timeout":  # a long generation is no engine fault
+                self._fleet.record(engine, Outcome.FAILURE)
             self._metrics.upstream_errors.labels(engine=engine.id, kind=exc.kind).inc()
             return None
-        return upstream, first
+        return got[0], first
+
+    async def _first(
+        self,
+        method: str,
+        path_qs: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        engine: EngineState,
+        attempt: Attempt,
+        exchange: Exchange,
+        nxt: _NextEngine,
+        pool: EngineTransport,
+        got: list[EngineResponse],
+    ) -> bytes | None:
+        """The attempt's request and its first body piece (the response goes in `got`);
+        None for a retryable status that will be retried."""
+        upstream = await pool.request(method, path_qs, headers, body)
+        got.append(upstream)
+        exchange.upstream = upstream
+        status = upstream.status
+        attempt.status = status
+        if status in RETRY_STATUSES:
+            outcome = classify_status(status)
+            ra = parse_retry_after(upstream.headers.get("Retry-After"))
+            self._fleet.record(engine, outcome, ra)
+            kind = "backpressure" if outcome is Outcome.BACKPRESSURE else "status_5xx"
+            self._metrics.upstream_errors.labels(engine=engine.id, kind=kind).inc()
+            attempt.error = kind
+            if nxt.get() is not None and self.budget.has_room():
+                upstream.close()
+                got.clear()
+                return None
+        first = await upstream.readany()
+        return first
+
+
+def generation_deadline(
+    first_byte_s: float, token_s: float, generation_s: float, max_tokens: int | None
+) -> float | None:
+    """A non-stream request's first-byte deadline when it is longer than `first_byte_s`
+    (its whole generation comes before its first byte), else None."""
+    if not max_tokens or token_s <= 0:
+        return None
+    deadline = min(first_byte_s + token_s * max_tokens, max(first_byte_s, generation_s))
+    return deadline if deadline > first_byte_s else None

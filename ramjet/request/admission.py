@@ -6,12 +6,22 @@ In order, before anything is parsed (each refusal is an OpenAI error object and 
 1. header lines summing over `limits.max_header_bytes`: 431;
 2. the router draining: 503 with Retry-After;
 3. a declared Content-Length over `limits.max_body_bytes`: 413, before reading anything;
-4. a forwarding slot: at most `limits.max_concurrent` requests forward at once and
+4. the body, read before any forwarding slot is taken (a client that sends its body
+   slowly, or never, holds no slot): within `timeouts.body_s` (408 past it); a chunked
+   body is cut off with 413 as soon as it passes `limits.max_body_bytes`, a malformed one
+   is 400. While it is read:
+   - its bytes are charged to one budget for all bodies held at once
+     (`limits.max_inflight_body_bytes`, `BodyBudget`, shared with
+     `ramjet.app.fast_server`, which charges the bodies it reads): a body that does not
+     fit is 503 `overloaded` with Retry-After; the charge is given back when the
+     request ends;
+   - the connection counts as one of its client's connections that have not sent a
+     whole request (`PendingClients`, shared with the servers, which count connections
+     whose head is not complete): past `limits.max_pending_per_client`, 429
+     `too_many_pending`;
+5. a forwarding slot: at most `limits.max_concurrent` requests forward at once and
    `limits.queue` more wait, each at most `limits.queue_timeout_s`; beyond either, 503
    with Retry-After.
-
-Then the body is read within `timeouts.body_s` (408 past it); a chunked body is cut off
-with 413 as soon as it passes `limits.max_body_bytes`, a malformed one is 400.
 """
 
 from __future__ import annotations
@@ -53,6 +63,91 @@ def overloaded() -> web.Response:
         "overloaded",
         retry_after_s=1.0,
     )
+
+
+def too_many_pending(limit: int) -> web.Response:
+    return json_error(
+        429,
+        f"More than {limit} connections from this client have not sent a whole request.",
+        "invalid_request_error",
+        "too_many_pending",
+        retry_after_s=1.0,
+        close=True,
+    )
+
+
+def client_of(transport: object) -> str:
+    """The client address of a connection's transport ("" when unknown)."""
+    get = getattr(transport, "get_extra_info", None)
+    peer = get("peername") if get is not None else None
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return ""
+
+
+class PendingClients:
+    """Per client address, the connections that have not sent a whole request yet
+    (`limits.max_pending_per_client`); on the event loop only."""
+
+    __slots__ = ("counts", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.counts: dict[str, int] = {}
+
+    def enter(self, client: str) -> bool:
+        """Count one more pending connection of `client`: False (nothing counted) when
+        it has `limit` already."""
+        n = self.counts.get(client, 0)
+        if n >= self.limit:
+            return False
+        self.counts[client] = n + 1
+        return True
+
+    def leave(self, client: str) -> None:
+        n = self.counts.get(client, 0) - 1
+        if n > 0:
+            self.counts[client] = n
+        else:
+            self.counts.pop(client, None)
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once, under `limits.max_inflight_body_bytes`; on
+    the event loop only."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        """Charge `n` bytes: False (nothing charged) when they do not fit."""
+        if n > 0 and self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+def bodies_over_budget() -> web.Response:
+    return json_error(
+        503,
+        "The router holds too many request bodies; retry later.",
+        "server_error",
+        "overloaded",
+        retry_after_s=1.0,
+        close=True,
+    )
+
+
+def charged_here(request: ClientRequest) -> bool:
+    """Whether `Admission.read_body` charges this request's body to the body budget
+    (False: `ramjet.app.fast_server` read it and charged it)."""
+    return not getattr(request, "budgeted", False)
 
 
 def header_bytes(request: ClientRequest) -> int:
@@ -127,6 +222,10 @@ class Admission:
         self.metrics = metrics
         self._slots = Slots(limits.max_concurrent)
         self._waiting = 0
+        self.bodies = BodyBudget(limits.max_inflight_body_bytes)
+        """Every body held at once (the fast server charges the ones it reads)."""
+        self.pending = PendingClients(limits.max_pending_per_client)
+        """Connections that have not sent a whole request, by client (both servers)."""
 
     def refuse_early(self, request: ClientRequest, draining: bool) -> web.Response | None:
         """The refusal for a request that must not wait for a slot (steps 1-3), or None."""
@@ -189,7 +288,10 @@ class Admission:
         self._slots.release()
 
     async def read_body(self, request: ClientRequest) -> bytes | web.Response:
-        """The whole body, or the refusal (413, 408, 400) if it is too big, late or bad."""
+        """The whole body, or the refusal (413, 408, 400, 503, 429) if it is too big,
+        late, bad, over the body budget or one pending connection too many. A body read
+        here is charged to the body budget, `charged(request, body)` bytes: the caller
+        gives them back (`bodies.give`) when the request ends. A refusal holds nothing."""
         limit = self.limits.max_body_bytes
         content = request.content
         if content.is_eof() and content.exception() is None:
@@ -197,7 +299,33 @@ class Admission:
             data = content.read_nowait()
             if len(data) > limit:
                 return reject(self.metrics, "body_too_large", too_big(limit))
-            return data
+            if not charged_here(request) or self.bodies.take(len(data)):
+                return data
+            return reject(self.metrics, "body_budget", bodies_over_budget())
+        client = client_of(request.transport)
+        if not self.pending.enter(client):
+            return reject(self.metrics, "too_many_pending", too_many_pending(self.pending.limit))
+        held = [0]
+        ok = False
+        try:
+            got = await self._read_rest(request, held, limit)
+            ok = isinstance(got, bytes)
+            return got
+        finally:
+            self.pending.leave(client)
+            if not ok:
+                self.bodies.give(held[0])
+
+    async def _read_rest(
+        self, request: ClientRequest, held: list[int], limit: int
+    ) -> bytes | web.Response:
+        """The body after what came with the head, charged to the budget as it comes
+        (`held[0]`, bytes charged so far)."""
+        declared = request.content_length
+        if declared is not None:  # charged whole, before a byte is read
+            if not self.bodies.take(declared):
+                return reject(self.metrics, "body_budget", bodies_over_budget())
+            held[0] = declared
         parts: list[bytes] = []
         total = 0
         try:
@@ -209,6 +337,10 @@ class Admission:
                     total += len(chunk)
                     if total > limit:
                         return reject(self.metrics, "body_too_large", too_big(limit))
+                    if declared is None:  # chunked: charged as it comes
+                        if not self.bodies.take(len(chunk)):
+                            return reject(self.metrics, "body_budget", bodies_over_budget())
+                        held[0] += len(chunk)
                     parts.append(chunk)
         except TimeoutError:
             return reject(
@@ -236,4 +368,8 @@ class Admission:
                     close=True,
                 ),
             )
-        return b"".join(parts)
+        body = b"".join(parts)
+        if held[0] != len(body):  # a short body (the client's framing): charge what came
+            self.bodies.give(held[0] - len(body))
+            held[0] = len(body)
+        return body

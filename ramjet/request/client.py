@@ -55,6 +55,7 @@ class FastRequest:
     """A POST to a completion route, head and body read (see the module docstring)."""
 
     __slots__ = (
+        "budgeted",
         "content",
         "content_length",
         "headers",
@@ -85,6 +86,9 @@ class FastRequest:
         self.content_length: int | None = len(body)
         self.content = WholeBody(body)
         self.keep_alive = keep_alive
+        self.budgeted = False
+        """Its body is charged to the body budget by the server that read it
+        (`ramjet.request.admission.charged_here`)."""
 
 
 ClientRequest: TypeAlias = web.Request | FastRequest

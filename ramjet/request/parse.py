@@ -46,6 +46,7 @@ from ramjet.keys.prefix import (
     render_completion,
 )
 from ramjet.policy.base import RequestView
+from ramjet.request.precheck import message_count
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
@@ -92,9 +93,17 @@ class ParseLimits:
     """Rendered bytes per prompt token; 1.0 for the byte-level reference engine."""
     max_session_chars: int = 256
     """Longest session id accepted from the header or `user`."""
+    max_messages: int = 10_000
+    """Most chat messages accepted (`limits.max_messages`); a large body is checked
+    before it is decoded into objects."""
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0 or self.max_depth <= 0 or self.max_session_chars <= 0:
+        if (
+            self.max_body_bytes <= 0
+            or self.max_depth <= 0
+            or self.max_session_chars <= 0
+            or self.max_messages <= 0
+        ):
             raise ValueError("ParseLimits: limits must be positive")
         if not (self.bytes_per_token > 0 and math.isfinite(self.bytes_per_token)):
             raise ValueError("ParseLimits: bytes_per_token must be a positive number")
@@ -259,9 +268,33 @@ def _check_depth(root: Any, limit: int) -> None:
 
 _decode = msgspec.json.decode
 _COUNT_BRACKETS_BELOW = 64 * 1024
+_PRECHECK_ABOVE = 256 * 1024
+"""Bodies larger than this have their message count checked before the full decode."""
 
 
-def _decode_body(body: bytes, limits: ParseLimits) -> dict[str, Any]:
+def _too_many_messages(n: int, limit: int) -> RequestError:
+    return _bad(
+        "too_many_messages",
+        f"'messages' has {n} messages; at most {limit} are accepted",
+        "messages",
+    )
+
+
+def _precheck(body: bytes, limits: ParseLimits) -> None:
+    """Refuse a large body with too many messages before decoding it into objects
+    (`ramjet.request.precheck.message_count`: one small object per message instead of a
+    dict and strings). A body it cannot read is left to the full decode, which names what
+    is wrong with it."""
+    check_message_count(message_count(body), limits)
+
+
+def check_message_count(n: int, limits: ParseLimits) -> None:
+    """Raise `RequestError` (400 `too_many_messages`) when `n` messages are too many."""
+    if n > limits.max_messages:
+        raise _too_many_messages(n, limits.max_messages)
+
+
+def _decode_body(body: bytes, limits: ParseLimits, prechecked: bool = False) -> dict[str, Any]:
     if len(body) > limits.max_body_bytes:
         raise RequestError(
             413,
@@ -272,6 +305,8 @@ def _decode_body(body: bytes, limits: ParseLimits) -> dict[str, Any]:
         )
     if not body.strip():
         raise _bad("invalid_json", "request body is empty; expected a JSON object", None)
+    if len(body) > _PRECHECK_ABOVE and not prechecked:
+        _precheck(body, limits)
     try:
         obj = _decode(body)
     except RecursionError:
@@ -327,9 +362,15 @@ def token_offset(byte_offset: int, bytes_per_token: float) -> int:
 
 
 def parse_request(
-    path: str, body: bytes, headers: Mapping[str, str], limits: ParseLimits
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    limits: ParseLimits,
+    prechecked: bool = False,
 ) -> ParsedRequest:
-    """Parse, validate and key one request; raise `RequestError` on anything malformed."""
+    """Parse, validate and key one request; raise `RequestError` on anything malformed.
+    `prechecked`: a large body's message count was checked already (`check_message_count`
+    on `ramjet.request.precheck`'s count)."""
     route = path.split("?", 1)[0].rstrip("/")
     kind: RequestKind
     if route == CHAT_PATH:
@@ -338,7 +379,7 @@ def parse_request(
         kind = "completion"
     else:
         raise RequestError(404, "not_found_error", "unknown_url", f"no such endpoint: {path}", None)
-    obj = _decode_body(body, limits)
+    obj = _decode_body(body, limits, prechecked)
 
     model = obj.get("model")
     if model is None:
@@ -361,6 +402,8 @@ def parse_request(
                     f"'messages' must be an array, got {_type_name(messages)}",
                     "messages",
                 )
+            if len(messages) > limits.max_messages:
+                raise _too_many_messages(len(messages), limits.max_messages)
             rendered = render_chat(messages, obj.get("tools"))
             max_tokens = obj.get("max_completion_tokens")
             if max_tokens is None:

@@ -41,6 +41,8 @@ class Behavior:
     stall_after_chunks: int | None = None
     """Stop sending (but keep the connection) after this many chunks."""
     health_status: int = 200
+    models_delay_s: float = 0.0
+    """Sleep before answering `GET /v1/models` (a slow model list)."""
 
 
 @dataclass
@@ -98,6 +100,8 @@ class FakeUpstream:
         self.model = model
         self.behavior = Behavior()
         self.requests: list[Received] = []
+        self.models_requests = 0
+        """`GET /v1/models` requests received."""
         self.cancelled = 0
         self.cancel_times: list[float] = []
         self.bytes_sent = 0
@@ -140,6 +144,9 @@ class FakeUpstream:
         return web.Response(status=self.behavior.health_status, text="ok")
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.models_requests += 1
+        if self.behavior.models_delay_s:
+            await asyncio.sleep(self.behavior.models_delay_s)
         return web.json_response(
             {"object": "list", "data": [{"id": self.model, "object": "model"}]}
         )

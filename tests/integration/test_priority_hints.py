@@ -21,6 +21,9 @@ from ramjet.commands.explain import explain
 from ramjet.decisions.log import read_log
 
 POOL = {"name": "fleet", "engines": ["e0", "e1"]}
+TRUSTED = {"priority_trusted_networks": ["127.0.0.1/32"]}
+"""These tests' client (loopback) is trusted with its own `priority`; untrusted clients'
+is removed (`test_untrusted_client_priority_is_removed_by_default`)."""
 
 BODIES: list[bytes] = [
     b'{"model":"m","messages":[{"role":"user","content":"hi"}]}',
@@ -63,6 +66,7 @@ async def test_observe_mode_changes_no_byte_and_logs_the_would_be_hint(
     log_path = tmp_path / "decisions.jsonl"
     sink = Records()
     router = await make_router(
+        limits=TRUSTED,
         sink=sink,
         priority=[{**POOL, "mode": "observe", "client": "override"}],
         logging={"decisions_path": str(log_path)},
@@ -92,7 +96,9 @@ async def test_on_mode_inserts_the_key_and_nothing_else(
     upstreams: list[FakeUpstream], make_router: RouterFactory
 ) -> None:
     sink = Records()
-    router = await make_router(sink=sink, priority=[{**POOL, "mode": "on", "aging": 0.5}])
+    router = await make_router(
+        limits=TRUSTED, sink=sink, priority=[{**POOL, "mode": "on", "aging": 0.5}]
+    )
     short = BODIES[0]
     long = b'{"model":"m","messages":[{"role":"user","content":"' + b"z" * 40000 + b'"}]}'
     t_before = time.time()
@@ -124,7 +130,9 @@ async def test_client_priority_keep_override_combine(
         for u in upstreams:
             u.requests.clear()
         sink = Records()
-        router = await make_router(sink=sink, priority=[{**POOL, "mode": "on", "client": client}])
+        router = await make_router(
+            limits=TRUSTED, sink=sink, priority=[{**POOL, "mode": "on", "client": client}]
+        )
         assert await _post(router.url, body) == 200
         [seen] = _received(upstreams)
         [rec] = sink.records
@@ -142,7 +150,9 @@ async def test_client_priority_keep_override_combine(
     for u in upstreams:
         u.requests.clear()
     sink = Records()
-    router = await make_router(sink=sink, priority=[{**POOL, "mode": "on", "client": "combine"}])
+    router = await make_router(
+        limits=TRUSTED, sink=sink, priority=[{**POOL, "mode": "on", "client": "combine"}]
+    )
     odd = body.replace(b'"priority": 3', b'"priority": "high"')
     assert await _post(router.url, odd) == 200
     assert _received(upstreams) == [odd]
@@ -155,6 +165,7 @@ async def test_canary_share_by_session_and_sglang_convention(
 ) -> None:
     sink = Records()
     router = await make_router(
+        limits=TRUSTED,
         sink=sink,
         priority=[{**POOL, "mode": "on", "share": 0.5, "convention": "sglang"}],
     )
@@ -181,6 +192,7 @@ async def test_engines_outside_every_pool_and_mode_off_get_nothing(
 ) -> None:
     sink = Records()
     router = await make_router(
+        limits=TRUSTED,
         sink=sink,
         priority=[
             {"name": "a", "engines": ["e0"], "mode": "off"},
@@ -201,3 +213,23 @@ async def _metrics(url: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+async def test_untrusted_client_priority_is_removed_by_default(
+    upstreams: list[FakeUpstream], make_router: RouterFactory
+) -> None:
+    """With no `limits.priority_trusted_networks`, a client's own `priority` reaches no
+    engine, in a pool or not; trusting the client's network keeps it."""
+    body = b'{"model":"m","priority": -100,"messages":[{"role":"user","content":"me first"}]}'
+    stripped = b'{"model":"m","messages":[{"role":"user","content":"me first"}]}'
+    for priority in ([], [{**POOL, "mode": "observe", "client": "keep"}]):
+        for u in upstreams:
+            u.requests.clear()
+        router = await make_router(priority=priority)
+        assert await _post(router.url, body) == 200
+        assert _received(upstreams) == [stripped]
+    for u in upstreams:
+        u.requests.clear()
+    router = await make_router(limits={"priority_trusted_networks": ["127.0.0.0/8"]})
+    assert await _post(router.url, body) == 200
+    assert _received(upstreams) == [body]
