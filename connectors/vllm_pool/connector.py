@@ -160,7 +160,11 @@ class PoolConnector(KVConnectorBase_V1):
         if unknown:
             raise ValueError(f"PoolConnector: unknown kv_connector_extra_config {sorted(unknown)}")
         capacity_gb = extra.get("capacity_gb", 4)
-        if not isinstance(capacity_gb, int | float) or capacity_gb <= 0:
+        if (
+            isinstance(capacity_gb, bool)
+            or not isinstance(capacity_gb, int | float)
+            or capacity_gb <= 0
+        ):
             raise ValueError(f"PoolConnector: capacity_gb must be > 0, got {capacity_gb!r}")
         self.block_size = cache.block_size
         self.namespace = fingerprint(vllm_config)

@@ -78,6 +78,7 @@ def main() -> None:
     refused("unknown kv_connector_extra_config ['capacity']", config(capacity=1))
     refused("capacity_gb must be > 0", config(capacity_gb=-1))
     refused("capacity_gb must be > 0", config(capacity_gb="1"))
+    refused("capacity_gb must be > 0", config(capacity_gb=True))
     refused("one KV cache group", config(), groups(2))
 
     conn = PoolConnector(config(capacity_gb=0.001), KVConnectorRole.SCHEDULER, groups())

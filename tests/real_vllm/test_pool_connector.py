@@ -25,7 +25,7 @@ def test_pool_connector_cases(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert sum(line.startswith("refused: ") for line in lines) == 6, lines
+    assert sum(line.startswith("refused: ") for line in lines) == 7, lines
     assert lines[-3:] == [
         "counted 4 of 5 blocks (never the last token's), 4 leases",
         "took 2: loads into pages 10, 11; 2 leases released",
