@@ -9,8 +9,8 @@ a `kvpool.Pool` directory (host memory, `/dev/shm` by default).
 Extra config (all optional): `pool_dir` (default `/dev/shm/ramjet-kv`), `capacity_gb`
 (default 4), `durable` (fsync each block; for a disk pool, default false), `stats_path`
 (a JSON file the scheduler side rewrites, atomically, whenever its counters change:
-`loaded_tokens` and `loaded_blocks` from the pool, `lease_misses`, `save_blocks` asked
-of the worker; default none).
+`loaded_tokens` and `loaded_blocks` from the pool, `save_blocks` asked of the worker;
+default none).
 
 What one pool block is. The block of `block_size` tokens whose vLLM block hash is `h`
 (`request.block_hashes[i]`, the chained hash of the prefix caching; the engines must
@@ -32,10 +32,12 @@ and values. The pool stores only full blocks, and a page is the whole of one blo
 copying pages byte for byte is exact whatever the order inside them; both engines run
 the same build on the same machine (the fingerprint and the page size are checked).
 
-Scheduler side. `get_num_new_matched_tokens` counts the blocks after the local hit that
+Scheduler side. `get_num_new_matched_tokens` leases the blocks after the local hit that
 the pool holds, in order, and never the block of the last prompt token (vLLM computes
-it). `update_state_after_alloc` leases those blocks (a lease keeps eviction off them until
-the worker has read them) and records where each goes. `build_connector_meta` hands the
+it); a lease keeps eviction off a block until the worker has read it, so every block
+counted can be loaded (vLLM runs with `kv_load_failure_policy` "fail" by default: a
+load that fails fails its request). `update_state_after_alloc` records where each
+block goes and releases leases the scheduler did not take. `build_connector_meta` hands the
 worker this step's loads, and its saves: every block that becomes full in this step and
 that the pool does not hold yet.
 
@@ -158,7 +160,11 @@ class PoolConnector(KVConnectorBase_V1):
         if unknown:
             raise ValueError(f"PoolConnector: unknown kv_connector_extra_config {sorted(unknown)}")
         capacity_gb = extra.get("capacity_gb", 4)
-        if not isinstance(capacity_gb, int | float) or capacity_gb <= 0:
+        if (
+            isinstance(capacity_gb, bool)
+            or not isinstance(capacity_gb, int | float)
+            or capacity_gb <= 0
+        ):
             raise ValueError(f"PoolConnector: capacity_gb must be > 0, got {capacity_gb!r}")
         self.block_size = cache.block_size
         self.namespace = fingerprint(vllm_config)
@@ -168,11 +174,11 @@ class PoolConnector(KVConnectorBase_V1):
         # scheduler side
         stats_path = extra.get("stats_path")
         self._stats_path = Path(str(stats_path)) if stats_path else None
-        self.stats = {"loaded_tokens": 0, "loaded_blocks": 0, "lease_misses": 0, "save_blocks": 0}
+        self.stats = {"loaded_tokens": 0, "loaded_blocks": 0, "save_blocks": 0}
         self._stats_written: dict[str, int] = {}
         self._requests: dict[str, Request] = {}
-        self._matched: dict[str, int] = {}  # req_id -> first block index the pool supplies
-        self._leases: dict[str, list[Lease]] = {}
+        # req_id -> (first block index the pool supplies, the leases on those blocks)
+        self._held: dict[str, tuple[int, list[Lease]]] = {}
         self._loads: list[LoadItem] = []
         # worker side
         self._layers: list[torch.Tensor] = []
@@ -191,32 +197,41 @@ class PoolConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        # the blocks are leased here, so the count is what the worker can surely read;
+        # a later call for the same request (it was not scheduled) leases afresh
+        req_id = request.request_id
+        self._release_held(req_id)
         start = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        n = 0
-        while start + n < limit and self.pool.contains(request.block_hashes[start + n].hex()):
-            n += 1
-        self._matched[request.request_id] = start
-        return n * self.block_size, False
+        leases: list[Lease] = []
+        for i in range(start, limit):
+            lease = self.pool.lease(request.block_hashes[i].hex())
+            if lease is None:
+                break
+            leases.append(lease)
+        if leases:
+            self._held[req_id] = (start, leases)
+        return len(leases) * self.block_size, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if num_external_tokens <= 0:
-            return
         req_id = request.request_id
-        start = self._matched[req_id]
+        start, leases = self._held.pop(req_id, (0, []))
+        n = num_external_tokens // self.block_size
+        for lease in leases[n:]:  # the scheduler took fewer than were offered
+            Pool.release(lease)
+        if n <= 0:
+            return
         block_ids = blocks.get_block_ids()[0]
-        for i in range(start, start + num_external_tokens // self.block_size):
-            key = request.block_hashes[i].hex()
-            lease = self.pool.lease(key)
-            if lease is not None:
-                self._leases.setdefault(req_id, []).append(lease)
-                self.stats["loaded_blocks"] += 1
-                self.stats["loaded_tokens"] += self.block_size
-            else:  # evicted since get_num_new_matched_tokens: the worker reports it
-                self.stats["lease_misses"] += 1
-            self._loads.append(LoadItem(req_id, block_ids[i], key, lease))
+        for i, lease in zip(range(start, start + n), leases, strict=False):
+            self._loads.append(LoadItem(req_id, block_ids[i], lease.key, lease))
+        self.stats["loaded_blocks"] += n
+        self.stats["loaded_tokens"] += n * self.block_size
+
+    def _release_held(self, req_id: str) -> None:
+        for lease in self._held.pop(req_id, (0, []))[1]:
+            Pool.release(lease)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PoolConnectorMetadata(loads=self._loads)
@@ -256,11 +271,8 @@ class PoolConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        for lease in self._leases.pop(req_id, []):
-            Pool.release(lease)  # the worker released it after loading; else now
-        self._requests.pop(req_id, None)
-        self._matched.pop(req_id, None)
+        self._release_held(request.request_id)  # leased, never loaded
+        self._requests.pop(request.request_id, None)
         return False, None
 
     # -- worker side -----------------------------------------------------------------------

@@ -190,7 +190,7 @@ def pool_stats(engine: VllmEngine) -> dict[str, int]:
     try:
         out: dict[str, int] = json.loads(path.read_text())
     except FileNotFoundError:
-        return {"loaded_tokens": 0, "loaded_blocks": 0, "lease_misses": 0, "save_blocks": 0}
+        return {"loaded_tokens": 0, "loaded_blocks": 0, "save_blocks": 0}
     return out
 
 
