@@ -79,14 +79,15 @@ class BlockIndex:
     # -- runs ---------------------------------------------------------------------------
 
     def new_run(self, confirmed_at: float, expires_at: float) -> int:
-        """A new run: the most recently confirmed."""
+        """A new run: the most recently confirmed. It is held open (never recycled, even
+        while no block uses it) until `close_run`."""
         seq = self._next_seq
         self._next_seq += 1
         if self._free:
             run = self._free.pop()
             self.conf[run] = confirmed_at
             self.exp[run] = expires_at
-            self.refs[run] = 0
+            self.refs[run] = 1
             self.seq[run] = seq
             self.run_keys[run] = array("Q")
             self.run_head[run] = 0
@@ -96,13 +97,17 @@ class BlockIndex:
                 raise OverflowError("more than 2**30 live runs in one block index")
             self.conf.append(confirmed_at)
             self.exp.append(expires_at)
-            self.refs.append(0)
+            self.refs.append(1)
             self.seq.append(seq)
             self.run_keys.append(array("Q"))
             self.run_head.append(0)
         heapq.heappush(self._order, (seq, run))
         heapq.heappush(self._expiry, (expires_at, seq, run))
         return run
+
+    def close_run(self, run: int) -> None:
+        """The run takes no more blocks: recycled once none uses it."""
+        self._release(run)
 
     def _release(self, run: int) -> None:
         n = self.refs[run] - 1
@@ -231,7 +236,7 @@ class BlockIndex:
                 sh.used -= 1
                 self.count -= 1
                 self._release(w >> 2)
-                if sh.used * 8 < n and n > _MIN_SLOTS:
+                if sh.used == 0 or (sh.used * 8 < n and n > _MIN_SLOTS):
                     self._rehash(s, sh)
                 return True
             i += 1
@@ -264,21 +269,28 @@ class BlockIndex:
     def evict_oldest(self) -> bool:
         """Drop the least recently confirmed block (the first key of the oldest live run
         that the run still owns); False when the index is empty."""
-        while True:
-            _, run = self.oldest()
-            if run == 0:
-                return False
-            lst = self.run_keys[run]
-            assert lst is not None
-            head = self.run_head[run]
-            while head < len(lst):
-                key = lst[head]
-                head += 1
-                if self.lookup(key) >> 2 == run:
-                    self.run_head[run] = head
-                    self.remove(key)
-                    return True
-            self.run_head[run] = head  # every key moved on: the run is freed by them
+        skipped: list[tuple[int, int]] = []
+        try:
+            while True:
+                _, run = self.oldest()
+                if run == 0:
+                    return False
+                lst = self.run_keys[run]
+                assert lst is not None
+                head = self.run_head[run]
+                while head < len(lst):
+                    key = lst[head]
+                    head += 1
+                    if self.lookup(key) >> 2 == run:
+                        self.run_head[run] = head
+                        self.remove(key)
+                        return True
+                self.run_head[run] = head
+                # an open run with no block left in it: look past it, keep it in order
+                skipped.append(heapq.heappop(self._order))
+        finally:
+            for item in skipped:
+                heapq.heappush(self._order, item)
 
     def items(self) -> list[tuple[int, int]]:
         """(key, word) of every held block, by shard (for inspection and tests)."""

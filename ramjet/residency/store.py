@@ -9,7 +9,9 @@ their number.
 Eviction rule of `MemoryStore` (stated, tested): a table holds at most `caps[table]`
 entries. Inserting a new entry into a full table first evicts an approximate entry,
 the least recently confirmed one across engines; only when the table holds no
-approximate entry does it evict the least recently confirmed exact entry. Refreshing
+approximate entry does it evict the least recently confirmed exact entry, and only for
+an exact entry: an approximate entry that finds the table full of exact ones is not
+stored (the router's guess never displaces what a signed report says). Refreshing
 an entry moves it to the most recently confirmed end. `expire(now)` drops entries from
 the least recently confirmed end while they are expired; an expired entry that sits
 behind a live one (its TTL was shorter) is never returned by `get` and leaves at its
@@ -204,8 +206,9 @@ class DictStore:
             m = by_engine[engine] = OrderedDict()
         return m
 
-    def _evict_one(self, table: Table) -> None:
-        for exact in (False, True):
+    def _evict_one(self, table: Table, approximate_only: bool = False) -> bool:
+        """Evict by the rule; False when there was nothing it may evict."""
+        for exact in (False,) if approximate_only else (False, True):
             oldest: _Map | None = None
             oldest_at = float("inf")
             for m in self._maps[table][exact].values():
@@ -216,15 +219,18 @@ class DictStore:
             if oldest is not None:
                 oldest.popitem(last=False)
                 self._sizes[table] -= 1
-                return
+                return True
+        return False
 
     def _set(self, table: Table, m: _Map, key: PrefixKey, entry: Entry) -> None:
         if key in m:
             m[key] = entry
             m.move_to_end(key)
             return
-        if self._sizes[table] >= self._caps[table]:
-            self._evict_one(table)
+        if self._sizes[table] >= self._caps[table] and not self._evict_one(
+            table, approximate_only=not entry.exact
+        ):
+            return  # an approximate entry never displaces an exact one
         m[key] = entry
         self._sizes[table] += 1
 
@@ -469,15 +475,15 @@ class MemoryStore:
     def _global_size(self) -> int:
         return self._exact_count + self._rest.size(Table.GLOBAL)
 
-    def _evict_one(self, now: float) -> None:
-        """The stated rule: the least recently confirmed approximate entry, else the least
-        recently confirmed exact one across engines."""
+    def _evict_one(self, now: float, approximate_only: bool = False) -> bool:
+        """The stated rule: the least recently confirmed approximate entry, else (not for
+        an approximate entry) the least recently confirmed exact one across engines.
+        False when there was nothing it may evict."""
         rest = self._rest
-        before = rest.size(Table.GLOBAL)
-        if before:
-            rest._evict_one(Table.GLOBAL)
-            if rest.size(Table.GLOBAL) < before:
-                return
+        if rest.size(Table.GLOBAL) and rest._evict_one(Table.GLOBAL, approximate_only=True):
+            return True
+        if approximate_only:
+            return False
         oldest: BlockIndex | None = None
         oldest_engine: EngineId | None = None
         oldest_at = _INF
@@ -492,6 +498,8 @@ class MemoryStore:
             self.capped.add(oldest_engine)
             if self.on_cap_evict is not None:
                 self.on_cap_evict(oldest_engine)
+            return True
+        return False
 
     # -- reading ----------------------------------------------------------------------
 
@@ -584,6 +592,7 @@ class MemoryStore:
                     full_at = self._cap - self._rest.size(table)
                 if ix.put(key, run, t):
                     self._exact_count += 1
+            ix.close_run(run)
             return
         ix2 = self._exact.get(engine)
         rest = self._rest
@@ -593,8 +602,9 @@ class MemoryStore:
             if (
                 self._global_size() >= self._cap
                 and rest.get(table, engine, key, -_INF, True) is None
+                and not self._evict_one(now, approximate_only=True)
             ):
-                self._evict_one(now)
+                continue  # full of exact entries: a guess never displaces them
             rest.put(table, engine, (key,), tier, now, expires_at, False)
 
     def remove(self, table: Table, engine: EngineId, keys: Iterable[PrefixKey]) -> None:
@@ -711,7 +721,7 @@ class MemoryStore:
 
 class IndexStaging:
     """One engine's next exact global content, built in a new `BlockIndex` off the live
-    one (`MemoryStore.stage_exact`). Keys of one expiry share a run."""
+    one (`MemoryStore.stage_exact`). Consecutive keys of one expiry share a run."""
 
     __slots__ = ("_done", "_engine", "_index", "_now", "_runs", "_store")
 
@@ -720,14 +730,19 @@ class IndexStaging:
         self._engine = engine
         self._now = now
         self._index = BlockIndex()
-        self._runs: dict[float, int] = {}
+        self._runs: list[int] = []
         self._done = False
 
     def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None:
         ix = self._index
-        run = self._runs.get(expires_at)
-        if run is None or ix.refs[run] == 0:
-            run = self._runs[expires_at] = ix.new_run(self._now, expires_at)
+        # consecutive pieces of one expiry share a run (held open until the commit); a
+        # new expiry starts a new one, so the runs keep the order the keys came in
+        last = self._runs[-1] if self._runs else None
+        if last is not None and ix.exp[last] == expires_at:
+            run = last
+        else:
+            run = ix.new_run(self._now, expires_at)
+            self._runs.append(run)
         t = int(tier)
         for key in keys:
             ix.put(key, run, t)
@@ -740,4 +755,6 @@ class IndexStaging:
         if self._done:
             raise RuntimeError("staging already committed")
         self._done = True
+        for run in self._runs:
+            self._index.close_run(run)
         self._store._swap_index(self._engine, self._index, self._now)
