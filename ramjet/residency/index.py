@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from collections.abc import Sequence
 from typing import Final
 
 SHARD_BITS: Final = 12
@@ -216,6 +217,89 @@ class BlockIndex:
         if sh.filled * 4 > n * 3:
             self._rehash(s, sh)
         return True
+
+    def put_many(self, keys: Sequence[int], run: int, tier: int) -> int:
+        """`put` of each key (one call for a report's group); returns how many were new."""
+        shards = self.shards
+        refs = self.refs
+        lst = self.run_keys[run]
+        assert lst is not None
+        word = run << 2 | tier
+        new = 0
+        for key in keys:
+            h = key ^ (key >> 29)
+            s = h & _SHARD_MASK
+            sh = shards[s]
+            if sh is None:
+                sh = _Shard(_MIN_SLOTS)
+                shards[s] = sh
+            skeys, words = sh.keys, sh.words
+            n = len(words)
+            i = (h >> SHARD_BITS) % n
+            tomb = -1
+            found = False
+            while True:
+                w = words[i]
+                if w == _EMPTY:
+                    break
+                if w == _TOMB:
+                    if tomb < 0:
+                        tomb = i
+                elif skeys[i] == key:
+                    old = w >> 2
+                    words[i] = word
+                    if old != run:
+                        self._release(old)
+                        refs[run] += 1
+                        lst.append(key)
+                    found = True
+                    break
+                i += 1
+                if i == n:
+                    i = 0
+            if found:
+                continue
+            if tomb >= 0:
+                i = tomb
+            else:
+                sh.filled += 1
+            skeys[i] = key
+            words[i] = word
+            sh.used += 1
+            new += 1
+            lst.append(key)
+            if sh.filled * 4 > n * 3:
+                self._rehash(s, sh)
+        self.count += new
+        refs[run] += new
+        return new
+
+    def words(self, keys: Sequence[int], now: float) -> list[int]:
+        """`live` of each key (one call for a prompt's blocks): 0 where not held."""
+        shards = self.shards
+        exp = self.exp
+        out: list[int] = []
+        for key in keys:
+            h = key ^ (key >> 29)
+            sh = shards[h & _SHARD_MASK]
+            found = 0
+            if sh is not None:
+                skeys, words = sh.keys, sh.words
+                n = len(words)
+                i = (h >> SHARD_BITS) % n
+                while True:
+                    w = words[i]
+                    if w == _EMPTY:
+                        break
+                    if w != _TOMB and skeys[i] == key:
+                        if exp[w >> 2] > now:
+                            found = w
+                        break
+                    i += 1
+                    if i == n:
+                        i = 0
+            out.append(found)
+        return out
 
     def remove(self, key: int) -> bool:
         """Drop the block; True when it was held."""

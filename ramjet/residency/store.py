@@ -542,13 +542,20 @@ class MemoryStore:
             if approximate:
                 return self._rest.get_many(table, engine, keys, now, True)
             return [None] * len(keys)
+        words = ix.words(keys, now)
         out: list[Entry | None] = []
         missing = False
-        for key in keys:
-            w = ix.live(key, now)
-            if w:
-                out.append(self._entry(ix, w))
+        last_w, last_e = 0, None
+        for w in words:
+            if w == last_w:
+                out.append(last_e)  # runs of blocks share a word: one Entry
+                if w == 0:
+                    missing = True
+            elif w:
+                last_w, last_e = w, self._entry(ix, w)
+                out.append(last_e)
             else:
+                last_w, last_e = 0, None
                 out.append(None)
                 missing = True
         if missing and approximate and self._rest.holds(engine):
@@ -586,6 +593,10 @@ class MemoryStore:
             run = ix.new_run(now, expires_at)
             t = int(tier)
             full_at = self._cap - self._rest.size(table)
+            if self._exact_count + len(keys) <= full_at:  # room for all: one batch
+                self._exact_count += ix.put_many(keys, run, t)
+                ix.close_run(run)
+                return
             for key in keys:
                 if self._exact_count >= full_at and not ix.lookup(key):
                     self._evict_one(now)
@@ -743,9 +754,7 @@ class IndexStaging:
         else:
             run = ix.new_run(self._now, expires_at)
             self._runs.append(run)
-        t = int(tier)
-        for key in keys:
-            ix.put(key, run, t)
+        ix.put_many(keys, run, int(tier))
 
     def __len__(self) -> int:
         return self._index.count
