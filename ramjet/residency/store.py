@@ -1,4 +1,6 @@
-"""Storage behind the residency tables: the `ResidencyStore` contract and `MemoryStore`.
+"""Storage behind the residency tables: the `ResidencyStore` contract, `MemoryStore` (the
+in-process store: a compact `BlockIndex` per engine for the exact global entries) and
+`DictStore` (the dict store it replaced, kept as the reference it is tested against).
 
 Both tables have one shape: (table, engine, prefix key) -> `Entry` (tier, when it was
 last confirmed, when it expires, and whether an engine's signed report stands behind
@@ -6,7 +8,7 @@ it ("exact") or only the router's own routing ("approximate")). The facade in
 `tables.py` decides what to write; a store only keeps entries, expires them and bounds
 their number.
 
-Eviction rule of `MemoryStore` (stated, tested): a table holds at most `caps[table]`
+Eviction rule of both in-process stores (stated, tested alike): a table holds at most `caps[table]`
 entries. Inserting a new entry into a full table first evicts an approximate entry,
 the least recently confirmed one across engines; only when the table holds no
 approximate entry does it evict the least recently confirmed exact entry, and only for
@@ -15,7 +17,8 @@ stored (the router's guess never displaces what a signed report says). Refreshin
 an entry moves it to the most recently confirmed end. `expire(now)` drops entries from
 the least recently confirmed end while they are expired; an expired entry that sits
 behind a live one (its TTL was shorter) is never returned by `get` and leaves at its
-turn or under cap pressure, so memory stays bounded by the cap either way.
+turn or under cap pressure, so memory stays bounded by the cap either way (`DictStore`;
+`MemoryStore` sweeps every expired entry, in bounded steps: see the class).
 
 Snapshots without a stall. `stage_exact(table, engine, now)` returns an `ExactStaging`:
 the engine's new exact content is built off to the side in pieces (`add(keys, tier,
@@ -435,8 +438,9 @@ class MemoryStore:
     - `entries(GLOBAL, engine, True)` lists the index by shard, not by confirmation.
     """
 
-    sweep_shards: int = 256
-    """Index shards (of `SHARDS`) swept per `expire` call."""
+    sweep_shards: int = 4
+    """Index shards (of `SHARDS`) swept per `expire_step`: at 20M blocks an engine's
+    shard holds ~5k blocks, so a step is about 2-3 ms compiled."""
 
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:

@@ -169,3 +169,29 @@ def test_block_index_holds_random_blocks_and_sweeps_them_in_steps() -> None:
     for k in keys[0::2]:
         assert ix.remove(k)
     assert ix.count == 0 and all(sh is None for sh in ix.shards)
+
+
+def test_expiry_runs_in_bounded_steps_and_ends() -> None:
+    """`expire_step` sweeps a few shards a step (budget 0: one store step), says whether
+    work is left, and the steps together drop exactly what `expire` would."""
+    rng = random.Random(3)
+    tables = ResidencyTables(ResidencyConfig(global_ttl_s=100.0))
+    store = tables.store
+    assert isinstance(store, MemoryStore)
+    keys = [PrefixKey(rng.getrandbits(64)) for _ in range(20_000)]
+    tables.store_global(ENGINES[0], keys[:10_000], Tier.HOST, 0.0, ttl_s=10.0)
+    tables.store_global(ENGINES[0], keys[10_000:], Tier.SSD, 0.0)
+    assert tables.expire_step(5.0, budget_s=0.0) is False  # nothing expired yet
+    assert tables.size(Table.GLOBAL) == 20_000
+    steps = 0
+    while tables.expire_step(50.0, budget_s=0.0):
+        steps += 1
+        assert 10_000 <= tables.size(Table.GLOBAL) < 20_000
+    assert steps >= SHARDS // store.sweep_shards - 1
+    assert tables.size(Table.GLOBAL) == 10_000
+    assert store.get_many(Table.GLOBAL, ENGINES[0], keys, 50.0, False) == [None] * 10_000 + [
+        store.get(Table.GLOBAL, ENGINES[0], k, 50.0, False) for k in keys[10_000:]
+    ]
+    assert all(
+        e is not None for e in store.get_many(Table.GLOBAL, ENGINES[0], keys[10_000:], 50.0, False)
+    )
