@@ -15,7 +15,7 @@ On a shared machine wall-clock figures swing with other load; the CPU-time rate 
 
 Then, with the event loop in view:
 - the longest event-loop stall while a 100,000-key snapshot is applied, in one step
-  (`submit`, the baseline) and in pieces (`submit_async`, 8192 keys a piece);
+  (`submit`, the baseline) and in pieces (`submit_async`, 4096 keys a piece);
 - a real router (`RouterServer`, report runtime on) proxying chat requests from C
   concurrent clients to a loopback upstream, for S seconds each: alone (baseline), while
   its puller ingests deltas offered at R per second (the report rate it sustains while

@@ -26,6 +26,7 @@ catch what they caught. The groups are new: nothing caught them before.
     │   └── UpstreamClosed (OSError)         ramjet.proxy.transport: closed, broken, not HTTP
     ├── RedisUnavailable                   ramjet.residency.redis_link: fail open to local state
     │   └── RedisCommandError                an error reply (OOM, script error): a failure
+    ├── InvalidEntry (ValueError)          ramjet.residency.redis_ops: Redis data failing its checks
     ├── WireError (ValueError)             ramjet.sidecar.wire: an engine event not decodable
     │   └── UnknownEventType
     └── PromptTooLong (RuntimeError)       ramjet.sidecar.probe: a probe prompt over the context

@@ -237,6 +237,12 @@ CATALOGUE: tuple[Metric, ...] = (
            "Entries held per residency table", at_scrape=True),
     Metric("ramjet_residency_pending_entries", GAUGE, "", (), "ramjet.residency.tables",
            "Pending (engine, key) holds: requests sent, not yet confirmed by a report", at_scrape=True),
+    Metric("ramjet_residency_global_cap_entries", GAUGE, "", (), "ramjet.residency.tables",
+           "Cap of the in-process global residency table: capacity_headroom x the engines' reported capacity, within max_global_entries .. max_global_entries_ceiling", at_scrape=True),
+    Metric("ramjet_residency_cap_evictions_total", COUNTER, "", ("engine",), "ramjet.residency.tables",
+           "Exact (report-confirmed) global entries evicted because the table was at its cap: the router forgot blocks the engine still holds"),
+    Metric("ramjet_residency_capped", GAUGE, "", ("engine",), "ramjet.residency.tables",
+           "1 while the cap has evicted an exact entry of the engine since its last snapshot: its matches may be missing blocks", at_scrape=True),
     # -- ramjet.keys.pools ---------------------------------------------------------------
     Metric("ramjet_token_keys_fallback_total", COUNTER, "", ("pool",), "ramjet.keys.pools",
            "Requests of a token-keys pool keyed by text: the pool's chat template could not render them"),

@@ -83,6 +83,7 @@ COMPILED: tuple[str, ...] = (
     "ramjet.fleet.signals",
     "ramjet.fleet.views",
     "ramjet.keys.prefix",
+    "ramjet.residency.index",
     "ramjet.residency.pending",
     "ramjet.residency.source",
     "ramjet.residency.store",

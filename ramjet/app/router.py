@@ -59,7 +59,7 @@ from ramjet.fleet.signals import EngineSignals, NoSignals
 from ramjet.fleet.views import PoolSpec, engine_views, retry_engine
 from ramjet.keys.pools import KeyPools
 from ramjet.metrics import RouterMetrics
-from ramjet.policy.base import EngineView
+from ramjet.policy.base import Decision, EngineView
 from ramjet.policy.calibration import Calibrations
 from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.fleet_stats import WorkRates, fleet_stats
@@ -483,6 +483,14 @@ class Router:
         if res.ttft_s is not None and res.engine is not None:
             m.ttft_of(res.engine).observe(res.ttft_s)
         m.duration_of(engine).observe(duration)
+        live, incumbent, candidate = outcome.live, outcome.incumbent, outcome.candidate
+        capped = self.residency.capped_engines()
+        if capped:  # a match on them may be missing: say so in every pick
+            notes = tuple(f"residency_capped:{v.id}" for v in views if v.id in capped)
+            if notes:
+                live = _noted(live, notes)
+                incumbent = None if incumbent is None else _noted(incumbent, notes)
+                candidate = None if candidate is None else _noted(candidate, notes)
         record = DecisionRecord(
             request_id=request_id,
             time_unix=time.time(),
@@ -492,9 +500,9 @@ class Router:
             stream=parsed.stream,
             mode=self.config.mode.kind,
             live_role=outcome.live_role,
-            live=outcome.live,
-            incumbent=outcome.incumbent,
-            candidate=outcome.candidate,
+            live=live,
+            incumbent=incumbent,
+            candidate=candidate,
             candidate_error=outcome.candidate_error,
             candidate_s=outcome.candidate_s,
             engine=res.engine,
@@ -583,3 +591,9 @@ def untrusted_priority_removed(parsed: ParsedRequest) -> ParsedRequest:
     client not in `limits.priority_trusted_networks`)."""
     rest = {k: v for k, v in parsed.json.items() if k != "priority"}
     return dataclasses.replace(parsed, body=without_priority(parsed.body), json=rest)
+
+
+def _noted(d: Decision, notes: tuple[str, ...]) -> Decision:
+    """`d` with `notes` added (`residency_capped:<engine>`: the residency table's cap
+    evicted entries the engine's reports confirmed, so its match may be missing)."""
+    return Decision(d.engine, d.policy, d.components, d.notes + notes)

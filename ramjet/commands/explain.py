@@ -5,7 +5,8 @@ externality, the jump charge inside it (`-` on an engine that serves by no key),
 predicted TTFT (calibrated, and as the raw profile prices it) and cached tokens by tier;
 `*` marks its pick, the least cost), the calibration's weights on each engine, its notes
 spelled out (default profile, the built-in estimate profile, degraded view, beyond the
-probed context, externality off), and the realized outcome (engine, status, TTFT, the engine's prompt_work) with the
+probed context, profile off, externality off, residency capped), and the realized
+outcome (engine, status, TTFT, the engine's prompt_work) with the
 prediction errors, and the priority hint (value and key, sent or only observed). Exit 1
 if no line matches, 2 if the log cannot be read.
 """
@@ -51,6 +52,9 @@ _NOTES = {
     "(ramjet/policy/cost.py), not a measured profile: its predicted times are guesses; "
     "let the engine report a profile (the sidecar probes it) or set "
     "candidate.params.default_profile",
+    "residency_capped": "the residency table is at its cap and evicted blocks this engine's "
+    "reports confirmed: its cached-prefix match may be missing some (priced as recompute); "
+    "see ramjet_residency_cap_evictions_total and residency.capacity_headroom",
 }
 
 

@@ -51,8 +51,9 @@ from ramjet.types import EngineId, PrefixKey, Tier, TrustGrade
 
 _Piece = tuple[Sequence[PrefixKey], Tier | None, float | None]
 
-DEFAULT_SNAPSHOT_CHUNK_KEYS = 8192
-"""Keys applied per event-loop turn by `submit_async` (about 1-3 ms of dict updates)."""
+DEFAULT_SNAPSHOT_CHUNK_KEYS = 4096
+"""Keys applied per event-loop turn by `submit_async`: about 6 ms into the compact index
+(`ramjet.residency.index`, compiled), under the 10 ms a turn may take."""
 
 
 @dataclass(slots=True)
@@ -71,6 +72,12 @@ class EngineReportState:
     signers: set[str] = field(default_factory=set)
     """Key ids that signed the reports the engine's current view is built from (since its
     last purge): revoking one of them purges the view (`replace_keyring`)."""
+    held_hbm: int = 0
+    """Global blocks in HBM by the engine's last snapshot; with `held_other` (host and
+    SSD) and the load's `kv_utilization`, its reported capacity (`_report_capacity`)."""
+    held_other: int = 0
+    capacity: int = 0
+    """The largest capacity the engine's reports have shown (blocks, all tiers)."""
 
 
 @dataclass(slots=True)
@@ -230,7 +237,7 @@ class ReportProcessor:
                 continue
             silent = t - st.last_report_at > self.config.stale_ttl_s
             self.tables.set_mode(engine, ViewMode.SILENT if silent else ViewMode.REPORTED)
-        self.tables.expire(t)
+        self.tables.expire_step(t)
 
     # -- commit -----------------------------------------------------------------------------
 
@@ -269,6 +276,9 @@ class ReportProcessor:
         transit_s = max(0.0, self._wall() - env.issued_at_ms / 1000.0)
         if isinstance(body, SnapshotBody):
             self._abandon(st)
+            st.held_hbm = sum(len(g.keys) for g in body.residency if g.tier_enum is Tier.HBM)
+            st.held_other = sum(len(g.keys) for g in body.residency) - st.held_hbm
+            self._report_capacity(engine, st)
             if defer and body.key_count() > self.snapshot_chunk_keys:
                 job = st.applying = SnapshotApply(body, now, transit_s)
             else:
@@ -283,6 +293,7 @@ class ReportProcessor:
                 st.applying.replay.append((body, now, transit_s))
         elif isinstance(body, LoadBody):
             st.load, st.load_at = body, now
+            self._report_capacity(engine, st)
         elif isinstance(body, ProfileBody):
             st.profile = body
         if st.gap:
@@ -293,6 +304,20 @@ class ReportProcessor:
         self.tables.set_mode(engine, ViewMode.REPORTED)
         self.metrics.accepted.labels(engine, env.kind).inc()
         return job
+
+    def _report_capacity(self, engine: EngineId, st: EngineReportState) -> None:
+        """What the reports say of the engine's capacity in global blocks: its last
+        snapshot's blocks per tier, HBM scaled up by the HBM share in use its last load
+        reports (`kv_utilization`). The bodies carry no capacity field: this reads what
+        is there. The largest figure seen sizes its share of the residency cap."""
+        hbm = st.held_hbm
+        util = st.load.kv_utilization if st.load is not None else 0.0
+        if util >= 0.01:
+            hbm = max(hbm, int(hbm / util))
+        cap = hbm + st.held_other
+        if cap > st.capacity:
+            st.capacity = cap
+            self.tables.set_capacity(engine, cap)
 
     @staticmethod
     def _abandon(st: EngineReportState) -> None:

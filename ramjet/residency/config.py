@@ -29,6 +29,14 @@ class ResidencyConfig(BaseModel):
     confirmed by its report (`ramjet.residency.pending`). Long enough to cover queueing
     and prefill plus a few report intervals; a report or a failure ends it sooner."""
     max_global_entries: Annotated[int, Field(ge=1)] = 1_000_000
+    """Cap of the global table (exact and approximate entries, every engine) while the
+    engines report no capacity, and its floor when they do (`capacity_headroom`)."""
+    capacity_headroom: Annotated[float, Field(ge=1.0, le=100.0)] = 1.25
+    """The in-process global table's cap is this x the engines' reported capacity (blocks,
+    all tiers), within max_global_entries .. max_global_entries_ceiling."""
+    max_global_entries_ceiling: Annotated[int, Field(ge=1)] = 400_000_000
+    """Hard bound on the in-process global table whatever the engines report (about
+    25-30 bytes a block: 400M is ~11 GiB)."""
     max_swa_entries: Annotated[int, Field(ge=1)] = 200_000
     max_pending_entries: Annotated[int, Field(ge=1)] = 500_000
     """Pending (engine, key) holds across both tables; the oldest tickets go first."""
@@ -37,6 +45,8 @@ class ResidencyConfig(BaseModel):
     def _check(self) -> ResidencyConfig:
         if self.swa_ttl_s > self.swa_max_ttl_s:
             raise ValueError("swa_ttl_s must not exceed swa_max_ttl_s")
+        if self.max_global_entries_ceiling < self.max_global_entries:
+            raise ValueError("max_global_entries_ceiling must be >= max_global_entries")
         return self
 
 

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ramjet.errors import RamjetError
 from ramjet.residency.redis_scripts import key16
 from ramjet.residency.store import ExactStager, MemoryStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
@@ -115,7 +116,7 @@ def replace_op(
     ]
 
 
-class InvalidEntry(ValueError):
+class InvalidEntry(RamjetError, ValueError):
     """A change-log entry or record this replica cannot read or verify; `reason` is the
     label of `ramjet_redis_rejected_total`."""
 

@@ -35,6 +35,11 @@ class ResidencySource(Protocol):
         """The forward ended on `engine` (None: failed); keep, move or drop the ticket."""
         ...
 
+    def capped_engines(self) -> frozenset[EngineId]:
+        """Engines whose report-confirmed residency lost entries to the table's cap since
+        their last snapshot: a match on them may be missing blocks they hold."""
+        ...
+
 
 class _EmptyView:
     def global_match(
@@ -64,3 +69,6 @@ class NoResidency:
         self, ticket: PendingTicket | None, engine: EngineId | None, now: float
     ) -> None:
         return None
+
+    def capped_engines(self) -> frozenset[EngineId]:
+        return frozenset()

@@ -1,4 +1,6 @@
-"""Storage behind the residency tables: the `ResidencyStore` contract and `MemoryStore`.
+"""Storage behind the residency tables: the `ResidencyStore` contract, `MemoryStore` (the
+in-process store: a compact `BlockIndex` per engine for the exact global entries) and
+`DictStore` (the dict store it replaced, kept as the reference it is tested against).
 
 Both tables have one shape: (table, engine, prefix key) -> `Entry` (tier, when it was
 last confirmed, when it expires, and whether an engine's signed report stands behind
@@ -6,14 +8,17 @@ it ("exact") or only the router's own routing ("approximate")). The facade in
 `tables.py` decides what to write; a store only keeps entries, expires them and bounds
 their number.
 
-Eviction rule of `MemoryStore` (stated, tested): a table holds at most `caps[table]`
+Eviction rule of both in-process stores (stated, tested alike): a table holds at most `caps[table]`
 entries. Inserting a new entry into a full table first evicts an approximate entry,
 the least recently confirmed one across engines; only when the table holds no
-approximate entry does it evict the least recently confirmed exact entry. Refreshing
+approximate entry does it evict the least recently confirmed exact entry, and only for
+an exact entry: an approximate entry that finds the table full of exact ones is not
+stored (the router's guess never displaces what a signed report says). Refreshing
 an entry moves it to the most recently confirmed end. `expire(now)` drops entries from
 the least recently confirmed end while they are expired; an expired entry that sits
 behind a live one (its TTL was shorter) is never returned by `get` and leaves at its
-turn or under cap pressure, so memory stays bounded by the cap either way.
+turn or under cap pressure, so memory stays bounded by the cap either way (`DictStore`;
+`MemoryStore` sweeps every expired entry, in bounded steps: see the class).
 
 Snapshots without a stall. `stage_exact(table, engine, now)` returns an `ExactStaging`:
 the engine's new exact content is built off to the side in pieces (`add(keys, tier,
@@ -33,13 +38,14 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple, Protocol
 
 from ramjet.residency.config import RedisSettings
+from ramjet.residency.index import SHARDS, BlockIndex
 from ramjet.residency.redis_link import RedisLink
 from ramjet.types import EngineId, PrefixKey, Tier
 
@@ -177,9 +183,11 @@ _EXPIRES = attrgetter("expires_at")
 _INF = float("inf")
 
 
-class MemoryStore:
+class DictStore:
     """In-process `ResidencyStore`: per (table, source, engine) an OrderedDict in
-    confirmation order. See the module docstring for the eviction rule."""
+    confirmation order (about 130 bytes per entry). See the module docstring for the
+    eviction rule. `MemoryStore` keeps the exact global entries in a compact index and
+    the rest here; this one whole is the reference its answers are tested against."""
 
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:
@@ -201,8 +209,9 @@ class MemoryStore:
             m = by_engine[engine] = OrderedDict()
         return m
 
-    def _evict_one(self, table: Table) -> None:
-        for exact in (False, True):
+    def _evict_one(self, table: Table, approximate_only: bool = False) -> bool:
+        """Evict by the rule; False when there was nothing it may evict."""
+        for exact in (False,) if approximate_only else (False, True):
             oldest: _Map | None = None
             oldest_at = float("inf")
             for m in self._maps[table][exact].values():
@@ -213,15 +222,18 @@ class MemoryStore:
             if oldest is not None:
                 oldest.popitem(last=False)
                 self._sizes[table] -= 1
-                return
+                return True
+        return False
 
     def _set(self, table: Table, m: _Map, key: PrefixKey, entry: Entry) -> None:
         if key in m:
             m[key] = entry
             m.move_to_end(key)
             return
-        if self._sizes[table] >= self._caps[table]:
-            self._evict_one(table)
+        if self._sizes[table] >= self._caps[table] and not self._evict_one(
+            table, approximate_only=not entry.exact
+        ):
+            return  # an approximate entry never displaces an exact one
         m[key] = entry
         self._sizes[table] += 1
 
@@ -375,12 +387,12 @@ class MemoryStore:
 
 class ExactStaging:
     """One engine's next exact content of one table, built off the live map
-    (`MemoryStore.stage_exact`). Keys added twice keep their first position and their
+    (`DictStore.stage_exact`). Keys added twice keep their first position and their
     last tier and expiry, as in `replace_exact`."""
 
     __slots__ = ("_done", "_engine", "_map", "_now", "_shared", "_store", "_table")
 
-    def __init__(self, store: MemoryStore, table: Table, engine: EngineId, now: float) -> None:
+    def __init__(self, store: DictStore, table: Table, engine: EngineId, now: float) -> None:
         self._store = store
         self._table = table
         self._engine = engine
@@ -405,3 +417,357 @@ class ExactStaging:
             raise RuntimeError("staging already committed")
         self._done = True
         self._store._swap_exact(self._table, self._engine, self._map)
+
+
+_TIERS = tuple(Tier)
+
+
+class MemoryStore:
+    """In-process `ResidencyStore`: the exact global entries of each engine in a
+    `BlockIndex` (typed arrays, about 25 bytes a block; `ramjet.residency.index`), the
+    approximate global entries and the SWA table in a `DictStore` beside it (the router's
+    own routing and SWA sessions: few). Same answers as `DictStore` whole (property
+    tested), and the same eviction rule (module docstring) over the same caps, with
+    these differences:
+
+    - the global table's cap may be changed (`set_cap`: sized from the fleet's reported
+      capacity by `ResidencyTables`); an exact entry that leaves under it is counted by
+      engine (`cap_evictions`) and the engine is `capped` until a snapshot of it fits;
+    - `expire(now)` sweeps the index in bounded steps (`sweep_shards` shards a call, a
+      few ms), resuming where it stopped; an expired entry is never returned meanwhile;
+    - `entries(GLOBAL, engine, True)` lists the index by shard, not by confirmation.
+    """
+
+    sweep_shards: int = 4
+    """Index shards (of `SHARDS`) swept per `expire_step`: at 20M blocks an engine's
+    shard holds ~5k blocks, so a step is about 2-3 ms compiled."""
+
+    def __init__(self, caps: dict[Table, int]) -> None:
+        for table in Table:
+            if caps.get(table, 0) < 1:
+                raise ValueError(f"cap for table {table.value!r} must be at least 1")
+        self._cap = caps[Table.GLOBAL]
+        # the approximate global entries and the SWA table; the global cap is kept here
+        self._rest = DictStore({Table.GLOBAL: 1 << 62, Table.SWA: caps[Table.SWA]})
+        self._exact: dict[EngineId, BlockIndex] = {}
+        self._exact_count = 0
+        self._entries: dict[tuple[int, int], Entry] = {}
+        """Entry by (id of the index, word): rebuilt when a run id is recycled."""
+        self.cap_evictions: dict[EngineId, int] = {}
+        """Exact global entries evicted under the cap, by engine (since start)."""
+        self.capped: set[EngineId] = set()
+        """Engines that lost an exact global entry to the cap since their last snapshot."""
+        self.on_cap_evict: Callable[[EngineId], None] | None = None
+        """Called with the engine of each exact global entry evicted under the cap."""
+        self._sweep_at: tuple[int, int] = (0, 0)
+        """Where the expiry sweep resumes: (engine number, shard)."""
+
+    # -- caps -------------------------------------------------------------------------
+
+    def set_cap(self, table: Table, cap: int) -> None:
+        """Change the global table's cap (the SWA cap is fixed). Takes effect at the next
+        insert: nothing is evicted here."""
+        if table is not Table.GLOBAL:
+            raise ValueError("only the global table's cap can change")
+        if cap < 1:
+            raise ValueError("cap must be at least 1")
+        self._cap = cap
+
+    def cap(self, table: Table) -> int:
+        return self._cap if table is Table.GLOBAL else self._rest._caps[Table.SWA]
+
+    def _global_size(self) -> int:
+        return self._exact_count + self._rest.size(Table.GLOBAL)
+
+    def _evict_one(self, now: float, approximate_only: bool = False) -> bool:
+        """The stated rule: the least recently confirmed approximate entry, else (not for
+        an approximate entry) the least recently confirmed exact one across engines.
+        False when there was nothing it may evict."""
+        rest = self._rest
+        if rest.size(Table.GLOBAL) and rest._evict_one(Table.GLOBAL, approximate_only=True):
+            return True
+        if approximate_only:
+            return False
+        oldest: BlockIndex | None = None
+        oldest_engine: EngineId | None = None
+        oldest_at = _INF
+        for engine, ix in self._exact.items():
+            if ix.count:
+                at, _ = ix.oldest()
+                if at < oldest_at:
+                    oldest, oldest_engine, oldest_at = ix, engine, at
+        if oldest is not None and oldest_engine is not None and oldest.evict_oldest():
+            self._exact_count -= 1
+            self.cap_evictions[oldest_engine] = self.cap_evictions.get(oldest_engine, 0) + 1
+            self.capped.add(oldest_engine)
+            if self.on_cap_evict is not None:
+                self.on_cap_evict(oldest_engine)
+            return True
+        return False
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _entry(self, ix: BlockIndex, word: int) -> Entry:
+        memo = (id(ix), word)
+        e = self._entries.get(memo)
+        run = word >> 2
+        if e is None or e.confirmed_at != ix.conf[run] or e.expires_at != ix.exp[run]:
+            if len(self._entries) >= 65536:
+                self._entries.clear()
+            e = Entry(_TIERS[word & 3], ix.conf[run], ix.exp[run], True)
+            self._entries[memo] = e
+        return e
+
+    def get(
+        self, table: Table, engine: EngineId, key: PrefixKey, now: float, approximate: bool
+    ) -> Entry | None:
+        if table is Table.GLOBAL:
+            ix = self._exact.get(engine)
+            if ix is not None:
+                w = ix.live(key, now)
+                if w:
+                    return self._entry(ix, w)
+            if not approximate:
+                return None
+        return self._rest.get(table, engine, key, now, approximate)
+
+    def get_many(
+        self,
+        table: Table,
+        engine: EngineId,
+        keys: Sequence[PrefixKey],
+        now: float,
+        approximate: bool,
+    ) -> list[Entry | None]:
+        if table is not Table.GLOBAL:
+            return self._rest.get_many(table, engine, keys, now, approximate)
+        ix = self._exact.get(engine)
+        if ix is None:
+            if approximate:
+                return self._rest.get_many(table, engine, keys, now, True)
+            return [None] * len(keys)
+        words = ix.words(keys, now)
+        out: list[Entry | None] = []
+        missing = False
+        last_w, last_e = 0, None
+        for w in words:
+            if w == last_w:
+                out.append(last_e)  # runs of blocks share a word: one Entry
+                if w == 0:
+                    missing = True
+            elif w:
+                last_w, last_e = w, self._entry(ix, w)
+                out.append(last_e)
+            else:
+                last_w, last_e = 0, None
+                out.append(None)
+                missing = True
+        if missing and approximate and self._rest.holds(engine):
+            approx = self._rest.get_many(table, engine, keys, now, True)
+            out = [e if e is not None else a for e, a in zip(out, approx, strict=True)]
+        return out
+
+    # -- writing ----------------------------------------------------------------------
+
+    def _index(self, engine: EngineId) -> BlockIndex:
+        ix = self._exact.get(engine)
+        if ix is None:
+            ix = self._exact[engine] = BlockIndex()
+        return ix
+
+    def put(
+        self,
+        table: Table,
+        engine: EngineId,
+        keys: Iterable[PrefixKey],
+        tier: Tier,
+        now: float,
+        expires_at: float,
+        exact: bool,
+    ) -> None:
+        if table is not Table.GLOBAL:
+            self._rest.put(table, engine, keys, tier, now, expires_at, exact)
+            return
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)
+        if exact:
+            if self._rest.holds(engine):
+                self._rest.remove(table, engine, keys)
+            ix = self._index(engine)
+            run = ix.new_run(now, expires_at)
+            t = int(tier)
+            full_at = self._cap - self._rest.size(table)
+            if self._exact_count + len(keys) <= full_at:  # room for all: one batch
+                self._exact_count += ix.put_many(keys, run, t)
+                ix.close_run(run)
+                return
+            for key in keys:
+                if self._exact_count >= full_at and not ix.lookup(key):
+                    self._evict_one(now)
+                    full_at = self._cap - self._rest.size(table)
+                if ix.put(key, run, t):
+                    self._exact_count += 1
+            ix.close_run(run)
+            return
+        ix2 = self._exact.get(engine)
+        rest = self._rest
+        for key in keys:
+            if ix2 is not None and ix2.live(key, now):
+                continue  # never override what a signed report says
+            if (
+                self._global_size() >= self._cap
+                and rest.get(table, engine, key, -_INF, True) is None
+                and not self._evict_one(now, approximate_only=True)
+            ):
+                continue  # full of exact entries: a guess never displaces them
+            rest.put(table, engine, (key,), tier, now, expires_at, False)
+
+    def remove(self, table: Table, engine: EngineId, keys: Iterable[PrefixKey]) -> None:
+        if table is Table.GLOBAL:
+            ix = self._exact.get(engine)
+            if ix is not None:
+                if not isinstance(keys, (list, tuple)):
+                    keys = list(keys)
+                for key in keys:
+                    if ix.remove(key):
+                        self._exact_count -= 1
+        self._rest.remove(table, engine, keys)
+
+    def replace_exact(
+        self,
+        table: Table,
+        engine: EngineId,
+        entries: Iterable[tuple[PrefixKey, Tier, float]],
+        now: float,
+    ) -> None:
+        staging = self.stage_exact(table, engine, now)
+        for key, tier, expires_at in entries:
+            staging.add((key,), tier, expires_at)
+        staging.commit()
+
+    def stage_exact(self, table: Table, engine: EngineId, now: float) -> ExactStager:
+        if table is not Table.GLOBAL:
+            return self._rest.stage_exact(table, engine, now)
+        return IndexStaging(self, engine, now)
+
+    def _swap_index(self, engine: EngineId, new: BlockIndex, now: float) -> None:
+        old = self._exact.pop(engine, None)
+        if old is not None:
+            self._exact_count -= old.count
+        rest = self._rest
+        if rest.holds(engine):
+            approx = [k for k, _ in rest.entries(Table.GLOBAL, engine, False) if new.lookup(k)]
+            rest.remove(Table.GLOBAL, engine, approx)
+        self._exact[engine] = new
+        self._exact_count += new.count
+        before = self.cap_evictions.get(engine, 0)
+        for _ in range(self._global_size() - self._cap):
+            self._evict_one(now)
+        if self.cap_evictions.get(engine, 0) == before:
+            self.capped.discard(engine)
+
+    def shared(self) -> None:
+        """In this process only."""
+        return None
+
+    def entries(self, table: Table, engine: EngineId, exact: bool) -> list[tuple[PrefixKey, Entry]]:
+        """The engine's entries of one kind in `table`, live or not yet swept (for
+        inspection and tests; a copy; exact global ones in the index's order)."""
+        if table is Table.GLOBAL and exact:
+            ix = self._exact.get(engine)
+            if ix is None:
+                return []
+            return [(PrefixKey(k), self._entry(ix, w)) for k, w in ix.items()]
+        return self._rest.entries(table, engine, exact)
+
+    def holds(self, engine: EngineId) -> bool:
+        ix = self._exact.get(engine)
+        return (ix is not None and ix.count > 0) or self._rest.holds(engine)
+
+    def purge(self, engine: EngineId) -> None:
+        ix = self._exact.pop(engine, None)
+        if ix is not None:
+            self._exact_count -= ix.count
+        self.capped.discard(engine)
+        self._rest.purge(engine)
+
+    def expire(self, now: float) -> int:
+        """Drop expired entries: every step of `expire_step` until none is left (one
+        call walks every index with an expired block: the event loop uses the steps)."""
+        dropped = self.expire_step(now)
+        while self.sweeping(now):
+            dropped += self.expire_step(now)
+        return dropped
+
+    def expire_step(self, now: float) -> int:
+        """One bounded step of the expiry: the approximate and SWA entries as `DictStore`
+        expires them (a few: the router's own routing), then `sweep_shards` shards of one
+        index holding an expired block, resuming where the last step stopped."""
+        dropped = self._rest.expire(now)
+        engines = list(self._exact)
+        if not engines:
+            return dropped
+        e, shard = self._sweep_at
+        for _ in range(len(engines) + 1):
+            if e >= len(engines):
+                e, shard = 0, 0
+            ix = self._exact[engines[e]]
+            if ix.count == 0 or ix.next_expiry() > now:
+                e, shard = e + 1, 0
+                continue
+            n, shard = ix.sweep(now, shard, self.sweep_shards)
+            self._exact_count -= n
+            dropped += n
+            if shard >= SHARDS:
+                e, shard = e + 1, 0
+            break
+        self._sweep_at = (e, shard)
+        return dropped
+
+    def sweeping(self, now: float) -> bool:
+        """Whether an index holds a block expired at `now` (the sweep has work left)."""
+        return any(ix.count and ix.next_expiry() <= now for ix in self._exact.values())
+
+    def size(self, table: Table) -> int:
+        if table is Table.GLOBAL:
+            return self._global_size()
+        return self._rest.size(table)
+
+
+class IndexStaging:
+    """One engine's next exact global content, built in a new `BlockIndex` off the live
+    one (`MemoryStore.stage_exact`). Consecutive keys of one expiry share a run."""
+
+    __slots__ = ("_done", "_engine", "_index", "_now", "_runs", "_store")
+
+    def __init__(self, store: MemoryStore, engine: EngineId, now: float) -> None:
+        self._store = store
+        self._engine = engine
+        self._now = now
+        self._index = BlockIndex()
+        self._runs: list[int] = []
+        self._done = False
+
+    def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None:
+        ix = self._index
+        # consecutive pieces of one expiry share a run (held open until the commit); a
+        # new expiry starts a new one, so the runs keep the order the keys came in
+        last = self._runs[-1] if self._runs else None
+        if last is not None and ix.exp[last] == expires_at:
+            run = last
+        else:
+            run = ix.new_run(self._now, expires_at)
+            self._runs.append(run)
+        ix.put_many(keys, run, int(tier))
+
+    def __len__(self) -> int:
+        return self._index.count
+
+    def commit(self) -> None:
+        """Swap the staged content in (once); evicts by the store's rule if over the cap."""
+        if self._done:
+            raise RuntimeError("staging already committed")
+        self._done = True
+        for run in self._runs:
+            self._index.close_run(run)
+        self._store._swap_index(self._engine, self._index, self._now)

@@ -54,7 +54,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ramjet.keys.prefix import PrefixKeys, longest_prefix
-from ramjet.metric_catalogue import family
+from ramjet.metric_catalogue import counter, family
 from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.pending import PendingOverlay, PendingTicket
@@ -62,6 +62,8 @@ from ramjet.residency.store import Entry, ExactStager, MemoryStore, ResidencySto
 from ramjet.types import EngineId, PrefixKey, Tier
 
 Clock = Callable[[], float]
+EXPIRE_STEP_S = 0.005
+"""CPU seconds one `expire_step` sweeps for, at most about (a step ends after a shard)."""
 _TIER = itemgetter(0)  # Entry.tier
 _KEY = itemgetter(1)  # the key of a (offset, key) boundary
 
@@ -193,15 +195,28 @@ class ResidencyTables:
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config or ResidencyConfig()
-        self.store: ResidencyStore = store or MemoryStore(
-            {Table.GLOBAL: self.config.max_global_entries, Table.SWA: self.config.max_swa_entries}
-        )
+        own = None
+        if store is None:
+            own = MemoryStore(
+                {
+                    Table.GLOBAL: self.config.max_global_entries,
+                    Table.SWA: self.config.max_swa_entries,
+                }
+            )
+        self.store: ResidencyStore = store or own  # type: ignore[assignment]
+        self._own: MemoryStore | None = own
+        """The in-process store these tables made (None: one was given, e.g. Redis): its
+        global cap is sized from the fleet (`set_capacity`), its expiry runs in steps."""
+        self._capacity: dict[EngineId, int] = {}
         self.clock = clock
         self.pending = PendingOverlay(self.config.pending_ttl_s, self.config.max_pending_entries)
         """Requests sent and not yet reported (see `add_pending`); never in the store."""
         self._modes: dict[EngineId, ViewMode] = {}
         if registry is not None:
             registry.register(_SizeCollector(self))
+            if own is not None:
+                evictions = counter(registry, "ramjet_residency_cap_evictions_total")
+                own.on_cap_evict = lambda engine: evictions.labels(engine).inc()
 
     # -- reading ----------------------------------------------------------------------
 
@@ -331,7 +346,54 @@ class ResidencyTables:
         self.pending.purge(engine)
 
     def expire(self, now: float | None = None) -> int:
+        """Drop every expired entry now (in one call: see `expire_step`)."""
         return self.store.expire(self.clock() if now is None else now)
+
+    def expire_step(self, now: float | None = None, budget_s: float = EXPIRE_STEP_S) -> bool:
+        """Expire in bounded steps for the event loop: sweep for at most about `budget_s`
+        seconds of CPU, resuming where the last call stopped. True while expired
+        entries are left to sweep (call again after yielding). A store these tables did
+        not make (Redis's) expires in one call."""
+        t = self.clock() if now is None else now
+        own = self._own
+        if own is None:
+            self.store.expire(t)
+            return False
+        stop = time.perf_counter() + budget_s
+        own.expire_step(t)
+        while own.sweeping(t):
+            if time.perf_counter() >= stop:
+                return True
+            own.expire_step(t)
+        return False
+
+    # -- caps from the fleet -----------------------------------------------------------
+
+    def set_capacity(self, engine: EngineId, blocks: int | None) -> None:
+        """The engine's reported capacity in global-KV blocks (all tiers; None: not
+        reported). The in-process global table's cap becomes `capacity_headroom` x the
+        fleet's reported total, never below `max_global_entries` (the cap when nothing
+        is reported) nor above `max_global_entries_ceiling`."""
+        if blocks is None or blocks <= 0:
+            self._capacity.pop(engine, None)
+        else:
+            self._capacity[engine] = blocks
+        if self._own is not None:
+            self._own.set_cap(Table.GLOBAL, self.global_cap())
+
+    def global_cap(self) -> int:
+        """The global table's cap now (see `set_capacity`)."""
+        cfg = self.config
+        fleet = int(cfg.capacity_headroom * sum(self._capacity.values()))
+        return min(cfg.max_global_entries_ceiling, max(cfg.max_global_entries, fleet))
+
+    def capped(self, engine: EngineId) -> bool:
+        """Whether the cap evicted an exact entry of the engine since its last snapshot:
+        a match on it may be missing blocks the engine holds."""
+        return self._own is not None and engine in self._own.capped
+
+    def capped_engines(self) -> frozenset[EngineId]:
+        return frozenset(self._own.capped) if self._own is not None else frozenset()
 
 
 class SnapshotStaging:
@@ -407,3 +469,10 @@ class _SizeCollector(Collector):
             fam.add_metric([table.value], float(self._tables.size(table)))
         yield fam
         yield family("ramjet_residency_pending_entries", float(self._tables.pending.size()))
+        own = self._tables._own
+        if own is not None:
+            yield family("ramjet_residency_global_cap_entries", float(own.cap(Table.GLOBAL)))
+            capped = family("ramjet_residency_capped")
+            for engine in sorted(own.capped):
+                capped.add_metric([engine], 1.0)
+            yield capped

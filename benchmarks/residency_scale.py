@@ -1,0 +1,363 @@
+"""Residency at production scale, in process: the compact store (`MemoryStore`, a
+`BlockIndex` per engine) against today's dict store (`DictStore`), same run.
+
+    .venv/bin/python benchmarks/residency_scale.py                      # quick: 1M blocks
+    .venv/bin/python benchmarks/residency_scale.py --blocks 20000000    # the full figure
+
+Each store runs in its own subprocess (so its RSS is its own). N blocks are loaded into
+one router's `ResidencyTables` through the real report path: signed frames
+(`ramjet.reports.envelope.sign`, Ed25519), verified and applied by `ReportProcessor`:
+first a snapshot (as large as a body may be: `reports.max_keys` <= 524,288 keys,
+applied with `submit_async`, in pieces), then deltas of that size (`submit`), the first
+half of them with a 1-hour TTL. Printed per store:
+
+- router RSS per block: (RSS after loading - RSS before) / N (target <= 40 bytes);
+- `global_match` p99 over 1,000 fresh views, for a 50k-token prompt (`--block-tokens`
+  64: 782 blocks, the first 3/4 resident over three tiers), at 1M blocks and at N
+  (target <= 1 ms); every answer checked against the blocks known resident;
+- snapshot apply rate: keys / seconds of `submit_async` of the first snapshot (verify,
+  parse, staged apply, swap; target >= 1M blocks/s), and the delta apply rate;
+- the longest event-loop stall (a coroutine yielding in a loop measures the gaps) while
+  a snapshot is applied over the N loaded blocks (its swap frees them) and while the
+  expiry sweep drops the 1-hour half (`ResidencyTables.expire_step` in steps for the
+  compact store; today's store expires in one call). The verify + parse of a
+  max-size frame is one step before any apply: printed on its own.
+
+`--dict-blocks` (default: N up to 5M) loads today's store with fewer blocks where N would
+not fit beside other work (about 130-150 bytes a block); its per-block figures are still
+comparable, its stall grows with its size. Then a `self-check:` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client import CollectorRegistry
+
+from ramjet.reports.bodies import MAX_KEYS_PER_BODY, DeltaBody, SnapshotBody, TierKeys, encode_body
+from ramjet.reports.config import ReportsConfig
+from ramjet.reports.envelope import Envelope, ReportKind, sign
+from ramjet.reports.keys import KeyRing
+from ramjet.reports.processor import ReportProcessor
+from ramjet.reports.verify import Accepted
+from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.store import DictStore, MemoryStore, Table
+from ramjet.residency.tables import ResidencyTables, ViewMode
+from ramjet.types import EngineId, PrefixKey, Tier
+
+E0 = EngineId("e0")
+KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+PROMPT_TOKENS = 50_000
+CHUNK = MAX_KEYS_PER_BODY  # keys per report: the most a body may carry
+TIERS = ("hbm", "host", "ssd")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Clock:
+    """The tables' monotonic clock, which the benchmark moves forward for the expiry."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class StallMonitor:
+    """The longest gap between two turns of a coroutine that only yields."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        """Wall seconds (on a loaded machine, preemption is in it)."""
+        self.longest_cpu = 0.0
+        """CPU seconds the loop's thread spent between two turns: the work that stalled it."""
+        self.gaps_cpu: list[float] = []
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        last, last_cpu = time.perf_counter(), time.thread_time()
+        while not self._stop:
+            await asyncio.sleep(0)
+            now, cpu = time.perf_counter(), time.thread_time()
+            self.longest = max(self.longest, now - last)
+            self.longest_cpu = max(self.longest_cpu, cpu - last_cpu)
+            self.gaps_cpu.append(cpu - last_cpu)
+            last, last_cpu = now, cpu
+
+    async def __aenter__(self) -> StallMonitor:
+        self._task = asyncio.create_task(self._run())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop = True
+        assert self._task is not None
+        await self._task
+
+
+class Loader:
+    def __init__(self, kind: str, n: int) -> None:
+        self.clock = Clock()
+        cfg = ResidencyConfig(max_global_entries=max(1_000_000, n + n // 10))
+        caps = {Table.GLOBAL: cfg.max_global_entries, Table.SWA: cfg.max_swa_entries}
+        store = DictStore(caps) if kind == "dict" else None
+        self.tables = ResidencyTables(cfg, store, clock=self.clock)
+        assert isinstance(self.tables.store, DictStore if kind == "dict" else MemoryStore)
+        ring = KeyRing({"k": (E0, KEY.public_key())})
+        rcfg = ReportsConfig(
+            rate_per_s=1e9, burst=10**9, max_report_bytes=16 << 20, max_keys=MAX_KEYS_PER_BODY
+        )
+        self.proc = ReportProcessor(ring, self.tables, rcfg, CollectorRegistry())
+        self.seq = 0
+        self.rng = random.Random(7)
+        self.early: dict[str, list[PrefixKey]] = {t: [] for t in TIERS}
+        """Keys known resident by tier, from the first reports (1-hour TTL)."""
+        self.late: dict[str, list[PrefixKey]] = {t: [] for t in TIERS}
+        """... from the last report (no TTL: they outlive the expiry sweep)."""
+
+    def keys(self, n: int) -> tuple[PrefixKey, ...]:
+        b = self.rng.randbytes(8 * n)
+        return tuple(PrefixKey(k) for k in memoryview(b).cast("Q"))
+
+    def frame(self, kind: ReportKind, body: Any) -> bytes:
+        self.seq += 1
+        issued = int(time.time() * 1000)
+        env = Envelope(E0, "k", 1, self.seq, issued, kind, encode_body(body))
+        return sign(env, KEY)
+
+    def snapshot(self, keys: tuple[PrefixKey, ...], ttl_ms: int | None) -> bytes:
+        group = TierKeys(tier="hbm", keys=keys, ttl_ms=ttl_ms)
+        return self.frame("snapshot", SnapshotBody(seq=self.seq + 1, residency=[group]))
+
+    def delta(self, keys: tuple[PrefixKey, ...], ttl_ms: int | None) -> bytes:
+        """Half the keys stored in host memory, half on SSD."""
+        h = len(keys) // 2
+        groups = [
+            TierKeys(tier="host", keys=keys[:h], ttl_ms=ttl_ms),
+            TierKeys(tier="ssd", keys=keys[h:], ttl_ms=ttl_ms),
+        ]
+        return self.frame("delta", DeltaBody(stored=groups))
+
+    def prompt(
+        self, block_tokens: int, sample: dict[str, list[PrefixKey]]
+    ) -> tuple[list[PrefixKey], list[int], int]:
+        """A 50k-token prompt: its first 3/4 blocks resident (HBM, host, SSD, in that
+        order, as a prefix would be demoted; from `sample`), then blocks nobody holds."""
+        n = -(-PROMPT_TOKENS // block_tokens)
+        hit = n * 3 // 4
+        keys: list[PrefixKey] = []
+        for i, t in enumerate(TIERS):
+            want = hit // 3 if i < 2 else hit - 2 * (hit // 3)
+            keys += sample[t][:want]
+        assert len(keys) == hit, "not enough resident keys sampled"
+        keys += list(self.keys(n - hit))
+        tokens = [block_tokens] * n
+        tokens[-1] = PROMPT_TOKENS - block_tokens * (n - 1)
+        return keys, tokens, hit
+
+    def match_p99(
+        self, block_tokens: int, sample: dict[str, list[PrefixKey]], rounds: int = 1000
+    ) -> tuple[float, bool]:
+        """p99 of the CPU time of a fresh view's `global_match` (CPU, not wall: on a
+        loaded machine a wall p99 is the scheduler's time slice), every answer checked."""
+        keys, tokens, hit = self.prompt(block_tokens, sample)
+        want = sum(tokens[:hit])
+        ok = True
+        times = []
+        for _ in range(rounds):
+            t0 = time.thread_time()
+            m = self.tables.view(E0).global_match(keys, tokens)
+            times.append(time.thread_time() - t0)
+            ok = ok and m.total == want and m.host > 0 and m.ssd > 0
+        times.sort()
+        return times[int(len(times) * 0.99) - 1], ok
+
+
+async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": kind, "blocks": n}
+    ld = Loader(kind, n)
+    ld.tables.set_mode(E0, ViewMode.REPORTED)
+    gc.collect()
+    base = rss_bytes()
+    checks: list[bool] = []
+
+    # 1. the snapshot (1-hour TTL): as many keys as a body may carry, in pieces
+    hour = 3_600_000
+    first = min(n, CHUNK)
+    keys = ld.keys(first)
+    ld.early["hbm"] = list(keys[:2000])
+    frame = ld.snapshot(keys, hour)
+    del keys
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = await ld.proc.submit_async(frame)
+    out["snapshot_s"] = time.perf_counter() - t0
+    out["snapshot_cpu_s"] = time.process_time() - c0
+    out["snapshot_keys"] = first
+    checks.append(isinstance(res, Accepted))
+    del frame, res
+
+    # 2. deltas (half host, half SSD) up to n - 6000: up to half of n with a 1-hour TTL,
+    # then none; then one of 2000 blocks a tier, no TTL (the prompt's blocks at the end)
+    loaded, delta_cpu = first, 0.0
+    bulk = max(first, n - 6000)
+    while loaded < bulk:
+        size = min(CHUNK, bulk - loaded)
+        keys = ld.keys(size)
+        if not ld.early["host"]:
+            ld.early["host"], ld.early["ssd"] = list(keys[:2000]), list(keys[-2000:])
+        frame = ld.delta(keys, hour if loaded < n // 2 else None)
+        del keys
+        c0 = time.process_time()
+        res = ld.proc.submit(frame)
+        delta_cpu += time.process_time() - c0
+        checks.append(isinstance(res, Accepted))
+        del frame, res
+        loaded += size
+        if "p99_1m_s" not in out and loaded >= min(bulk, 1_000_000) and ld.early["ssd"]:
+            out["p99_1m_s"], ok = ld.match_p99(block_tokens, ld.early)
+            out["p99_1m_at"] = loaded
+            checks.append(ok)
+    out["delta_rate"] = (loaded - first) / delta_cpu if delta_cpu else 0.0
+    if loaded < n:
+        for t in TIERS:
+            ld.late[t] = list(ld.keys((n - loaded) // 3))
+        stored = [TierKeys(tier=t, keys=tuple(ld.late[t])) for t in TIERS]
+        checks.append(
+            isinstance(ld.proc.submit(ld.frame("delta", DeltaBody(stored=stored))), Accepted)
+        )
+        loaded += 3 * ((n - loaded) // 3)
+    out["blocks"] = loaded
+    checks.append(ld.tables.size(Table.GLOBAL) == loaded)
+    gc.collect()
+    out["rss_per_block"] = (rss_bytes() - base) / loaded
+    out["p99_n_s"], ok = ld.match_p99(block_tokens, ld.late)
+    checks.append(ok)
+
+    # 3. the expiry sweep: the 1-hour blocks (the snapshot's and the first deltas') go
+    ld.clock.offset = 2 * 3600.0
+    before = ld.tables.size(Table.GLOBAL)
+    async with StallMonitor() as mon:
+        t0 = time.perf_counter()
+        while ld.tables.expire_step():
+            await asyncio.sleep(0)
+        out["sweep_s"] = time.perf_counter() - t0
+    out["sweep_stall_s"] = mon.longest
+    out["sweep_stall_cpu_s"] = mon.longest_cpu
+    out["swept"] = before - ld.tables.size(Table.GLOBAL)
+    checks.append(0 < out["swept"] <= loaded - 6000)
+    keys_, tokens, hit = ld.prompt(block_tokens, ld.late)
+    m = ld.tables.view(E0).global_match(keys_, tokens)
+    checks.append(m.total == sum(tokens[:hit]))  # the blocks without a TTL stay
+
+    # 4. a snapshot over the loaded blocks (its swap frees them), the loop in view
+    keys = ld.keys(first)
+    frame = ld.snapshot(keys, None)
+    t0 = time.perf_counter()
+    outcome = ld.proc.verifier.check(frame)  # the one-step verify + parse, on its own
+    out["verify_parse_s"] = time.perf_counter() - t0
+    checks.append(isinstance(outcome, Accepted))
+    del outcome
+    async with StallMonitor() as mon:
+        res = await ld.proc.submit_async(frame)
+    out["snapshot_stall_s"] = mon.longest
+    out["snapshot_stall_cpu_s"] = mon.longest_cpu
+    # after the first turn (the frame's verify + parse, then the first piece): the pieces,
+    # the commit and the swap that frees the old content
+    out["pieces_stall_cpu_s"] = max(mon.gaps_cpu[2:], default=0.0)
+    checks.append(isinstance(res, Accepted) and ld.tables.size(Table.GLOBAL) == first)
+    got = ld.tables.store.get_many(Table.GLOBAL, E0, list(keys[:1000]), ld.clock(), False)
+    checks.append(all(e is not None and e.tier is Tier.HBM for e in got))
+    out["checks"] = all(checks)
+    return out
+
+
+def run_worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--worker", kind, "--blocks", str(n)]
+    cmd += ["--block-tokens", str(block_tokens)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"worker {kind} failed:\n{r.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--dict-blocks", type=int, default=None)
+    ap.add_argument("--block-tokens", type=int, default=64)
+    ap.add_argument("--worker", choices=("compact", "dict"), default=None)
+    a = ap.parse_args()
+    if a.worker is not None:
+        print(json.dumps(asyncio.run(worker(a.worker, a.blocks, a.block_tokens))))
+        return
+    from ramjet.native import install_ramjet
+
+    dict_n = a.dict_blocks if a.dict_blocks is not None else min(a.blocks, 5_000_000)
+    print(f"{install_ramjet().line()}")
+    print(
+        f"loading {a.blocks:,} blocks (compact) and {dict_n:,} (dict) through signed "
+        f"reports; prompt {PROMPT_TOKENS:,} tokens in {a.block_tokens}-token blocks"
+    )
+    new = run_worker("compact", a.blocks, a.block_tokens)
+    old = run_worker("dict", dict_n, a.block_tokens)
+
+    def row(name: str, key: str, fmt: str, scale: float = 1.0, better: str = "lower") -> None:
+        n, o = new[key] * scale, old[key] * scale
+        ratio = n / o if o else float("inf")
+        print(f"  {name:<44} {format(n, fmt):>12} {format(o, fmt):>12}   {ratio:6.2f}x")
+
+    print(f"  {'':<44} {'compact':>12} {'dict (today)':>12}   ratio")
+    print(f"  {'blocks loaded':<44} {new['blocks']:>12,} {old['blocks']:>12,}")
+    row("router RSS per block (bytes)", "rss_per_block", ".1f")
+    row(f"global_match p99 at {new['p99_1m_at']:,} blocks (CPU ms)", "p99_1m_s", ".3f", 1e3)
+    row("global_match p99 at all loaded (CPU ms)", "p99_n_s", ".3f", 1e3)
+    snap_new = new["snapshot_keys"] / new["snapshot_cpu_s"]
+    snap_old = old["snapshot_keys"] / old["snapshot_cpu_s"]
+    print(
+        f"  {'snapshot apply rate (blocks/CPU-s)':<44} {snap_new:>12,.0f} {snap_old:>12,.0f}"
+        f"   {snap_new / snap_old:6.2f}x"
+    )
+    row("delta apply rate (blocks/CPU-s)", "delta_rate", ",.0f")
+    row("longest loop stall, snapshot over all (CPU ms)", "snapshot_stall_cpu_s", ".1f", 1e3)
+    row("  the same, wall (ms)", "snapshot_stall_s", ".1f", 1e3)
+    row("  after verify + parse: pieces, swap (CPU ms)", "pieces_stall_cpu_s", ".1f", 1e3)
+    row("longest loop stall, expiry sweep (CPU ms)", "sweep_stall_cpu_s", ".1f", 1e3)
+    row("  the same, wall (ms)", "sweep_stall_s", ".1f", 1e3)
+    row("expiry sweep wall time (s)", "sweep_s", ".2f")
+    row("verify + parse of one max-size frame (ms)", "verify_parse_s", ".1f", 1e3)
+    print(f"  blocks swept: compact {new['swept']:,}, dict {old['swept']:,}")
+    targets = [
+        ("RSS <= 40 B/block", new["rss_per_block"] <= 40),
+        ("p99 <= 1 ms at 1M", new["p99_1m_s"] <= 1e-3),
+        ("p99 <= 1 ms at N", new["p99_n_s"] <= 1e-3),
+        ("snapshot >= 1M blocks/s", snap_new >= 1e6),
+    ]
+    print("  targets: " + ", ".join(f"{t}: {'met' if ok else 'NOT met'}" for t, ok in targets))
+    ok = bool(new["checks"] and old["checks"])
+    print(
+        f"self-check: {'ok' if ok else 'FAILED'} (every report accepted, table sizes, every "
+        "global_match answer equal to the blocks known resident, sweep and final snapshot "
+        "content)"
+    )
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

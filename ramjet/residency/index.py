@@ -1,0 +1,414 @@
+"""`BlockIndex`: one engine's exact global-KV residency in typed arrays.
+
+What it keeps per block: the 8-byte key, and a 4-byte word holding a tier (2 bits) and
+a run id (30 bits). A run is the group of blocks one report (one `put` call, one
+snapshot group) confirmed together: its confirmation time and expiry are kept once per
+run, not once per block ("coarse expiry per run"). About 20-30 bytes per block in all
+(the table's slots at 50-75 % load, 12 bytes each, plus 8 bytes in its run's key list).
+
+Layout. The keys are spread over `SHARDS` shards by their low bits (prefix keys are
+xxhash outputs: uniform); each shard is an open-addressing table (linear probing,
+tombstones) of two parallel arrays, `array('Q')` keys and `array('I')` words (0 empty,
+1 a tombstone). A shard grows, shrinks and drops its tombstones by rehashing alone, so
+no single step touches more than one shard (a 20M-block index: ~5k blocks a shard, about
+a millisecond compiled): the event loop is never stalled by a whole-table rehash.
+
+Order. Runs are numbered in the order they were made (`seq`) and each keeps its keys in
+the order they were put, so the least recently confirmed live block is the first key of
+the oldest live run still owned by that run; that is the `OrderedDict` order of the old
+store (`DictStore`), and eviction under a cap follows the same rule (see
+`ramjet.residency.store.MemoryStore`). A run's ids are recycled once no block uses it.
+
+Expiry. `sweep(now, shards)` tombstones the expired blocks of a few shards per call
+(`ramjet.residency.store.MemoryStore.expire` calls it in bounded steps); `lookup` never
+answers for an expired block whatever the sweep's progress.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections.abc import Sequence
+from typing import Final
+
+SHARD_BITS: Final = 12
+SHARDS: Final = 1 << SHARD_BITS
+_SHARD_MASK: Final = SHARDS - 1
+_EMPTY: Final = 0
+_TOMB: Final = 1
+_MIN_SLOTS: Final = 8
+
+
+def _slots(used: int) -> int:
+    """Slots for a shard of `used` blocks: 50 % load right after a rehash."""
+    return max(_MIN_SLOTS, used * 2)
+
+
+class _Shard:
+    __slots__ = ("filled", "keys", "used", "words")
+
+    def __init__(self, slots: int) -> None:
+        self.keys: array[int] = array("Q", bytes(8 * slots))
+        self.words: array[int] = array("I", bytes(4 * slots))
+        self.used = 0
+        """Live blocks."""
+        self.filled = 0
+        """Live blocks and tombstones."""
+
+
+class BlockIndex:
+    """One engine's exact blocks of the global table. Single-threaded."""
+
+    def __init__(self) -> None:
+        self.shards: list[_Shard | None] = [None] * SHARDS
+        self.count = 0
+        """Live blocks (expired ones count until swept)."""
+        # runs, by id (id 0 unused: a word of 0 or 1 is an empty slot or a tombstone)
+        self.conf: array[float] = array("d", [0.0])
+        self.exp: array[float] = array("d", [0.0])
+        self.refs: array[int] = array("q", [0])
+        self.seq: array[int] = array("q", [0])
+        self.run_keys: list[array[int] | None] = [None]
+        self.run_head: array[int] = array("q", [0])
+        self._free: list[int] = []
+        self._next_seq = 1
+        self._order: list[tuple[int, int]] = []
+        """Min-heap of (seq, run), cleaned lazily: the oldest live run first."""
+        self._expiry: list[tuple[float, int, int]] = []
+        """Min-heap of (expires_at, seq, run), cleaned lazily."""
+
+    # -- runs ---------------------------------------------------------------------------
+
+    def new_run(self, confirmed_at: float, expires_at: float) -> int:
+        """A new run: the most recently confirmed. It is held open (never recycled, even
+        while no block uses it) until `close_run`."""
+        seq = self._next_seq
+        self._next_seq += 1
+        if self._free:
+            run = self._free.pop()
+            self.conf[run] = confirmed_at
+            self.exp[run] = expires_at
+            self.refs[run] = 1
+            self.seq[run] = seq
+            self.run_keys[run] = array("Q")
+            self.run_head[run] = 0
+        else:
+            run = len(self.conf)
+            if run >= 1 << 30:
+                raise OverflowError("more than 2**30 live runs in one block index")
+            self.conf.append(confirmed_at)
+            self.exp.append(expires_at)
+            self.refs.append(1)
+            self.seq.append(seq)
+            self.run_keys.append(array("Q"))
+            self.run_head.append(0)
+        heapq.heappush(self._order, (seq, run))
+        heapq.heappush(self._expiry, (expires_at, seq, run))
+        return run
+
+    def close_run(self, run: int) -> None:
+        """The run takes no more blocks: recycled once none uses it."""
+        self._release(run)
+
+    def _release(self, run: int) -> None:
+        n = self.refs[run] - 1
+        self.refs[run] = n
+        if n == 0:
+            self.run_keys[run] = None
+            self.seq[run] = 0
+            self._free.append(run)
+
+    def _live_run(self, seq: int, run: int) -> bool:
+        return self.seq[run] == seq and self.refs[run] > 0
+
+    def oldest(self) -> tuple[float, int]:
+        """(confirmed_at, run) of the oldest live run; run 0 when the index is empty."""
+        order = self._order
+        while order:
+            seq, run = order[0]
+            if self._live_run(seq, run):
+                return self.conf[run], run
+            heapq.heappop(order)
+        return 0.0, 0
+
+    def next_expiry(self) -> float:
+        """The earliest expiry of a live run (inf when none)."""
+        heap = self._expiry
+        while heap:
+            exp, seq, run = heap[0]
+            if self._live_run(seq, run):
+                return exp
+            heapq.heappop(heap)
+        return float("inf")
+
+    # -- blocks -------------------------------------------------------------------------
+
+    def lookup(self, key: int) -> int:
+        """The block's word (run << 2 | tier), 0 when absent; expired blocks included."""
+        h = key ^ (key >> 29)
+        sh = self.shards[h & _SHARD_MASK]
+        if sh is None:
+            return 0
+        keys, words = sh.keys, sh.words
+        n = len(words)
+        i = (h >> SHARD_BITS) % n
+        while True:
+            w = words[i]
+            if w == _EMPTY:
+                return 0
+            if w != _TOMB and keys[i] == key:
+                return w
+            i += 1
+            if i == n:
+                i = 0
+
+    def live(self, key: int, now: float) -> int:
+        """`lookup`, 0 when the block's run expired at or before `now`."""
+        w = self.lookup(key)
+        if w and self.exp[w >> 2] > now:
+            return w
+        return 0
+
+    def put(self, key: int, run: int, tier: int) -> bool:
+        """Put the block in `run` with `tier`; True when it was not held. A block already
+        in `run` keeps its place and takes the tier."""
+        h = key ^ (key >> 29)
+        s = h & _SHARD_MASK
+        sh = self.shards[s]
+        if sh is None:
+            sh = self.shards[s] = _Shard(_MIN_SLOTS)
+        keys, words = sh.keys, sh.words
+        n = len(words)
+        i = (h >> SHARD_BITS) % n
+        tomb = -1
+        word = run << 2 | tier
+        while True:
+            w = words[i]
+            if w == _EMPTY:
+                break
+            if w == _TOMB:
+                if tomb < 0:
+                    tomb = i
+            elif keys[i] == key:
+                old = w >> 2
+                words[i] = word
+                if old != run:
+                    self._release(old)
+                    self.refs[run] += 1
+                    lst = self.run_keys[run]
+                    assert lst is not None
+                    lst.append(key)
+                return False
+            i += 1
+            if i == n:
+                i = 0
+        if tomb >= 0:
+            i = tomb
+        else:
+            sh.filled += 1
+        keys[i] = key
+        words[i] = word
+        sh.used += 1
+        self.count += 1
+        self.refs[run] += 1
+        lst = self.run_keys[run]
+        assert lst is not None
+        lst.append(key)
+        if sh.filled * 4 > n * 3:
+            self._rehash(s, sh)
+        return True
+
+    def put_many(self, keys: Sequence[int], run: int, tier: int) -> int:
+        """`put` of each key (one call for a report's group); returns how many were new."""
+        shards = self.shards
+        refs = self.refs
+        lst = self.run_keys[run]
+        assert lst is not None
+        word = run << 2 | tier
+        new = 0
+        for key in keys:
+            h = key ^ (key >> 29)
+            s = h & _SHARD_MASK
+            sh = shards[s]
+            if sh is None:
+                sh = _Shard(_MIN_SLOTS)
+                shards[s] = sh
+            skeys, words = sh.keys, sh.words
+            n = len(words)
+            i = (h >> SHARD_BITS) % n
+            tomb = -1
+            found = False
+            while True:
+                w = words[i]
+                if w == _EMPTY:
+                    break
+                if w == _TOMB:
+                    if tomb < 0:
+                        tomb = i
+                elif skeys[i] == key:
+                    old = w >> 2
+                    words[i] = word
+                    if old != run:
+                        self._release(old)
+                        refs[run] += 1
+                        lst.append(key)
+                    found = True
+                    break
+                i += 1
+                if i == n:
+                    i = 0
+            if found:
+                continue
+            if tomb >= 0:
+                i = tomb
+            else:
+                sh.filled += 1
+            skeys[i] = key
+            words[i] = word
+            sh.used += 1
+            new += 1
+            lst.append(key)
+            if sh.filled * 4 > n * 3:
+                self._rehash(s, sh)
+        self.count += new
+        refs[run] += new
+        return new
+
+    def words(self, keys: Sequence[int], now: float) -> list[int]:
+        """`live` of each key (one call for a prompt's blocks): 0 where not held."""
+        shards = self.shards
+        exp = self.exp
+        out: list[int] = []
+        for key in keys:
+            h = key ^ (key >> 29)
+            sh = shards[h & _SHARD_MASK]
+            found = 0
+            if sh is not None:
+                skeys, words = sh.keys, sh.words
+                n = len(words)
+                i = (h >> SHARD_BITS) % n
+                while True:
+                    w = words[i]
+                    if w == _EMPTY:
+                        break
+                    if w != _TOMB and skeys[i] == key:
+                        if exp[w >> 2] > now:
+                            found = w
+                        break
+                    i += 1
+                    if i == n:
+                        i = 0
+            out.append(found)
+        return out
+
+    def remove(self, key: int) -> bool:
+        """Drop the block; True when it was held."""
+        h = key ^ (key >> 29)
+        s = h & _SHARD_MASK
+        sh = self.shards[s]
+        if sh is None:
+            return False
+        keys, words = sh.keys, sh.words
+        n = len(words)
+        i = (h >> SHARD_BITS) % n
+        while True:
+            w = words[i]
+            if w == _EMPTY:
+                return False
+            if w != _TOMB and keys[i] == key:
+                words[i] = _TOMB
+                sh.used -= 1
+                self.count -= 1
+                self._release(w >> 2)
+                if sh.used == 0 or (sh.used * 8 < n and n > _MIN_SLOTS):
+                    self._rehash(s, sh)
+                return True
+            i += 1
+            if i == n:
+                i = 0
+
+    def _rehash(self, s: int, old: _Shard) -> None:
+        if old.used == 0:
+            self.shards[s] = None
+            return
+        sh = _Shard(_slots(old.used))
+        keys, words = sh.keys, sh.words
+        n = len(words)
+        okeys, owords = old.keys, old.words
+        for j in range(len(owords)):
+            w = owords[j]
+            if w > _TOMB:
+                key = okeys[j]
+                h = key ^ (key >> 29)
+                i = (h >> SHARD_BITS) % n
+                while words[i] != _EMPTY:
+                    i += 1
+                    if i == n:
+                        i = 0
+                keys[i] = key
+                words[i] = w
+        sh.used = sh.filled = old.used
+        self.shards[s] = sh
+
+    def evict_oldest(self) -> bool:
+        """Drop the least recently confirmed block (the first key of the oldest live run
+        that the run still owns); False when the index is empty."""
+        skipped: list[tuple[int, int]] = []
+        try:
+            while True:
+                _, run = self.oldest()
+                if run == 0:
+                    return False
+                lst = self.run_keys[run]
+                assert lst is not None
+                head = self.run_head[run]
+                while head < len(lst):
+                    key = lst[head]
+                    head += 1
+                    if self.lookup(key) >> 2 == run:
+                        self.run_head[run] = head
+                        self.remove(key)
+                        return True
+                self.run_head[run] = head
+                # an open run with no block left in it: look past it, keep it in order
+                skipped.append(heapq.heappop(self._order))
+        finally:
+            for item in skipped:
+                heapq.heappush(self._order, item)
+
+    def items(self) -> list[tuple[int, int]]:
+        """(key, word) of every held block, by shard (for inspection and tests)."""
+        out: list[tuple[int, int]] = []
+        for sh in self.shards:
+            if sh is None:
+                continue
+            keys, words = sh.keys, sh.words
+            for j in range(len(words)):
+                w = words[j]
+                if w > _TOMB:
+                    out.append((keys[j], w))
+        return out
+
+    def sweep(self, now: float, start: int, shards: int) -> tuple[int, int]:
+        """Tombstone the expired blocks of shards `start` .. `start + shards - 1`;
+        returns (blocks dropped, the next shard to sweep, SHARDS when done)."""
+        dropped = 0
+        end = min(SHARDS, start + shards)
+        exp = self.exp
+        for s in range(start, end):
+            sh = self.shards[s]
+            if sh is None:
+                continue
+            words = sh.words
+            n = len(words)
+            for j in range(n):
+                w = words[j]
+                if w > _TOMB and exp[w >> 2] <= now:
+                    words[j] = _TOMB
+                    sh.used -= 1
+                    self._release(w >> 2)
+                    dropped += 1
+            if dropped and ((sh.used * 8 < n and n > _MIN_SLOTS) or sh.used == 0):
+                self._rehash(s, sh)
+        self.count -= dropped
+        return dropped, end

@@ -1,0 +1,197 @@
+"""The compact store (`MemoryStore`, a `BlockIndex` per engine) answers as the dict store
+(`DictStore`, the reference) does, over random workloads; the block index itself."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.index import SHARDS, BlockIndex
+from ramjet.residency.store import DictStore, MemoryStore, ResidencyStore, Table
+from ramjet.residency.tables import ResidencyTables, ViewMode
+from ramjet.types import EngineId, PrefixKey, Tier
+
+ENGINES = (EngineId("e0"), EngineId("e1"))
+# small keys (sequential shards) and large ones (uniform, as xxhash gives)
+UNIVERSE = [PrefixKey(1000 + i) for i in range(12)] + [
+    PrefixKey(random.Random(i).getrandbits(64)) for i in range(12)
+]
+TOKENS = [256] * len(UNIVERSE)
+
+keys_st = st.lists(st.sampled_from(UNIVERSE), max_size=10)
+engine_st = st.sampled_from(ENGINES)
+tier_st = st.sampled_from(list(Tier))
+table_st = st.sampled_from(list(Table))
+ttl_st = st.sampled_from([1.0, 5.0, 30.0, 1e9])
+
+op_st = st.one_of(
+    st.tuples(st.just("put"), table_st, engine_st, keys_st, tier_st, ttl_st, st.booleans()),
+    st.tuples(st.just("remove"), table_st, engine_st, keys_st),
+    st.tuples(st.just("advance"), st.sampled_from([0.5, 2.0, 10.0])),
+    st.tuples(st.just("expire")),
+    st.tuples(
+        st.just("snapshot"),
+        table_st,
+        engine_st,
+        st.lists(st.tuples(keys_st, tier_st, ttl_st), max_size=4),
+    ),
+    st.tuples(st.just("purge"), engine_st),
+    st.tuples(
+        st.just("mode"), engine_st, st.sampled_from([ViewMode.APPROXIMATE, ViewMode.REPORTED])
+    ),
+)
+
+
+def _apply(tables: ResidencyTables, op: tuple[object, ...], now: float, use_expire: bool) -> None:
+    store = tables.store
+    kind = op[0]
+    if kind == "put":
+        _, table, engine, keys, tier, ttl, exact = op
+        store.put(table, engine, keys, tier, now, now + ttl, exact)  # type: ignore[arg-type]
+    elif kind == "remove":
+        _, table, engine, keys = op
+        store.remove(table, engine, keys)  # type: ignore[arg-type]
+    elif kind == "expire" and use_expire:
+        tables.expire(now)
+    elif kind == "snapshot":
+        _, table, engine, groups = op
+        staging = store.stage_exact(table, engine, now)  # type: ignore[arg-type]
+        assert staging is not None
+        for keys, tier, ttl in groups:  # type: ignore[attr-defined]
+            staging.add(keys, tier, now + ttl)
+        staging.commit()
+    elif kind == "purge":
+        tables.purge_engine(op[1])  # type: ignore[arg-type]
+    elif kind == "mode":
+        tables.set_mode(op[1], op[2])  # type: ignore[arg-type]
+
+
+def _answers(tables: ResidencyTables, now: float, orders: list[list[PrefixKey]]) -> list[object]:
+    out: list[object] = []
+    store: ResidencyStore = tables.store
+    for engine in ENGINES:
+        view = tables.view(engine, now)
+        for keys in orders:
+            out.append(view.global_match(keys, TOKENS[: len(keys)]))
+            out.append(view.swa_match([(i * 256, k) for i, k in enumerate(keys)]))
+        for table in Table:
+            for approx in (True, False):
+                out.append(store.get_many(table, engine, UNIVERSE, now, approx))
+    return out
+
+
+def _pair(caps: int) -> tuple[ResidencyTables, ResidencyTables]:
+    cfg = ResidencyConfig(max_global_entries=caps, max_swa_entries=caps)
+    old = ResidencyTables(cfg, DictStore({Table.GLOBAL: caps, Table.SWA: caps}))
+    new = ResidencyTables(cfg)
+    assert isinstance(new.store, MemoryStore)
+    return old, new
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op_st, max_size=40), seed=st.integers(0, 1 << 16))
+def test_compact_store_answers_as_the_dict_store(ops: list[tuple[object, ...]], seed: int) -> None:
+    """Below the caps: every global_match, swa_match and get_many alike after each of
+    random puts (exact and approximate), removals, expiries, snapshots and purges."""
+    old, new = _pair(10_000)
+    rng = random.Random(seed)
+    orders = [UNIVERSE[:12], UNIVERSE[12:], rng.sample(UNIVERSE, len(UNIVERSE))]
+    now = 1000.0
+    for op in ops:
+        if op[0] == "advance":
+            now += op[1]  # type: ignore[operator]
+            continue
+        _apply(old, op, now, True)
+        _apply(new, op, now, True)
+        assert _answers(new, now, orders) == _answers(old, now, orders), op
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op_st, max_size=40), cap=st.integers(1, 12))
+def test_compact_store_evicts_by_the_same_rule_under_a_cap(
+    ops: list[tuple[object, ...]], cap: int
+) -> None:
+    """At a small cap the eviction rule is the same (approximate first, then the least
+    recently confirmed exact entry), so the answers and sizes stay alike. Keys are
+    de-duplicated within a put and sweeps left out: the dict store's expiry keeps
+    expired entries behind live ones, which then count against its cap."""
+    old, new = _pair(cap)
+    orders = [UNIVERSE[:12], UNIVERSE[12:]]
+    now = 1000.0
+    for op in ops:
+        if op[0] == "advance":
+            now += op[1]  # type: ignore[operator]
+            continue
+        if op[0] == "put":
+            op = (*op[:3], list(dict.fromkeys(op[3])), *op[4:])  # type: ignore[call-overload]
+        if op[0] == "snapshot":
+            seen: set[PrefixKey] = set()
+            groups = []
+            for keys, tier, ttl in op[3]:  # type: ignore[attr-defined]
+                fresh = [k for k in dict.fromkeys(keys) if k not in seen]
+                seen.update(fresh)
+                groups.append((fresh, tier, ttl))
+            op = (*op[:3], groups)
+        _apply(old, op, now, False)
+        _apply(new, op, now, False)
+        assert _answers(new, now, orders) == _answers(old, now, orders), op
+        for table in Table:
+            assert new.size(table) == old.size(table)
+
+
+def test_block_index_holds_random_blocks_and_sweeps_them_in_steps() -> None:
+    rng = random.Random(1)
+    ix = BlockIndex()
+    keys = [rng.getrandbits(64) for _ in range(200_000)]
+    early = ix.new_run(0.0, 10.0)
+    late = ix.new_run(0.0, 100.0)
+    for i, k in enumerate(keys):
+        assert ix.put(k, early if i % 2 else late, i % 3)
+    assert ix.count == len(set(keys))
+    assert all(ix.lookup(k) & 3 == i % 3 for i, k in enumerate(keys[:1000]))
+    assert ix.live(keys[1], 10.0) == 0 and ix.live(keys[0], 10.0) != 0
+    # one bounded step at a time: a few shards each, until every shard is swept
+    start, dropped, steps = 0, 0, 0
+    while start < SHARDS:
+        n, start = ix.sweep(10.0, start, 64)
+        dropped += n
+        steps += 1
+    assert steps == SHARDS // 64 and dropped == len(keys) // 2
+    ix.close_run(early)
+    ix.close_run(late)
+    assert ix.count == len(keys) - dropped and ix.refs[early] == 0
+    assert ix.next_expiry() == 100.0
+    assert all(ix.lookup(k) == 0 for k in keys[1:2000:2])
+    assert all(ix.lookup(k) != 0 for k in keys[0:2000:2])
+    for k in keys[0::2]:
+        assert ix.remove(k)
+    assert ix.count == 0 and all(sh is None for sh in ix.shards)
+
+
+def test_expiry_runs_in_bounded_steps_and_ends() -> None:
+    """`expire_step` sweeps a few shards a step (budget 0: one store step), says whether
+    work is left, and the steps together drop exactly what `expire` would."""
+    rng = random.Random(3)
+    tables = ResidencyTables(ResidencyConfig(global_ttl_s=100.0))
+    store = tables.store
+    assert isinstance(store, MemoryStore)
+    keys = [PrefixKey(rng.getrandbits(64)) for _ in range(20_000)]
+    tables.store_global(ENGINES[0], keys[:10_000], Tier.HOST, 0.0, ttl_s=10.0)
+    tables.store_global(ENGINES[0], keys[10_000:], Tier.SSD, 0.0)
+    assert tables.expire_step(5.0, budget_s=0.0) is False  # nothing expired yet
+    assert tables.size(Table.GLOBAL) == 20_000
+    steps = 0
+    while tables.expire_step(50.0, budget_s=0.0):
+        steps += 1
+        assert 10_000 <= tables.size(Table.GLOBAL) < 20_000
+    assert steps >= SHARDS // store.sweep_shards - 1
+    assert tables.size(Table.GLOBAL) == 10_000
+    assert store.get_many(Table.GLOBAL, ENGINES[0], keys, 50.0, False) == [None] * 10_000 + [
+        store.get(Table.GLOBAL, ENGINES[0], k, 50.0, False) for k in keys[10_000:]
+    ]
+    assert all(
+        e is not None for e in store.get_many(Table.GLOBAL, ENGINES[0], keys[10_000:], 50.0, False)
+    )
