@@ -245,10 +245,21 @@ class Scheduler:
             self._thread.join(timeout=10)
 
     def queued_prompt_tokens(self) -> int:
-        """Prompt tokens waiting or not yet prefilled."""
+        """Prompt tokens waiting or not yet prefilled: what the engine will compute, as
+        the router counts its in-flight work. A request not started yet counts its prompt
+        less the resident global-KV prefix it will restore (looked up now, outside the
+        scheduler's lock); one started, what it has left."""
         with self._cond:
             seqs = [*self._waiting, *(s for s in self._running if s.pending < 0)]
-            return sum(len(s.req.prompt_ids) - s.pos for s in seqs)
+            left = [(s.req, len(s.req.prompt_ids) - s.pos, s.restored or s.pos > 0) for s in seqs]
+        total = 0
+        block = self.cache.block
+        for req, n, started in left:
+            if not started and req.keys.blocks:
+                usable = max(0, (len(req.prompt_ids) - 1) // block)
+                n -= len(self.cache.kv.lookup(req.keys.blocks[:usable])) * block
+            total += max(n, 0)
+        return total
 
     def oldest_waiting_s(self) -> float:
         """Age of the oldest request without its first token (waiting or prefilling)."""

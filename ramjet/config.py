@@ -217,7 +217,7 @@ class FleetStatsConfig(_Frozen):
     (`ramjet.policy.calibration`); false: the profiles as probed."""
     calibration_forgetting: float = Field(default=0.95, gt=0.5, le=1.0)
     """The calibration's forgetting factor: a sample's weight falls by this per later
-    sample (0.95: about the last 20 requests on the engine count)."""
+    sample on its engine (0.95: about the last 20 requests count)."""
     calibration_clip: float = Field(default=2.5, gt=0)
     """A sample's relative error is clipped to this many running mean |errors| before it
     moves the weights, so one outlier cannot swing them."""

@@ -253,10 +253,17 @@ class Accounting:
                     loss_total.inc(-gain)
         if record.engine is None or record.status >= 400:
             return
+        # W: the router's own measure where it saw the first byte and the candidate priced
+        # the engine (the engine's queue_ms misses the time before its scheduler saw the
+        # request); else the engine's queue_ms
+        comp = cand.components.get(record.engine) if cand is not None else None
+        features = features_of(comp) if comp is not None else None
+        router_wait = features is not None and (record.stream and record.ttft_s is not None)
         if realized is None:
             self._of(m.usage_missing, record.engine).inc()
         else:
-            self._wait(realized.queue_ms / 1e3, "engine")
+            if not router_wait:
+                self._wait(realized.queue_ms / 1e3, "engine")
             for source, n in (
                 ("hbm", realized.hbm_tokens),
                 ("host", realized.host_tokens),
@@ -282,11 +289,8 @@ class Accounting:
                     abs_rel = m.ttft_abs_relative.labels(record.mode)
                     self._abs_relative[record.mode] = abs_rel
                 abs_rel.observe(abs(predicted - real) / real)
-        if real is not None and cand is not None:
-            comp = cand.components.get(record.engine)
-            features = features_of(comp) if comp is not None else None
-            if features is not None:
-                self._calibrate(record.engine, features, real, realized is None)
+        if real is not None and features is not None:
+            self._calibrate(record.engine, features, real, router_wait or realized is None)
         resume = predicted_for(cand, record.engine, "resume_tokens")
         if resume is not None and realized is not None:
             cached_error, cached_predicted, cached_realized = s.cached or s.make_cached()
@@ -302,8 +306,8 @@ class Accounting:
     def _calibrate(
         self, engine: str, features: list[float], real: float, measure_wait: bool
     ) -> None:
-        """Fold one realized TTFT into `engine`'s calibration; where the engine reported
-        no queue time, its wait is the realized TTFT minus the calibrated service."""
+        """Fold one realized TTFT into `engine`'s calibration; with `measure_wait`, the
+        request's wait is the realized TTFT minus the calibrated service."""
         cal = self.calibration
         if cal is None:
             return

@@ -9,11 +9,13 @@ x_i; the calibrated prediction is
     TTFT = w_prefill·x_prefill + w_context·x_context + w_resume·(x_restore + x_replay)
            + w_wait·x_wait + w_packing·x_packing + fixed_s
 
-with weights that start at the profile (1, 1, 1, 1, 1; fixed 0 s) and are fitted per
-engine by recursive least squares with forgetting on every realised TTFT y. The prefill is
-two features: its cost at context 0 (x_prefill) and what the probed curve adds for the
-context it runs on (x_context), so a curve probed at short contexts only, or under load,
-is corrected in shape as well as in scale.
+with weights that start at the profile (1, 0, 1, 1, 1; fixed 0 s) and are fitted per
+engine by recursive least squares with forgetting on every realised TTFT y. x_prefill is
+the profile's prefill of the new tokens at their context; x_context is that prefill at
+context 0 times context / `CONTEXT_SCALE` tokens: the attention-like cost that grows with
+the context, which a curve probed at short contexts, or probed flat under load, misses.
+Its weight starts at 0 (the profile as probed), moves slowly (a narrow prior: it is
+nearly collinear with x_prefill) and only grows if the engine shows it.
 
 - Relative error is what an operator reads, so each sample is weighted by 1/y²: the
   regression is of 1 on z = x / y (`TtftCalibration.observe`), and its residual
@@ -23,10 +25,10 @@ is corrected in shape as well as in scale.
   the gain times that bound; a lasting change (an engine 2x slower) shows as errors of
   one sign (`DRIFT`), which raises σ and the covariance, and is learnt within about ten
   requests (tests/ramjet/policy/test_calibration.py states the bound it holds).
-- Bounded: each multiplicative weight stays in [`W_MIN`, `W_MAX`], the fixed term in
-  [0, `FIXED_MAX_S`] (projection after each step); the covariance of a direction that
-  no sample excites (packing on a one-job-per-step engine) is capped, so it cannot wind
-  up under forgetting and swing the weight when the term first appears.
+- Bounded: each multiplicative weight stays in [`W_MIN`, `W_MAX`] (context [0, W_MAX]),
+  the fixed term in [0, `FIXED_MAX_S`] (projection after each step); the covariance of a
+  direction that no sample excites (packing on a one-job-per-step engine) is capped, so
+  it cannot wind up under forgetting and swing the weight when the term first appears.
 
 The router feeds it from `ramjet.decisions.accounting` (the candidate's features for the
 engine that answered, at the response's end), the simulator from its own realised TTFTs
@@ -56,10 +58,15 @@ W_MIN = 0.05
 W_MAX = 20.0
 FIXED_MAX_S = 2.0
 SIGMA_FLOOR = 0.05
+CONTEXT_SCALE = 8192.0
+"""Tokens of context at which x_context equals the prefill at context 0."""
 DRIFT = 0.15
 """A running mean of the signed relative error beyond this: the engine has changed (a
-co-located job, a profile probed under load); the covariance is doubled per such sample
-(bounded by its cap), so the weights follow within about ten samples."""
+co-located job, a profile probed under load): the covariance is multiplied by
+`DRIFT_GAIN` (bounded by its cap), at most once per `DRIFT_COOLDOWN` samples, so the
+weights follow within about ten samples without being thrown about by a run of noise."""
+DRIFT_GAIN = 4.0
+DRIFT_COOLDOWN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +74,7 @@ class TtftWeights:
     """One engine's calibrated weights (`TERMS`), and how many samples fitted them."""
 
     prefill: float = 1.0
-    context: float = 1.0
+    context: float = 0.0
     resume: float = 1.0
     wait: float = 1.0
     packing: float = 1.0
@@ -93,13 +100,23 @@ class TtftCalibration:
     """One engine's recursive least squares (module docstring). Not thread-safe: the
     router's event loop or the simulator's loop owns it."""
 
-    __slots__ = ("_bias", "_cap", "_p", "_samples", "_sigma", "_w", "clip", "forgetting")
+    __slots__ = (
+        "_bias",
+        "_cap",
+        "_cooldown",
+        "_p",
+        "_samples",
+        "_sigma",
+        "_w",
+        "clip",
+        "forgetting",
+    )
 
     def __init__(
         self,
         forgetting: float = 0.95,
         clip: float = 2.5,
-        prior: Sequence[float] = (4.0, 4.0, 4.0, 4.0, 4.0, 0.01),
+        prior: Sequence[float] = (4.0, 0.25, 4.0, 4.0, 4.0, 0.01),
         start: TtftWeights = PROFILE,
     ) -> None:
         if not 0.5 < forgetting <= 1.0:
@@ -123,6 +140,7 @@ class TtftCalibration:
         self._cap = [10.0 * v for v in prior]
         self._sigma = 0.5
         self._bias = 0.0
+        self._cooldown = 0
         self._samples = 0
 
     def weights(self) -> TtftWeights:
@@ -146,10 +164,12 @@ class TtftCalibration:
         ec = min(max(e, -bound), bound)
         self._sigma = max(0.8 * self._sigma + 0.2 * abs(ec), SIGMA_FLOOR)
         self._bias = 0.8 * self._bias + 0.2 * ec
-        if abs(self._bias) > DRIFT:  # errors of one sign: the engine changed, forget faster
-            for row in p:
+        self._cooldown -= 1
+        if abs(self._bias) > DRIFT and self._cooldown <= 0:  # one sign: the engine changed
+            for row in p:  # forget what came before, once per DRIFT_COOLDOWN samples
                 for j in range(n):
-                    row[j] *= 2.0
+                    row[j] *= DRIFT_GAIN
+            self._cooldown = DRIFT_COOLDOWN
         pz = [sum(p[i][j] * z[j] for j in range(n)) for i in range(n)]
         lam = self.forgetting
         denom = lam + sum(z[i] * pz[i] for i in range(n))
@@ -165,7 +185,7 @@ class TtftCalibration:
     def _bound(self) -> None:
         w, p, n = self._w, self._p, len(self._w)
         for i in range(n - 1):
-            w[i] = min(max(w[i], W_MIN), W_MAX)
+            w[i] = min(max(w[i], 0.0 if i == 1 else W_MIN), W_MAX)  # context may be 0
         w[n - 1] = min(max(w[n - 1], 0.0), FIXED_MAX_S)
         for i in range(n):
             if p[i][i] > self._cap[i]:

@@ -53,8 +53,9 @@ For request r (n prompt tokens) on engine e, with profile P:
   n_jumped_e · service_e. A started prefill is not counted (`keyed_jumped`). Under FCFS
   nothing queued can be jumped and the term is 0.
 - TTFT_e = wait_e + work_e + packing_e, each term weighted by the engine's calibration
-  (`FleetStats.calibration`, `ramjet.policy.calibration`): prefill by w_prefill at
-  context 0 and by w_context for what its context adds, restore and replay by w_resume, the wait by w_wait, packing by w_packing, plus a fixed
+  (`FleetStats.calibration`, `ramjet.policy.calibration`): prefill by w_prefill, plus
+  w_context times an attention-like context term (0 as profiled), restore and replay by
+  w_resume, the wait by w_wait, packing by w_packing, plus a fixed
   per-request time. The raw, profile-priced terms are the calibration's features and are
   kept in the components (`x_*_s`, `ttft_raw_s`); every other figure, the externality's
   Δ included, is calibrated. With no calibration the weights are 1 and the fixed term 0.
@@ -105,7 +106,7 @@ from ramjet.policy.base import (
     KeyedQueue,
     RequestView,
 )
-from ramjet.policy.calibration import PROFILE, TtftWeights
+from ramjet.policy.calibration import CONTEXT_SCALE, PROFILE, TtftWeights
 from ramjet.policy.candidates import outstanding_prompt_tokens
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
@@ -468,8 +469,8 @@ class EngineEstimate:
     """The calibration's fixed per-request time (`TtftWeights.fixed_s`)."""
     raw: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     """The profile-priced terms before calibration, the calibration's features
-    (`ramjet.policy.calibration.FEATURES`): prefill at context 0, what the context adds
-    to it, restore + replay, wait, packing."""
+    (`ramjet.policy.calibration.FEATURES`): prefill, the context term (prefill at
+    context 0 x context / CONTEXT_SCALE), restore + replay, wait, packing."""
     beyond_profile: bool = False
     """The prompt is longer than the largest context the engine's profile was probed at:
     its prefill is extrapolated."""
@@ -558,7 +559,7 @@ class EngineEstimate:
             "x_resume_s": x_resume,
             "x_wait_s": x_wait,
             "x_packing_s": x_packing,
-            "ttft_raw_s": x_prefill + x_context + x_resume + x_wait + x_packing,
+            "ttft_raw_s": x_prefill + x_resume + x_wait + x_packing,
             "w_prefill": self.weights.prefill,
             "w_context": self.weights.context,
             "w_resume": self.weights.resume,
@@ -656,10 +657,16 @@ def estimate(
         if not per_job:  # later arrivals join this request's step (vLLM's packing)
             raw_packing = _work_rate(fleet, e.id) * (raw_wait + raw_work.work_s)
         w = fleet.calibration.get(e.id, PROFILE) if fleet.calibration else PROFILE
-        flat = min(profile.prefill_seconds(new_tokens, 0), raw_work.prefill_s)
-        context = raw_work.prefill_s - flat
-        work = _calibrated(raw_work, flat, context, w)
-        raw = (flat, context, raw_work.restore_s + raw_work.replay_s, raw_wait, raw_packing)
+        # the context feature: prefill at context 0 scaled by the context it runs on
+        context = profile.prefill_seconds(new_tokens, 0) * raw_work.resume_tokens / CONTEXT_SCALE
+        work = _calibrated(raw_work, context, w)
+        raw = (
+            raw_work.prefill_s,
+            context,
+            raw_work.restore_s + raw_work.replay_s,
+            raw_wait,
+            raw_packing,
+        )
         beyond = n > profile.prefill_curve[-1].context_tokens if profile.prefill_curve else False
         staged.append(
             (
@@ -726,9 +733,9 @@ def estimate(
     return out
 
 
-def _calibrated(work: Work, flat: float, context: float, w: TtftWeights) -> Work:
+def _calibrated(work: Work, context: float, w: TtftWeights) -> Work:
     """`work` with its terms weighted by the engine's calibration (module docstring);
-    its prefill is `flat` (at context 0) + `context` (what the context adds)."""
+    `context` is the context feature (`ramjet.policy.calibration`)."""
     if w is PROFILE:
         return work
     return Work(
@@ -736,5 +743,5 @@ def _calibrated(work: Work, flat: float, context: float, w: TtftWeights) -> Work
         work.resume_tokens,
         w.resume * work.restore_s,
         w.resume * work.replay_s,
-        w.prefill * flat + w.context * context,
+        w.prefill * work.prefill_s + w.context * context,
     )

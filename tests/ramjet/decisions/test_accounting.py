@@ -339,12 +339,24 @@ def test_an_engine_without_queue_times_gets_its_wait_from_the_router() -> None:
     assert w > 1.0  # it took 0.9 s where the profile said 0.6 s
 
 
-def test_an_engine_that_reports_queue_times_keeps_them_as_w() -> None:
+def test_a_stream_measures_w_at_the_router_and_a_non_stream_takes_the_engines() -> None:
+    """A stream's wait is what the router saw (realized first byte less the calibrated
+    service: the engine's queue_ms misses the time before its scheduler saw the request);
+    a non-stream request has no router first byte, so the engine's queue_ms is W."""
+    import dataclasses
+
     from ramjet.policy.calibration import Calibrations
 
     reg = CollectorRegistry()
     acc = Accounting(reg, clock=lambda: 0.0, calibration=Calibrations())
-    acc.on_decision(_with_features(record(queue_ms=80.0), E0, [0.1, 0.0, 0.0, 0.0, 0.0]))
+    acc.on_decision(_with_features(record(queue_ms=80.0, ttft=0.3), E0, [0.1, 0, 0, 0, 0]))
+    assert value(reg, "ramjet_mean_wait_samples_total", source="router") == 1
+    assert value(reg, "ramjet_mean_wait_samples_total", source="engine") == 0
+    assert acc.mean_wait_s() > 0.1  # 0.3 s realized against ~0.1 s of service
+    reg = CollectorRegistry()
+    acc = Accounting(reg, clock=lambda: 0.0, calibration=Calibrations())
+    r = _with_features(record(queue_ms=80.0), E0, [0.1, 0.0, 0.0, 0.0, 0.0])
+    acc.on_decision(dataclasses.replace(r, stream=False, ttft_s=None))
     assert acc.mean_wait_s() == pytest.approx(0.08)
     assert value(reg, "ramjet_mean_wait_samples_total", source="router") == 0
-    assert value(reg, "ramjet_ttft_calibration_samples_total", engine="e0") == 1
+    assert value(reg, "ramjet_mean_wait_samples_total", source="engine") == 1

@@ -103,8 +103,9 @@ def test_weights_stay_bounded_and_non_negative_whatever_the_samples() -> None:
         f = [rng.choice([0.0, rng.expovariate(1.0)]) for _ in range(5)]
         c.observe(f, rng.choice([1e-4, 1e3, rng.expovariate(1.0) + 1e-6]))
     w = c.weights()
-    for v in (w.prefill, w.context, w.resume, w.wait, w.packing):
+    for v in (w.prefill, w.resume, w.wait, w.packing):
         assert W_MIN <= v <= W_MAX
+    assert 0.0 <= w.context <= W_MAX  # the context term may vanish
     assert 0.0 <= w.fixed_s <= FIXED_MAX_S
 
 
