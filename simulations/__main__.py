@@ -35,6 +35,7 @@ from simulations.checks import (
     violations,
     with_oracle,
 )
+from simulations.fabric import FABRICS, ISLANDS, Fabric
 from simulations.lineup import ENTRANTS, resolve, variant
 from simulations.preset import PRESETS, EngineSpec, engine_spec
 from simulations.report import markdown, plot, table, write_csv
@@ -125,6 +126,7 @@ class RunSetup:
     load: float
     fleet_stats: FleetStatsConfig
     loop: ClosedLoop | None
+    fabric: Fabric = ISLANDS
 
     def simulation(
         self,
@@ -144,6 +146,7 @@ class RunSetup:
             progress=progress,
             fleet_stats=self.fleet_stats,
             loop=self.loop,
+            fabric=self.fabric,
         )
 
     def row(self, label: str, out: Outcome) -> Row:
@@ -209,6 +212,40 @@ def checked_rows(
     return out
 
 
+def fabric_of(a: argparse.Namespace) -> Fabric:
+    """The `--fabric` flags as a `Fabric` (a ValueError on a bad figure)."""
+
+    def scaled(v: float | None, k: float) -> float | None:
+        return None if v is None else v * k
+
+    return Fabric(
+        a.fabric,
+        host_pool_tokens=a.pool_host_tokens,
+        ssd_pool_tokens=a.pool_ssd_tokens,
+        swa_pool_sequences=a.pool_swa_sequences,
+        host_bytes_per_s=scaled(a.pool_host_gbps, 1e9),
+        host_latency_s=scaled(a.pool_host_latency_ms, 1e-3),
+        ssd_bytes_per_s=scaled(a.pool_ssd_gbps, 1e9),
+        ssd_latency_s=scaled(a.pool_ssd_latency_ms, 1e-3),
+        write_bytes_per_s=a.pool_write_gbps * 1e9,
+        write_through=a.write_through == "on",
+    )
+
+
+def fabric_text(f: Fabric) -> str:
+    if not f.shared:
+        return "islands (host, SSD and SWA pool per engine)"
+
+    def gb(v: float | None) -> str:
+        return "profile's" if v is None else f"{v / 1e9:g} GB/s"
+
+    return (
+        f"shared (host pool {gb(f.host_bytes_per_s)}, SSD pool {gb(f.ssd_bytes_per_s)}, "
+        f"write-through {'on' if f.write_through else 'off'} at {gb(f.write_bytes_per_s)}; "
+        "FIFO link per pool)"
+    )
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     try:
         entrants = resolve(a.policies) + [variant(v) for v in a.variant]
@@ -228,7 +265,11 @@ def cmd_run(a: argparse.Namespace) -> int:
             aging=a.aging,
             horizon_s=a.horizon,
         )
-        entrants = [e.on(spec) for e in entrants]  # as configured for these engines
+        fabric = fabric_of(a)
+        if a.engines < 1:
+            raise ValueError(f"--engines must be >= 1, got {a.engines}")
+        # as configured for these engines, and as each behaves on the fabric
+        entrants = [e.on(spec).on_fabric(fabric) for e in entrants]
         fleet_cfg = load_policy(a.policy_file).fleet_stats if a.policy_file else FleetStatsConfig()
         closed = closed_loop_wanted(a.closed_loop, reqs)
         if a.limit:
@@ -286,7 +327,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(
         f"trace {a.trace}: {len(reqs)} requests over {span_text}, block {block} tokens; "
         f"floor {fl.tokens / 1e6:.2f} M prefill tokens ({sum(fl.work_s):.0f} s of work); "
-        f"scheduler {spec.scheduler}; engines {a.engines}\n{replay}"
+        f"scheduler {spec.scheduler}; engines {a.engines}; fabric {fabric_text(fabric)}\n{replay}"
     )
     progress = Progress(len(entrants) * len(scales) * len(reqs), not a.quiet)
     rows: list[Row] = []
@@ -296,7 +337,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         run_reqs = scaled(plan, scale) if plan is not None else scale_rate(reqs, scale)
         setup = RunSetup(
             run_reqs, spec, scale, block, a.engines, fl, a.ttft_target_s, load, fleet_cfg,
-            plan.loop if plan is not None else None,
+            plan.loop if plan is not None else None, fabric,
         )  # fmt: skip
         for ent in entrants:
             progress.label = f"{ent.name} x{scale:g}"
@@ -323,6 +364,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     md = [
         f"trace `{a.trace}`, {len(reqs)} requests, TTFT target {a.ttft_target_s:g} s\n\n{replay}\n"
     ]
+    if fabric.shared:
+        md.append(f"\n{a.engines} engines, fabric {fabric_text(fabric)}\n")
     for scale, load in zip(scales, loads, strict=True):
         these = [r for r in rows if r.rate_scale == scale]
         title = f"rate scale x{scale:g}" + ("" if math.isnan(load) else f" (load {load:g})")
@@ -392,6 +435,42 @@ def main(argv: list[str] | None = None) -> int:
         help="print per run: wait vs service, moved later turns, per-engine wait gap",
     )
     r.add_argument("--engines", type=int, default=2)
+    r.add_argument(
+        "--fabric",
+        choices=FABRICS,
+        default="islands",
+        help="islands: host, SSD and SWA pool per engine; shared: one host pool, SSD pool "
+        "and SWA pool for all engines, HBM per engine (simulations.fabric)",
+    )
+    r.add_argument(
+        "--pool-host-tokens", type=int, help="shared host pool (default: engines x host tier)"
+    )
+    r.add_argument(
+        "--pool-ssd-tokens", type=int, help="shared SSD pool (default: engines x SSD tier)"
+    )
+    r.add_argument(
+        "--pool-swa-sequences", type=int, help="shared SWA pool (default: engines x SWA pool)"
+    )
+    r.add_argument(
+        "--pool-host-gbps", type=float, help="host pool link GB/s (default: profile's host tier)"
+    )
+    r.add_argument("--pool-host-latency-ms", type=float, help="per pull (default: profile's)")
+    r.add_argument(
+        "--pool-ssd-gbps", type=float, help="SSD pool link GB/s (default: profile's ssd tier)"
+    )
+    r.add_argument("--pool-ssd-latency-ms", type=float, help="per pull (default: profile's)")
+    r.add_argument(
+        "--pool-write-gbps",
+        type=float,
+        default=12.5,
+        help="write-through bandwidth into the host pool, GB/s",
+    )
+    r.add_argument(
+        "--write-through",
+        choices=("on", "off"),
+        default="on",
+        help="shared fabric: publish computed blocks to the pool at once (off: by demotion)",
+    )
     r.add_argument(
         "--scheduler", choices=("fcfs", "priority", "vllm-fcfs", "vllm-priority"), default="fcfs"
     )
