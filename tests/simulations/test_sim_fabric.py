@@ -11,16 +11,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sim_helpers import BLOCK, PROFILE, req, spec, workload
+from test_sim_closed_loop import agent_trace
 
 from ramjet.policy.base import GlobalMatch
 from simulations.__main__ import main
 from simulations.cache import HOST
-from simulations.checks import Replay
+from simulations.checks import Replay, violations
+from simulations.compare import read_rows
 from simulations.fabric import Fabric, Pools
+from simulations.lineup import ENTRANTS
+from simulations.sessions import closed_loop_plan, scaled
 from simulations.simulator import Knowledge, Simulation
 from simulations.views import Clock, ExactResidency, LocalResidency
-from simulations.workload import chain_keys
-from tests.simulations.sim_helpers import BLOCK, PROFILE, req, spec, workload
+from simulations.workload import chain_keys, finish
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = Fabric("shared", write_bytes_per_s=1e9)
@@ -272,3 +276,34 @@ def test_islands_results_are_byte_identical_to_before_the_fabric(tmp_path: Path)
     with (tmp_path / "shared" / "results.csv").open() as f:
         assert list(csv.reader(f))
     assert (tmp_path / "shared" / "results.csv").read_bytes() != before
+
+
+@pytest.mark.parametrize(
+    "name", ["tier_aware", "round_robin", "smg_cache_aware:exact", "llmd_scorers:exact"]
+)
+def test_the_oracles_one_cache_bounds_every_routing_on_the_shared_fabric(name: str) -> None:
+    """A policy's decisions on the shared fabric, replayed on the oracle's one cache (no
+    pulls, no links), are never slower for any request (open loop, FCFS)."""
+    reqs = scaled(closed_loop_plan(agent_trace(sessions=8), BLOCK, sessions=24), 1e4)
+    reqs = finish(sorted(reqs, key=lambda r: r.arrival_s), BLOCK)
+    ent = ENTRANTS[name].on_fabric(SHARED)
+    out = Simulation(
+        reqs, spec(), ent.make(0), block_tokens=BLOCK, knowledge=ent.knowledge, fabric=SHARED
+    ).run()
+    if name in ("tier_aware", "round_robin"):
+        assert sum(h[1] for h in out.hit) > 0  # sessions moved, pulling from the pool
+    again = Simulation(
+        reqs, spec(), Replay(name, out.engine), block_tokens=BLOCK, shared_cache=True
+    ).run()
+    assert again.engine == out.engine
+    assert all(b <= a + 1e-9 for a, b in zip(out.ttft, again.ttft, strict=True))
+
+
+FABRIC_RUNS = sorted((REPO / "docs" / "results" / "fabric").glob("*/results.csv"))
+
+
+@pytest.mark.parametrize("path", FABRIC_RUNS, ids=lambda p: p.parent.name)
+def test_no_policy_beats_the_oracle_in_the_fabric_results(path: Path) -> None:
+    rows = read_rows(path)
+    assert any(r.policy == "oracle" for r in rows)
+    assert violations(rows) == []
