@@ -40,6 +40,9 @@ PEERS = (
 )
 LINEUP = f"tier_aware,{PEERS},oracle:tier_aware,oracle:least_work,oracle:spread"
 CLOSED_LOADS = "0.4,0.6,0.8,0.95"
+UNCAL = "tier_aware:uncalibrated"
+"""tier_aware with the router's online TTFT calibration off (`fleet_stats.calibrate`)."""
+CANDIDATES = ("tier_aware", UNCAL)
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,8 @@ def cmd_run(a: argparse.Namespace) -> int:
                 if (d / "results.csv").exists():
                     continue
                 cmd = [sys.executable, "-m", "simulations", "run", "--trace", str(c.trace)]
-                cmd += ["--policies", LINEUP, *c.args, "--fabric", fabric, "--seed", str(seed)]
+                cmd += ["--policies", LINEUP, "--variant", UNCAL + '={"calibrate": false}']
+                cmd += [*c.args, "--fabric", fabric, "--seed", str(seed)]
                 cmd += ["--out", str(d), "--quiet", "--no-plot"]
                 print(" ".join(cmd[1:]), flush=True)
                 code = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL).returncode
@@ -161,10 +165,10 @@ def best(cell: Cell, k: int) -> tuple[str, float]:
 
 def cmd_table(a: argparse.Namespace) -> int:
     lines = [
-        "| run | load | util | seeds | TA/oracle | TA/best peer mean (peer) | TA/best p99 | "
+        "| run | policy | load | util | seeds | TA/oracle | TA/best peer mean (peer) | TA/best p99 | "
         "oracle/best peer | islands: TA/oracle | islands: TA/best mean | islands: TA/best p99 "
         "| TA shared / best peer islands | bars |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     missing = failed_total = 0
     for c in configs(a.sessions_swe, a.sessions_tau):
@@ -173,11 +177,11 @@ def cmd_table(a: argparse.Namespace) -> int:
         failed_total += f_sh + f_is
         if n_sh < len(c.seeds) or n_is < len(c.seeds):
             missing += 1
-        for load in sorted(shared):
+        for load, cand in ((x, p) for x in sorted(shared) for p in CANDIDATES):
             sh, isl = shared[load], islands.get(load)
-            if "tier_aware" not in sh or "oracle" not in sh:
+            if cand not in sh or "oracle" not in sh:
                 continue
-            ta_m, ta_p, util = sh["tier_aware"]
+            ta_m, ta_p, util = sh[cand]
             oracle = sh["oracle"][0]
             peer_m, bm = best(sh, 0)
             _, bp = best(sh, 1)
@@ -187,8 +191,8 @@ def cmd_table(a: argparse.Namespace) -> int:
                 bars.append("oracle ok" if r_or <= 1.05 else "oracle MISSED")
             bars.append("peer mean ok" if r_m <= 1.02 else "peer mean MISSED")
             bars.append("p99 ok" if r_p <= 1.05 else "p99 MISSED")
-            if isl is not None and "tier_aware" in isl:
-                i_m, i_p, _ = isl["tier_aware"]
+            if isl is not None and cand in isl:
+                i_m, i_p, _ = isl[cand]
                 _, ibm = best(isl, 0)
                 _, ibp = best(isl, 1)
                 islands_cols = (
@@ -198,7 +202,7 @@ def cmd_table(a: argparse.Namespace) -> int:
             else:
                 islands_cols = "- | - | - | -"
             lines.append(
-                f"| {c.name} | {load:g} | {util:.0%} | {n_sh} | {r_or:.3f} | {r_m:.3f} ({peer_m}) "
+                f"| {c.name} | {'uncal.' if cand == UNCAL else 'default'} | {load:g} | {util:.0%} | {n_sh} | {r_or:.3f} | {r_m:.3f} ({peer_m}) "
                 f"| {r_p:.3f} | {oracle / bm:.3f} | {islands_cols} | {', '.join(bars)} |"
             )
     print("\n".join(lines))

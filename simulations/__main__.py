@@ -134,7 +134,12 @@ class RunSetup:
         knowledge: Knowledge,
         shared_cache: bool,
         progress: Progress | None = None,
+        calibrate: bool | None = None,
     ) -> Simulation:
+        """`calibrate`: overrides `fleet_stats.calibrate` (None: as configured)."""
+        fleet = self.fleet_stats
+        if calibrate is not None:
+            fleet = fleet.model_copy(update={"calibrate": calibrate})
         return Simulation(
             self.requests,
             self.spec,
@@ -144,7 +149,7 @@ class RunSetup:
             knowledge=knowledge,
             shared_cache=shared_cache,
             progress=progress,
-            fleet_stats=self.fleet_stats,
+            fleet_stats=fleet,
             loop=self.loop,
             fabric=self.fabric,
         )
@@ -166,10 +171,12 @@ def run_row(
     shared_cache: bool,
     knowledge: Knowledge,
     progress: Progress | None = None,
+    calibrate: bool | None = None,
 ) -> Row:
     """One run of `policy` over `setup`'s requests, summarised as row `label` (the bound
     and replay rows of `checked_rows`, `simulations.probes --cross`)."""
-    return setup.row(label, setup.simulation(policy, knowledge, shared_cache, progress).run())
+    sim = setup.simulation(policy, knowledge, shared_cache, progress, calibrate)
+    return setup.row(label, sim.run())
 
 
 def checked_rows(
@@ -179,6 +186,7 @@ def checked_rows(
     decisions: dict[str, list[int]],
     progress: Progress | None = None,
     policies: Mapping[str, tuple[Callable[[], RoutingPolicy], Knowledge]] | None = None,
+    calibrate: Mapping[str, bool | None] | None = None,
 ) -> list[Row]:
     """The rows that bound `rows` at `setup.scale`: each policy that beats every oracle
     routing replayed on one shared cache (its own decisions: the oracle must bound it
@@ -192,17 +200,26 @@ def checked_rows(
     out: list[Row] = []
     scale, fl = setup.scale, setup.floor_
 
-    def shared_run(label: str, policy: RoutingPolicy, knowledge: Knowledge) -> Row:
+    def shared_run(
+        label: str, policy: RoutingPolicy, knowledge: Knowledge, cal: bool | None = None
+    ) -> Row:
         if progress is not None:
             progress.label = f"{label} x{scale:g}"
         return run_row(
-            label, policy, setup, shared_cache=True, knowledge=knowledge, progress=progress
+            label,
+            policy,
+            setup,
+            shared_cache=True,
+            knowledge=knowledge,
+            progress=progress,
+            calibrate=cal,
         )
 
     for name in beaten(rows, scale):  # a policy below every oracle: run it shared
         if policies is not None and name in policies:
             make, knowledge = policies[name]
-            out.append(shared_run(SHARED + name, make(), knowledge))
+            cal = calibrate.get(name) if calibrate is not None else None
+            out.append(shared_run(SHARED + name, make(), knowledge, cal))
         out.append(shared_run(REPLAY + name, Replay(name, decisions[name]), Knowledge()))
     target, load = setup.ttft_target_s, setup.load
     out.append(bound_row("bound:alone", scale, fl.work_s, fl.tokens, target, load))
@@ -341,7 +358,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         )  # fmt: skip
         for ent in entrants:
             progress.label = f"{ent.name} x{scale:g}"
-            sim = setup.simulation(ent.make(a.seed), ent.knowledge, ent.shared_cache, progress)
+            sim = setup.simulation(
+                ent.make(a.seed), ent.knowledge, ent.shared_cache, progress, ent.calibrate
+            )
             out = sim.run()
             decisions[(ent.name, scale)] = out.engine
             if a.breakdown:
@@ -357,6 +376,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                 for e in entrants
                 if not e.shared_cache
             },
+            calibrate={e.name: e.calibrate for e in entrants},
         )
     progress.close()
     rows = with_oracle(rows)

@@ -50,6 +50,9 @@ class Entrant:
     tierless: bool = False
     """A peer that knows no tiers (SMG, production-stack): on the shared fabric its
     `:exact` mode sees its engine's own HBM, not the pools (`on_fabric`)."""
+    calibrate: bool | None = None
+    """Overrides the run's `fleet_stats.calibrate` for this entrant (the router's online
+    TTFT calibration; None: the run's). Set by a `--variant` with `"calibrate": false`."""
     fabric_make: Callable[[int], RoutingPolicy] | None = None
     """How the peer is built on the shared fabric, where it differs (llm-d's tier
     weights)."""
@@ -196,7 +199,8 @@ def resolve(spec: str) -> list[Entrant]:
 def variant(spec: str) -> Entrant:
     """An extra `tier_aware` row for ablations: `NAME=JSON`, JSON the policy's params
     over its defaults (e.g. `tier_aware:x0.5={"externality_scale": 0.5}`), validated
-    now. NAME must not be a lineup name or an oracle/bound row's."""
+    now; the key `calibrate` (true/false) sets the run's online TTFT calibration for
+    this row alone. NAME must not be a lineup name or an oracle/bound row's."""
     name, sep, raw = spec.partition("=")
     name = name.strip()
     if not sep or not name:
@@ -209,5 +213,8 @@ def variant(spec: str) -> Entrant:
         raise ValueError(f"--variant {name!r}: params are not JSON: {exc}") from None
     if not isinstance(params, dict):
         raise ValueError(f"--variant {name!r}: params must be a JSON object")
+    calibrate = params.pop("calibrate", None)
+    if calibrate is not None and not isinstance(calibrate, bool):
+        raise ValueError(f"--variant {name!r}: calibrate must be true or false")
     validate_params("tier_aware", params, path=f"--variant {name}")  # a ValueError
-    return _tier_aware(name, params)
+    return replace(_tier_aware(name, params), calibrate=calibrate)

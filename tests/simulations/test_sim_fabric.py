@@ -14,13 +14,15 @@ import pytest
 from sim_helpers import BLOCK, PROFILE, req, spec, workload
 from test_sim_closed_loop import agent_trace
 
+from ramjet.config import FleetStatsConfig
 from ramjet.policy.base import GlobalMatch
-from simulations.__main__ import main
+from simulations.__main__ import RunSetup, main
+from simulations.bounds import floor
 from simulations.cache import HOST
 from simulations.checks import Replay, violations
 from simulations.compare import read_rows
 from simulations.fabric import Fabric, Pools
-from simulations.lineup import ENTRANTS
+from simulations.lineup import ENTRANTS, variant
 from simulations.sessions import closed_loop_plan, scaled
 from simulations.simulator import Knowledge, Simulation
 from simulations.views import Clock, ExactResidency, LocalResidency
@@ -307,3 +309,18 @@ def test_no_policy_beats_the_oracle_in_the_fabric_results(path: Path) -> None:
     rows = read_rows(path)
     assert any(r.policy == "oracle" for r in rows)
     assert violations(rows) == []
+
+
+def test_a_variant_can_run_without_the_online_calibration() -> None:
+    ent = variant('tier_aware:uncal={"calibrate": false}')
+    assert ent.name == "tier_aware:uncal" and ent.calibrate is False
+    assert variant('tier_aware:x={"externality_scale": 0.5}').calibrate is None
+    with pytest.raises(ValueError, match="calibrate must be true or false"):
+        variant('tier_aware:bad={"calibrate": "no"}')
+    reqs = workload([req(0.1 * i, list(range(i % 3, i % 3 + 20))) for i in range(30)])
+    fl = floor(reqs, PROFILE)
+    setup = RunSetup(reqs, spec(), 1.0, BLOCK, 2, fl, 2.0, 0.5, FleetStatsConfig(), None)
+    policy = ent.make(0)
+    assert setup.simulation(policy, Knowledge(), False).estimators.calibration is not None
+    off = setup.simulation(policy, Knowledge(), False, calibrate=False)
+    assert off.estimators.calibration is None
