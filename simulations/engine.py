@@ -209,7 +209,9 @@ class Engine:
     def _begin(self, job: Job, now: float) -> None:
         req = job.req
         hbm, host, ssd = self.cache.match(req.block_keys, req.block_tokens)
-        q = self.swa.match(req.boundaries, now) if req.boundaries else 0
+        # the furthest live SWA state within the global prefix held (on the shared SWA
+        # pool a session's latest state may lie past what this engine can reach)
+        q = self.swa.match_upto(req.boundaries, now, hbm + host + ssd) if req.boundaries else 0
         work = prompt_work(self.profile, req.prompt_tokens, GlobalMatch(hbm, host, ssd), q)
         job.started = True
         job.start_s = now

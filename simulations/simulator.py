@@ -337,7 +337,8 @@ class Simulation:
             self.routed[idx].routed(req.block_keys)
         # the router's prediction on the chosen engine: its in-flight tokens and the hint
         hbm, host, ssd = engine.cache.match(req.block_keys, req.block_tokens)
-        q = engine.swa.match(req.boundaries, now) if req.boundaries else 0
+        g = hbm + host + ssd
+        q = engine.swa.match_upto(req.boundaries, now, g) if req.boundaries else 0
         work = prompt_work(engine.profile, req.prompt_tokens, GlobalMatch(hbm, host, ssd), q)
         self.out.engine[req.index] = idx
         self.out.arrival[req.index] = now
