@@ -75,13 +75,11 @@ def configs(sessions_swe: int, sessions_tau: int) -> list[Config]:
             "miniswe_4engines",
             swe,
             ("--sessions", str(2 * sessions_swe), "--load", "0.6", "--engines", "4"),
-            one,
         ),
         Config(
             "miniswe_8engines",
             swe,
             ("--sessions", str(4 * sessions_swe), "--load", "0.6", "--engines", "8"),
-            one,
         ),
     ]
 
