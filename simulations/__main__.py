@@ -35,6 +35,7 @@ from simulations.checks import (
     violations,
     with_oracle,
 )
+from simulations.fabric import FABRICS, ISLANDS, Fabric
 from simulations.lineup import ENTRANTS, resolve, variant
 from simulations.preset import PRESETS, EngineSpec, engine_spec
 from simulations.report import markdown, plot, table, write_csv
@@ -125,6 +126,7 @@ class RunSetup:
     load: float
     fleet_stats: FleetStatsConfig
     loop: ClosedLoop | None
+    fabric: Fabric = ISLANDS
 
     def simulation(
         self,
@@ -132,7 +134,12 @@ class RunSetup:
         knowledge: Knowledge,
         shared_cache: bool,
         progress: Progress | None = None,
+        calibrate: bool | None = None,
     ) -> Simulation:
+        """`calibrate`: overrides `fleet_stats.calibrate` (None: as configured)."""
+        fleet = self.fleet_stats
+        if calibrate is not None:
+            fleet = fleet.model_copy(update={"calibrate": calibrate})
         return Simulation(
             self.requests,
             self.spec,
@@ -142,8 +149,9 @@ class RunSetup:
             knowledge=knowledge,
             shared_cache=shared_cache,
             progress=progress,
-            fleet_stats=self.fleet_stats,
+            fleet_stats=fleet,
             loop=self.loop,
+            fabric=self.fabric,
         )
 
     def row(self, label: str, out: Outcome) -> Row:
@@ -163,10 +171,12 @@ def run_row(
     shared_cache: bool,
     knowledge: Knowledge,
     progress: Progress | None = None,
+    calibrate: bool | None = None,
 ) -> Row:
     """One run of `policy` over `setup`'s requests, summarised as row `label` (the bound
     and replay rows of `checked_rows`, `simulations.probes --cross`)."""
-    return setup.row(label, setup.simulation(policy, knowledge, shared_cache, progress).run())
+    sim = setup.simulation(policy, knowledge, shared_cache, progress, calibrate)
+    return setup.row(label, sim.run())
 
 
 def checked_rows(
@@ -176,6 +186,7 @@ def checked_rows(
     decisions: dict[str, list[int]],
     progress: Progress | None = None,
     policies: Mapping[str, tuple[Callable[[], RoutingPolicy], Knowledge]] | None = None,
+    calibrate: Mapping[str, bool | None] | None = None,
 ) -> list[Row]:
     """The rows that bound `rows` at `setup.scale`: each policy that beats every oracle
     routing replayed on one shared cache (its own decisions: the oracle must bound it
@@ -189,17 +200,26 @@ def checked_rows(
     out: list[Row] = []
     scale, fl = setup.scale, setup.floor_
 
-    def shared_run(label: str, policy: RoutingPolicy, knowledge: Knowledge) -> Row:
+    def shared_run(
+        label: str, policy: RoutingPolicy, knowledge: Knowledge, cal: bool | None = None
+    ) -> Row:
         if progress is not None:
             progress.label = f"{label} x{scale:g}"
         return run_row(
-            label, policy, setup, shared_cache=True, knowledge=knowledge, progress=progress
+            label,
+            policy,
+            setup,
+            shared_cache=True,
+            knowledge=knowledge,
+            progress=progress,
+            calibrate=cal,
         )
 
     for name in beaten(rows, scale):  # a policy below every oracle: run it shared
         if policies is not None and name in policies:
             make, knowledge = policies[name]
-            out.append(shared_run(SHARED + name, make(), knowledge))
+            cal = calibrate.get(name) if calibrate is not None else None
+            out.append(shared_run(SHARED + name, make(), knowledge, cal))
         out.append(shared_run(REPLAY + name, Replay(name, decisions[name]), Knowledge()))
     target, load = setup.ttft_target_s, setup.load
     out.append(bound_row("bound:alone", scale, fl.work_s, fl.tokens, target, load))
@@ -207,6 +227,40 @@ def checked_rows(
         srpt = srpt_merged(setup.requests, fl.work_s)
         out.append(bound_row("bound:srpt_merged_2x", scale, srpt, fl.tokens, target, load))
     return out
+
+
+def fabric_of(a: argparse.Namespace) -> Fabric:
+    """The `--fabric` flags as a `Fabric` (a ValueError on a bad figure)."""
+
+    def scaled(v: float | None, k: float) -> float | None:
+        return None if v is None else v * k
+
+    return Fabric(
+        a.fabric,
+        host_pool_tokens=a.pool_host_tokens,
+        ssd_pool_tokens=a.pool_ssd_tokens,
+        swa_pool_sequences=a.pool_swa_sequences,
+        host_bytes_per_s=scaled(a.pool_host_gbps, 1e9),
+        host_latency_s=scaled(a.pool_host_latency_ms, 1e-3),
+        ssd_bytes_per_s=scaled(a.pool_ssd_gbps, 1e9),
+        ssd_latency_s=scaled(a.pool_ssd_latency_ms, 1e-3),
+        write_bytes_per_s=a.pool_write_gbps * 1e9,
+        write_through=a.write_through == "on",
+    )
+
+
+def fabric_text(f: Fabric) -> str:
+    if not f.shared:
+        return "islands (host, SSD and SWA pool per engine)"
+
+    def gb(v: float | None) -> str:
+        return "profile's" if v is None else f"{v / 1e9:g} GB/s"
+
+    return (
+        f"shared (host pool {gb(f.host_bytes_per_s)}, SSD pool {gb(f.ssd_bytes_per_s)}, "
+        f"write-through {'on' if f.write_through else 'off'} at {gb(f.write_bytes_per_s)}; "
+        "FIFO link per pool)"
+    )
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -228,7 +282,11 @@ def cmd_run(a: argparse.Namespace) -> int:
             aging=a.aging,
             horizon_s=a.horizon,
         )
-        entrants = [e.on(spec) for e in entrants]  # as configured for these engines
+        fabric = fabric_of(a)
+        if a.engines < 1:
+            raise ValueError(f"--engines must be >= 1, got {a.engines}")
+        # as configured for these engines, and as each behaves on the fabric
+        entrants = [e.on(spec).on_fabric(fabric) for e in entrants]
         fleet_cfg = load_policy(a.policy_file).fleet_stats if a.policy_file else FleetStatsConfig()
         closed = closed_loop_wanted(a.closed_loop, reqs)
         if a.limit:
@@ -286,7 +344,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(
         f"trace {a.trace}: {len(reqs)} requests over {span_text}, block {block} tokens; "
         f"floor {fl.tokens / 1e6:.2f} M prefill tokens ({sum(fl.work_s):.0f} s of work); "
-        f"scheduler {spec.scheduler}; engines {a.engines}\n{replay}"
+        f"scheduler {spec.scheduler}; engines {a.engines}; fabric {fabric_text(fabric)}\n{replay}"
     )
     progress = Progress(len(entrants) * len(scales) * len(reqs), not a.quiet)
     rows: list[Row] = []
@@ -296,11 +354,13 @@ def cmd_run(a: argparse.Namespace) -> int:
         run_reqs = scaled(plan, scale) if plan is not None else scale_rate(reqs, scale)
         setup = RunSetup(
             run_reqs, spec, scale, block, a.engines, fl, a.ttft_target_s, load, fleet_cfg,
-            plan.loop if plan is not None else None,
+            plan.loop if plan is not None else None, fabric,
         )  # fmt: skip
         for ent in entrants:
             progress.label = f"{ent.name} x{scale:g}"
-            sim = setup.simulation(ent.make(a.seed), ent.knowledge, ent.shared_cache, progress)
+            sim = setup.simulation(
+                ent.make(a.seed), ent.knowledge, ent.shared_cache, progress, ent.calibrate
+            )
             out = sim.run()
             decisions[(ent.name, scale)] = out.engine
             if a.breakdown:
@@ -316,6 +376,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                 for e in entrants
                 if not e.shared_cache
             },
+            calibrate={e.name: e.calibrate for e in entrants},
         )
     progress.close()
     rows = with_oracle(rows)
@@ -323,6 +384,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     md = [
         f"trace `{a.trace}`, {len(reqs)} requests, TTFT target {a.ttft_target_s:g} s\n\n{replay}\n"
     ]
+    if fabric.shared:
+        md.append(f"\n{a.engines} engines, fabric {fabric_text(fabric)}\n")
     for scale, load in zip(scales, loads, strict=True):
         these = [r for r in rows if r.rate_scale == scale]
         title = f"rate scale x{scale:g}" + ("" if math.isnan(load) else f" (load {load:g})")
@@ -392,6 +455,42 @@ def main(argv: list[str] | None = None) -> int:
         help="print per run: wait vs service, moved later turns, per-engine wait gap",
     )
     r.add_argument("--engines", type=int, default=2)
+    r.add_argument(
+        "--fabric",
+        choices=FABRICS,
+        default="islands",
+        help="islands: host, SSD and SWA pool per engine; shared: one host pool, SSD pool "
+        "and SWA pool for all engines, HBM per engine (simulations.fabric)",
+    )
+    r.add_argument(
+        "--pool-host-tokens", type=int, help="shared host pool (default: engines x host tier)"
+    )
+    r.add_argument(
+        "--pool-ssd-tokens", type=int, help="shared SSD pool (default: engines x SSD tier)"
+    )
+    r.add_argument(
+        "--pool-swa-sequences", type=int, help="shared SWA pool (default: engines x SWA pool)"
+    )
+    r.add_argument(
+        "--pool-host-gbps", type=float, help="host pool link GB/s (default: profile's host tier)"
+    )
+    r.add_argument("--pool-host-latency-ms", type=float, help="per pull (default: profile's)")
+    r.add_argument(
+        "--pool-ssd-gbps", type=float, help="SSD pool link GB/s (default: profile's ssd tier)"
+    )
+    r.add_argument("--pool-ssd-latency-ms", type=float, help="per pull (default: profile's)")
+    r.add_argument(
+        "--pool-write-gbps",
+        type=float,
+        default=12.5,
+        help="write-through bandwidth into the host pool, GB/s",
+    )
+    r.add_argument(
+        "--write-through",
+        choices=("on", "off"),
+        default="on",
+        help="shared fabric: publish computed blocks to the pool at once (off: by demotion)",
+    )
     r.add_argument(
         "--scheduler", choices=("fcfs", "priority", "vllm-fcfs", "vllm-priority"), default="fcfs"
     )

@@ -126,6 +126,21 @@ class SwaPool:
                 return off
         return 0
 
+    def match_upto(
+        self, boundaries: Sequence[tuple[int, PrefixKey]], now: float, limit: int
+    ) -> int:
+        """Offset of the furthest boundary at or before `limit` tokens with live SWA
+        state, else 0: the state an engine can resume from when it holds the global
+        prefix only up to `limit` (a state further out needs KV it does not have)."""
+        entries = self.entries
+        for off, k in reversed(boundaries):
+            if off > limit:
+                continue
+            exp = entries.get(k)
+            if exp is not None and exp > now:
+                return off
+        return 0
+
     def store(self, key: PrefixKey, now: float) -> None:
         entries = self.entries
         entries[key] = now + self.ttl_s

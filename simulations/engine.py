@@ -52,6 +52,7 @@ from ramjet.policy.cost import prompt_work
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.types import EngineId, PrefixKey
 from simulations.cache import SwaPool, TieredCache
+from simulations.fabric import FabricCache, Pools
 from simulations.preset import PACKING_SCHEDULERS, EngineSpec
 from simulations.workload import Request
 
@@ -102,12 +103,13 @@ class Engine:
         self,
         index: int,
         spec: EngineSpec,
-        cache: TieredCache,
+        cache: TieredCache | FabricCache,
         swa: SwaPool,
         schedule: Callable[[float, Callable[[float], None]], None],
         on_start: Callable[[Job, float], None],
         on_first_token: Callable[[Job, float], None],
         on_finish: Callable[[Job, float], None] | None = None,
+        pools: Pools | None = None,
     ) -> None:
         self.index = index
         self.id = EngineId(f"e{index}")
@@ -119,6 +121,9 @@ class Engine:
         self._on_start = on_start
         self._on_first_token = on_first_token
         self._on_finish = on_finish
+        self.pools = pools
+        """The shared fabric's pools (`simulations.fabric`): restores are pulls over their
+        links, computed blocks are written through. None: islands."""
         self.priority = spec.scheduler in ("priority", "vllm-priority")
         """A heap on the key orders the waiting jobs."""
         self.preempt = spec.scheduler == "priority"
@@ -204,7 +209,9 @@ class Engine:
     def _begin(self, job: Job, now: float) -> None:
         req = job.req
         hbm, host, ssd = self.cache.match(req.block_keys, req.block_tokens)
-        q = self.swa.match(req.boundaries, now) if req.boundaries else 0
+        # the furthest live SWA state within the global prefix held (on the shared SWA
+        # pool a session's latest state may lie past what this engine can reach)
+        q = self.swa.match_upto(req.boundaries, now, hbm + host + ssd) if req.boundaries else 0
         work = prompt_work(self.profile, req.prompt_tokens, GlobalMatch(hbm, host, ssd), q)
         job.started = True
         job.start_s = now
@@ -219,7 +226,11 @@ class Engine:
             job.hit = (round(hbm * share), round(host * share), round(ssd * share))
         else:
             job.hit = (min(hbm, req.prompt_tokens), host, ssd)
-        job.pending_s = work.restore_s + work.replay_s + self.overhead
+        pools = self.pools
+        if pools is not None and work.resume != "cold":
+            # the pull from the pool, queued behind the link's other transfers
+            job.restore_s = pools.pull(now, job.hit[1], job.hit[2], work.resume == "swa")
+        job.pending_s = job.restore_s + work.replay_s + self.overhead
         new = max(job.end - job.ctx, 0)
         self.queued_tokens += new - job.predicted_new
         job.predicted_new = new
@@ -273,6 +284,8 @@ class Engine:
         job.first_token_s = now
         req = job.req
         self.cache.touch(req.block_keys)
+        if self.pools is not None:
+            self.pools.write_through(req.block_keys, req.block_tokens, now)
         pending = self.pending
         for k in req.block_keys:
             c = pending[k] - 1
@@ -286,7 +299,7 @@ class Engine:
         if steps == 0:  # nothing to decode: the request ends with its first token
             self.inflight -= 1
             if req.swa_key is not None:
-                self.swa.store(req.swa_key, now)
+                self._store_swa(req.swa_key, now)
             if self._on_finish is not None:
                 self._on_finish(job, now)
             return
@@ -299,6 +312,11 @@ class Engine:
         self.decode_tokens -= ctx
         self.inflight -= 1
         if job.req.swa_key is not None:
-            self.swa.store(job.req.swa_key, now)
+            self._store_swa(job.req.swa_key, now)
         if self._on_finish is not None:
             self._on_finish(job, now)
+
+    def _store_swa(self, key: PrefixKey, now: float) -> None:
+        self.swa.store(key, now)
+        if self.pools is not None:
+            self.pools.swa_written(now)

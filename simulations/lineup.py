@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from ramjet.policy.base import RoutingPolicy
 from ramjet.policy.registry import create_policy, validate_params
+from simulations.fabric import Fabric
 from simulations.peers.dynamo import DynamoKv
 from simulations.peers.llmd import LlmdScorers
 from simulations.peers.prodstack import ProdstackPrefix
@@ -31,6 +32,9 @@ SMG_TREE = Knowledge("routed", capacity_tokens=(1 << 26) // 4 // 2)
 DYNAMO_TTL = Knowledge("routed", ttl_s=120.0)
 LLMD_LRU = Knowledge("routed", capacity_tokens=31_250 * 64, max_match_tokens=256 * 64)
 HBM_ONLY = Knowledge("hbm_only")
+LOCAL = Knowledge("local")
+LLMD_CPU_WEIGHT = 0.8
+"""llm-d's tier weight for a CPU (pool) hit on the shared fabric (gpu 1.0)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,28 @@ class Entrant:
     tier_aware: Mapping[str, object] | None = None
     """A `tier_aware` entrant's own params over the defaults (None: another policy), from
     which `on` makes it again for the engines."""
+    tierless: bool = False
+    """A peer that knows no tiers (SMG, production-stack): on the shared fabric its
+    `:exact` mode sees its engine's own HBM, not the pools (`on_fabric`)."""
+    calibrate: bool | None = None
+    """Overrides the run's `fleet_stats.calibrate` for this entrant (the router's online
+    TTFT calibration; None: the run's). Set by a `--variant` with `"calibrate": false`."""
+    fabric_make: Callable[[int], RoutingPolicy] | None = None
+    """How the peer is built on the shared fabric, where it differs (llm-d's tier
+    weights)."""
+
+    def on_fabric(self, fabric: Fabric) -> Entrant:
+        """This entrant as it behaves on `fabric`: unchanged on islands; on the shared
+        fabric a tierless peer's exact knowledge is its engine's own (`LOCAL`) and a peer
+        with its own fabric behaviour is built that way."""
+        if not fabric.shared:
+            return self
+        out = self
+        if self.tierless and self.knowledge == EXACT:
+            out = replace(out, knowledge=LOCAL)
+        if self.fabric_make is not None:
+            out = replace(out, make=self.fabric_make)
+        return out
 
     def on(self, spec: EngineSpec) -> Entrant:
         """This entrant as an operator configures it for the engines it routes to
@@ -101,14 +127,34 @@ ENTRANTS: dict[str, Entrant] = {
         Entrant("round_robin", _ramjet("round_robin"), NONE),
         Entrant("least_loaded", _ramjet("least_loaded"), NONE),
         Entrant("session_hash", _ramjet("session_hash"), NONE),
-        Entrant("smg_cache_aware:exact", lambda s: SmgCacheAware(), EXACT, origin="peer"),
+        Entrant(
+            "smg_cache_aware:exact", lambda s: SmgCacheAware(), EXACT, origin="peer", tierless=True
+        ),
         Entrant("smg_cache_aware:real", lambda s: SmgCacheAware(), SMG_TREE, origin="peer"),
         Entrant("smg_least_load", lambda s: SmgLeastLoad(), NONE, origin="peer"),
         Entrant("dynamo_kv:exact", lambda s: DynamoKv(), EXACT, origin="peer"),
         Entrant("dynamo_kv:real", lambda s: DynamoKv(), DYNAMO_TTL, origin="peer"),
-        Entrant("llmd_scorers:exact", lambda s: LlmdScorers(), EXACT, origin="peer"),
-        Entrant("llmd_scorers:real", lambda s: LlmdScorers(), LLMD_LRU, origin="peer"),
-        Entrant("prodstack_prefix:exact", lambda s: ProdstackPrefix(seed=s), EXACT, origin="peer"),
+        Entrant(
+            "llmd_scorers:exact",
+            lambda s: LlmdScorers(),
+            EXACT,
+            origin="peer",
+            fabric_make=lambda s: LlmdScorers(cpu_weight=LLMD_CPU_WEIGHT),
+        ),
+        Entrant(
+            "llmd_scorers:real",
+            lambda s: LlmdScorers(),
+            LLMD_LRU,
+            origin="peer",
+            fabric_make=lambda s: LlmdScorers(cpu_weight=LLMD_CPU_WEIGHT),
+        ),
+        Entrant(
+            "prodstack_prefix:exact",
+            lambda s: ProdstackPrefix(seed=s),
+            EXACT,
+            origin="peer",
+            tierless=True,
+        ),
         Entrant(
             "prodstack_prefix:real", lambda s: ProdstackPrefix(seed=s), HBM_ONLY, origin="peer"
         ),
@@ -153,7 +199,8 @@ def resolve(spec: str) -> list[Entrant]:
 def variant(spec: str) -> Entrant:
     """An extra `tier_aware` row for ablations: `NAME=JSON`, JSON the policy's params
     over its defaults (e.g. `tier_aware:x0.5={"externality_scale": 0.5}`), validated
-    now. NAME must not be a lineup name or an oracle/bound row's."""
+    now; the key `calibrate` (true/false) sets the run's online TTFT calibration for
+    this row alone. NAME must not be a lineup name or an oracle/bound row's."""
     name, sep, raw = spec.partition("=")
     name = name.strip()
     if not sep or not name:
@@ -166,5 +213,8 @@ def variant(spec: str) -> Entrant:
         raise ValueError(f"--variant {name!r}: params are not JSON: {exc}") from None
     if not isinstance(params, dict):
         raise ValueError(f"--variant {name!r}: params must be a JSON object")
+    calibrate = params.pop("calibrate", None)
+    if calibrate is not None and not isinstance(calibrate, bool):
+        raise ValueError(f"--variant {name!r}: calibrate must be true or false")
     validate_params("tier_aware", params, path=f"--variant {name}")  # a ValueError
-    return _tier_aware(name, params)
+    return replace(_tier_aware(name, params), calibrate=calibrate)

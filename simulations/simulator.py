@@ -47,9 +47,16 @@ from ramjet.policy.fleet_stats import FleetEstimators
 from ramjet.types import EngineId, TrustGrade
 from simulations.cache import SwaPool, TieredCache
 from simulations.engine import Engine, Job
+from simulations.fabric import ISLANDS, Fabric, FabricCache, Pools
 from simulations.preset import EngineSpec
 from simulations.sessions import ClosedLoop
-from simulations.views import Clock, ExactResidency, HbmOnlyResidency, RoutedIndex
+from simulations.views import (
+    Clock,
+    ExactResidency,
+    HbmOnlyResidency,
+    LocalResidency,
+    RoutedIndex,
+)
 from simulations.workload import Request
 
 WARMUP_SHARE = 0.15
@@ -60,7 +67,9 @@ the window ends at the last session start (after it, load drains)."""
 @dataclass(frozen=True)
 class Knowledge:
     kind: str = "exact"
-    """"exact", "hbm_only", "routed" or "none"."""
+    """"exact", "local", "hbm_only", "routed" or "none". "local": the engine's own
+    caches only; on the shared fabric its own HBM (and queue), not the pools (a peer
+    that knows no tiers); on islands the same as "exact"."""
     capacity_tokens: int | None = None
     ttl_s: float | None = None
     max_match_tokens: int | None = None
@@ -126,6 +135,7 @@ class Simulation:
         loop: ClosedLoop | None = None,
         keyed_wait: bool = False,
         charge_jumps: bool = True,
+        fabric: Fabric = ISLANDS,
     ) -> None:
         self.requests = requests
         self.keyed_wait = keyed_wait and spec.scheduler in ("priority", "vllm-priority")
@@ -162,9 +172,28 @@ class Simulation:
             return cache, SwaPool(spec.swa_sequences * k, spec.swa_ttl_s)
 
         shared = make_cache() if shared_cache else None
+        self.pools: Pools | None = None
+        if fabric.shared and not shared_cache:  # the oracle's one cache stays the bound
+            self.pools = Pools(
+                fabric,
+                spec.profile,
+                engines=engines,
+                hbm_tokens=spec.hbm_tokens,
+                host_tokens=spec.host_tokens,
+                ssd_tokens=spec.ssd_tokens,
+                swa_sequences=spec.swa_sequences,
+                swa_ttl_s=spec.swa_ttl_s,
+                block_tokens=block_tokens,
+                schedule=self._schedule,
+            )
         self.engines: list[Engine] = []
         for i in range(engines):
-            cache, swa = shared or make_cache()
+            pools = self.pools
+            cache: TieredCache | FabricCache
+            if pools is not None:
+                cache, swa = pools.cache(), pools.swa
+            else:
+                cache, swa = shared or make_cache()
             self.engines.append(
                 Engine(
                     i,
@@ -175,6 +204,7 @@ class Simulation:
                     self._on_start,
                     self._on_first_token,
                     self._on_finish,
+                    pools,
                 )
             )
         self.index_of = {e.id: e.index for e in self.engines}
@@ -182,8 +212,11 @@ class Simulation:
         self.routed: list[RoutedIndex] = []
         self.residency: list[Any] = []
         for e in self.engines:
-            if knowledge.kind == "exact":
+            if knowledge.kind == "exact" or (knowledge.kind == "local" and self.pools is None):
                 self.residency.append(ExactResidency(e.cache, e.swa, self.clock, e.pending))
+            elif knowledge.kind == "local":
+                assert isinstance(e.cache, FabricCache)
+                self.residency.append(LocalResidency(e.cache, e.pending))
             elif knowledge.kind == "hbm_only":
                 self.residency.append(HbmOnlyResidency(e.cache))
             elif knowledge.kind in ("routed", "none"):
@@ -304,7 +337,8 @@ class Simulation:
             self.routed[idx].routed(req.block_keys)
         # the router's prediction on the chosen engine: its in-flight tokens and the hint
         hbm, host, ssd = engine.cache.match(req.block_keys, req.block_tokens)
-        q = engine.swa.match(req.boundaries, now) if req.boundaries else 0
+        g = hbm + host + ssd
+        q = engine.swa.match_upto(req.boundaries, now, g) if req.boundaries else 0
         work = prompt_work(engine.profile, req.prompt_tokens, GlobalMatch(hbm, host, ssd), q)
         self.out.engine[req.index] = idx
         self.out.arrival[req.index] = now
@@ -347,9 +381,15 @@ class Simulation:
         out.busy_s = [e.busy_s for e in self.engines]
         out.busy_window_s = [e.busy_window_s for e in self.engines]
         out.span_s = (max(out.arrival) - min(out.arrival)) if out.arrival else 0.0
-        caches = {id(e.cache): e.cache for e in self.engines}.values()
-        out.demotions = sum(c.demotions for c in caches)
-        out.evictions = sum(c.evictions for c in caches)
+        if self.pools is not None:
+            pool = self.pools.pool
+            fab = [e.cache for e in self.engines if isinstance(e.cache, FabricCache)]
+            out.demotions = sum(c.demoted for c in fab) + pool.demotions
+            out.evictions = pool.evictions
+        else:
+            caches = {id(e.cache): e.cache for e in self.engines}.values()
+            out.demotions = sum(c.demotions for c in caches)
+            out.evictions = sum(c.evictions for c in caches)
         out.peak_tier_blocks = self.peak
         out.tier_capacity_blocks = [list(e.cache.capacity) for e in self.engines]
         return out

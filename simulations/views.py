@@ -4,6 +4,8 @@ All implement `ramjet.policy.base.ResidencyView`, so the router's own policy obj
 on them unchanged.
 
 - `ExactResidency`: the engine's caches as they are (what authenticated reports give).
+- `LocalResidency`: shared fabric only, the engine's own HBM and queue, not the pools
+  (a peer that knows no tiers).
 - `HbmOnlyResidency`: only blocks in HBM, stopping at the first block that is not: an
   event feed that forgets a prefix once its GPU copy is evicted or demoted.
 - `RoutedIndex`: the router's own routing, per engine: every block of a routed request
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from ramjet.policy.base import GlobalMatch
 from ramjet.types import PrefixKey
 from simulations.cache import HBM, SwaPool, TieredCache
+from simulations.fabric import FabricCache
 
 
 class Clock:
@@ -42,7 +45,11 @@ class ExactResidency:
     __slots__ = ("cache", "clock", "pending", "swa")
 
     def __init__(
-        self, cache: TieredCache, swa: SwaPool, clock: Clock, pending: dict[PrefixKey, int]
+        self,
+        cache: TieredCache | FabricCache,
+        swa: SwaPool,
+        clock: Clock,
+        pending: dict[PrefixKey, int],
     ) -> None:
         self.cache, self.swa, self.clock, self.pending = cache, swa, clock, pending
 
@@ -66,10 +73,34 @@ class ExactResidency:
         return self.swa.match(boundary_keys, self.clock.now)
 
 
+class LocalResidency:
+    """Shared fabric, a peer that knows no tiers: the engine's own HBM and queue, not the
+    pools (its engine still pulls from them on a miss)."""
+
+    __slots__ = ("cache", "pending")
+
+    def __init__(self, cache: FabricCache, pending: dict[PrefixKey, int]) -> None:
+        self.cache, self.pending = cache, pending
+
+    def global_match(
+        self, block_keys: Sequence[PrefixKey], block_tokens: Sequence[int]
+    ) -> GlobalMatch:
+        hbm, pending = self.cache.hbm, self.pending
+        n = 0
+        for i, k in enumerate(block_keys):
+            if k not in hbm and k not in pending:
+                break
+            n += block_tokens[i]
+        return GlobalMatch(n) if n else _NONE
+
+    def swa_match(self, boundary_keys: Sequence[tuple[int, PrefixKey]]) -> int:
+        return 0
+
+
 class HbmOnlyResidency:
     __slots__ = ("cache",)
 
-    def __init__(self, cache: TieredCache) -> None:
+    def __init__(self, cache: TieredCache | FabricCache) -> None:
         self.cache = cache
 
     def global_match(
