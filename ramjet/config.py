@@ -214,7 +214,12 @@ class FleetStatsConfig(_Frozen):
     `per_job_prefill: false`): about the span in which later prompts still join a step."""
     calibrate: bool = True
     """Fit the cost model's term weights per engine online to realised TTFTs
-    (`ramjet.policy.calibration`); false: the profiles as probed."""
+    (`ramjet.policy.calibration`): the recorded predictions (`ttft_s`, the error metrics,
+    `ramjet report`) are the calibrated ones; false: the profiles as probed."""
+    calibrated_decisions: bool = False
+    """Also decide on the calibrated terms. Off by default: in the simulator, deciding on
+    them raised tier_aware's p99 on mini-SWE (0.53 s against 0.34) and Mooncake (102 s
+    against 65) at equal or better means (docs/policies.md, "Online calibration")."""
     calibration_forgetting: float = Field(default=0.95, gt=0.5, le=1.0)
     """The calibration's forgetting factor: a sample's weight falls by this per later
     sample on its engine (0.95: about the last 20 requests count)."""

@@ -243,6 +243,7 @@ class Simulation:
             fleet_stats.wait_tau_s,
             fleet_stats.work_tau_s,
             calibration,
+            fleet_stats.calibrated_decisions,
         )
         self._features: dict[int, list[float]] = {}
         """Per request routed by a policy that records the cost model's raw terms: those

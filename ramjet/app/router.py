@@ -362,8 +362,9 @@ class Router:
         # engines that serve by the hint's key (`ramjet.app.priority`), where any pool does
         keyed = self.priority.keyed(views, session_key) if self.priority.queues else None
         fleet = fleet_stats(
-            t0, self.arrivals, self.accounting.waits, self.work_rates, keyed, self.calibration
-        )
+            t0, self.arrivals, self.accounting.waits, self.work_rates, keyed, self.calibration,
+            self.config.fleet_stats.calibrated_decisions,
+        )  # fmt: skip
         # The accounting-only pick is deferred (`ramjet.app.modes`) unless a priority pool
         # needs every pick's figures for its hint now.
         outcome = self.modes.decide(rv, views, fleet, session_key, defer=not self.priority)

@@ -54,9 +54,9 @@ FEATURES: tuple[str, ...] = (
 )
 """The decision components that carry the raw (profile-priced) features."""
 
-W_MIN = 0.05
-W_MAX = 20.0
-FIXED_MAX_S = 2.0
+W_MIN = 0.25
+W_MAX = 4.0
+FIXED_MAX_S = 0.1
 SIGMA_FLOOR = 0.05
 CONTEXT_SCALE = 8192.0
 """Tokens of context at which x_context equals the prefill at context 0."""

@@ -57,8 +57,10 @@ For request r (n prompt tokens) on engine e, with profile P:
   w_context times an attention-like context term (0 as profiled), restore and replay by
   w_resume, the wait by w_wait, packing by w_packing, plus a fixed
   per-request time. The raw, profile-priced terms are the calibration's features and are
-  kept in the components (`x_*_s`, `ttft_raw_s`); every other figure, the externality's
-  Δ included, is calibrated. With no calibration the weights are 1 and the fixed term 0.
+  kept in the components (`x_*_s`, `ttft_raw_s`). With `FleetStats.calibration_decides`
+  every other figure, the externality's Δ included, is calibrated; without it (the
+  default) the decision rests on the profile as probed and only `ttft_s`, the recorded
+  prediction, is calibrated. With no calibration the weights are 1 and the fixed term 0.
 - Externality: r's wasted work Δ_e = work_e - min over engines of work delays the
   requests queued behind it. By Little's law about λ·W of them wait at any time, where λ
   is the fleet's measured arrival rate and W its measured mean wait (both from
@@ -478,6 +480,9 @@ class EngineEstimate:
     """The calibration's weights applied to `raw` (`FleetStats.calibration`)."""
     pool_tokens: int = 0
     """Tokens past the engine's own match pulled from a shared pool (`pool_pull`)."""
+    predicted_ttft_s: float | None = None
+    """The calibrated prediction where the decision rests on the profile as probed
+    (`FleetStats.calibration_decides` false): recorded as `ttft_s`, never picked on."""
 
     def __init__(
         self,
@@ -499,6 +504,7 @@ class EngineEstimate:
         beyond_profile: bool = False,
         weights: TtftWeights = PROFILE,
         pool_tokens: int = 0,
+        predicted_ttft_s: float | None = None,
     ) -> None:
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "work", work)
@@ -518,6 +524,7 @@ class EngineEstimate:
         object.__setattr__(self, "beyond_profile", beyond_profile)
         object.__setattr__(self, "weights", weights)
         object.__setattr__(self, "pool_tokens", pool_tokens)
+        object.__setattr__(self, "predicted_ttft_s", predicted_ttft_s)
 
     @property
     def ttft_s(self) -> float:
@@ -547,7 +554,7 @@ class EngineEstimate:
             "work_s": work,
             "wait_s": self.wait_s,
             "packing_s": self.packing_s,
-            "ttft_s": ttft,
+            "ttft_s": ttft if self.predicted_ttft_s is None else self.predicted_ttft_s,
             "delta_s": self.delta_s,
             "externality_s": self.externality_s,
             "session_s": self.session_s,
@@ -614,7 +621,7 @@ def estimate(
             int,
             float,
             float,
-            TtftWeights,
+            tuple[TtftWeights, float, float | None],
             tuple[float, float, float, float, float],
             float | None,
             bool,
@@ -659,7 +666,13 @@ def estimate(
         w = fleet.calibration.get(e.id, PROFILE) if fleet.calibration else PROFILE
         # the context feature: prefill at context 0 scaled by the context it runs on
         context = profile.prefill_seconds(new_tokens, 0) * raw_work.resume_tokens / CONTEXT_SCALE
-        work = _calibrated(raw_work, context, w)
+        work, wait, packing, fixed = _calibrated(raw_work, context, w), 0.0, 0.0, w.fixed_s
+        wait, packing = w.wait * raw_wait, w.packing * raw_packing
+        predicted: float | None = None
+        if not fleet.calibration_decides and w is not PROFILE:
+            # the calibrated prediction is recorded; the decision rests on the profile
+            predicted = wait + work.work_s + packing + fixed
+            work, wait, packing, fixed = raw_work, raw_wait, raw_packing, 0.0
         raw = (
             raw_work.prefill_s,
             context,
@@ -674,9 +687,9 @@ def estimate(
                 work,
                 match,
                 swa,
-                w.wait * raw_wait,
-                w.packing * raw_packing,
-                w,
+                wait,
+                packing,
+                (w, fixed, predicted),
                 raw,
                 jump,
                 use_default,
@@ -695,7 +708,7 @@ def estimate(
         swa,
         wait,
         packing,
-        weights,
+        (weights, fixed, predicted),
         raw,
         jump,
         use_default,
@@ -723,11 +736,12 @@ def estimate(
                 stand_in=stand_in_id if use_default else None,
                 packing_s=packing,
                 jump_s=jump,
-                fixed_s=weights.fixed_s,
+                fixed_s=fixed,
                 raw=raw,
                 beyond_profile=beyond,
                 weights=weights,
                 pool_tokens=pooled,
+                predicted_ttft_s=predicted,
             )
         )
     return out

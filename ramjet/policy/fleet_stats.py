@@ -153,6 +153,7 @@ def fleet_stats(
     work: WorkRates | None = None,
     keyed: Mapping[EngineId, KeyedQueue] | None = None,
     calibration: Calibrations | None = None,
+    calibration_decides: bool = False,
 ) -> FleetStats:
     """The snapshot a policy is given: λ, W and the engines' work rates as of `now`, the
     engines that serve by key (`FleetStats.keyed`) and the calibrated weights of the cost
@@ -164,13 +165,14 @@ def fleet_stats(
         work_rate=work.rates(now) if work is not None else {},
         keyed=keyed if keyed is not None else {},
         calibration=calibration.weights() if calibration is not None else None,
+        calibration_decides=calibration_decides,
     )
 
 
 class FleetEstimators:
     """λ, W and the work rates together, for a caller that owns all three (the simulator)."""
 
-    __slots__ = ("arrivals", "calibration", "waits", "work")
+    __slots__ = ("arrivals", "calibration", "calibration_decides", "waits", "work")
 
     def __init__(
         self,
@@ -178,12 +180,14 @@ class FleetEstimators:
         wait_tau_s: float = DEFAULT_WAIT_TAU_S,
         work_tau_s: float = DEFAULT_WORK_TAU_S,
         calibration: Calibrations | None = None,
+        calibration_decides: bool = False,
     ) -> None:
         self.arrivals = ArrivalRate(arrival_tau_s)
         self.waits = MeanWait(wait_tau_s)
         self.work = WorkRates(work_tau_s)
         self.calibration = calibration
         """None: the profile as probed (no online calibration)."""
+        self.calibration_decides = calibration_decides
 
     def arrive(self, now: float) -> None:
         self.arrivals.arrive(now)
@@ -195,7 +199,10 @@ class FleetEstimators:
         self.waits.add(now, sample_s)
 
     def stats(self, now: float) -> FleetStats:
-        return fleet_stats(now, self.arrivals, self.waits, self.work, None, self.calibration)
+        return fleet_stats(
+            now, self.arrivals, self.waits, self.work, None, self.calibration,
+            self.calibration_decides,
+        )  # fmt: skip
 
 
 class KeyedQueues:

@@ -281,6 +281,9 @@ class FleetStats:
     calibration: Mapping[EngineId, TtftWeights] = field(default_factory=dict)
     """Per engine: the weights of the cost model's terms fitted online to realised TTFTs
     (`ramjet.policy.calibration`). Absent: the profile as probed."""
+    calibration_decides: bool = False
+    """True: the decisions rest on the calibrated terms; False: the calibrated TTFT is
+    only predicted and recorded (`fleet_stats.calibrated_decisions`)."""
 
     def __init__(
         self,
@@ -290,6 +293,7 @@ class FleetStats:
         work_rate: Mapping[EngineId, float] | None = None,
         keyed: Mapping[EngineId, KeyedQueue] | None = None,
         calibration: Mapping[EngineId, TtftWeights] | None = None,
+        calibration_decides: bool = False,
     ) -> None:
         object.__setattr__(self, "now_s", now_s)
         object.__setattr__(self, "arrival_rate_per_s", arrival_rate_per_s)
@@ -297,6 +301,7 @@ class FleetStats:
         object.__setattr__(self, "work_rate", {} if work_rate is None else work_rate)
         object.__setattr__(self, "keyed", {} if keyed is None else keyed)
         object.__setattr__(self, "calibration", {} if calibration is None else calibration)
+        object.__setattr__(self, "calibration_decides", calibration_decides)
 
 
 @dataclass(init=False, frozen=True, slots=True)

@@ -155,7 +155,8 @@ def test_the_cost_model_applies_the_weights_and_keeps_the_raw_terms() -> None:
     for _ in range(40):  # the engine prefills at half the profile's cost, waits at 0.7x
         f = [comp["x_prefill_s"], 0.0, 0.0, comp["x_wait_s"], 0.0]
         cals.observe(EngineId("e0"), f, 0.5 * f[0] + 0.7 * f[3])
-    cal = estimate(req, [view], FleetStats(calibration=cals.weights()))[0].components()
+    decides = FleetStats(calibration=cals.weights(), calibration_decides=True)
+    cal = estimate(req, [view], decides)[0].components()
     want = 0.5 * comp["x_prefill_s"] + 0.7 * comp["x_wait_s"]
     assert cal["ttft_s"] == pytest.approx(want, rel=0.05)
     assert cal["ttft_raw_s"] == pytest.approx(comp["ttft_raw_s"])
@@ -165,6 +166,11 @@ def test_the_cost_model_applies_the_weights_and_keeps_the_raw_terms() -> None:
     assert service_s(w, features_of(cal) or []) == pytest.approx(
         cal["prefill_s"] + cal["fixed_s"], rel=1e-6
     )
+    # by default the calibrated TTFT is predicted and recorded; the decision stays on
+    # the profile's terms (`fleet_stats.calibrated_decisions`)
+    rec = estimate(req, [view], FleetStats(calibration=cals.weights()))[0]
+    assert rec.components()["ttft_s"] == pytest.approx(cal["ttft_s"])
+    assert rec.cost_s == pytest.approx(comp["cost_s"]) and rec.components()["w_prefill"] < 0.6
 
 
 def test_a_prompt_past_the_probed_context_is_flagged() -> None:
