@@ -171,7 +171,11 @@ async def test_views_carry_signed_trust_profile_load_and_exact_residency(
     assert e0.trust is TrustGrade.EXACT and e1.trust is TrustGrade.APPROXIMATE
     assert e0.profile is not None and e1.profile is None
     assert e0.profile.model_dump() == V41_FLASH_TP4_ESTIMATE.model_dump()
-    assert (e0.load.queued_prompt_tokens, e0.load.running_requests) == (5000, 3)
+    # the signed load reached the first request's view; by the second, a request had
+    # started on e0 since the report came, so its queue no longer counts (fresh load)
+    load0 = {v.id: v for v in first.views}[EngineId("e0")].load
+    assert (load0.queued_prompt_tokens, load0.running_requests) == (5000, 3)
+    assert (e0.load.queued_prompt_tokens, e0.load.running_requests) == (None, 3)
     assert e0.load.kv_utilization == pytest.approx(0.7)
     assert e1.load.queued_prompt_tokens is None and e1.load.running_requests is None
     # routing to e0 did not turn its reported SSD blocks into assumed HBM ones
