@@ -212,10 +212,13 @@ class ResidencyTables:
         self.pending = PendingOverlay(self.config.pending_ttl_s, self.config.max_pending_entries)
         """Requests sent and not yet reported (see `add_pending`); never in the store."""
         self._modes: dict[EngineId, ViewMode] = {}
+        self._evictions = None
+        """The cap-eviction counter: every reporting engine's series exists from its first
+        report (0 until the cap evicts), so the alert has data whatever the store."""
         if registry is not None:
             registry.register(_SizeCollector(self))
+            evictions = self._evictions = counter(registry, "ramjet_residency_cap_evictions_total")
             if own is not None:
-                evictions = counter(registry, "ramjet_residency_cap_evictions_total")
                 own.on_cap_evict = lambda engine: evictions.labels(engine).inc()
 
     # -- reading ----------------------------------------------------------------------
@@ -224,6 +227,8 @@ class ResidencyTables:
         return self._modes.get(engine, ViewMode.APPROXIMATE)
 
     def set_mode(self, engine: EngineId, mode: ViewMode) -> None:
+        if engine not in self._modes and self._evictions is not None:
+            self._evictions.labels(engine)  # the engine's series, at 0
         self._modes[engine] = mode
 
     def view(self, engine: EngineId, now: float | None = None) -> ResidencyView:
