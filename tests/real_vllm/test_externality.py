@@ -34,12 +34,13 @@ async def test_the_externality_is_live_once_traffic_queues(
         tmp_path, mode="enforce", candidate_params={"per_job_prefill": False}
     )
     routers.append(server)
-    system = "You are an agent of the externality test. " + "tool output line. " * 120
+    # prompts stay under the session stack's smaller engine's 2,016-token context
+    system = "You are an agent of the externality test. " + "tool output line. " * 60
 
     async def session(i: int, http: aiohttp.ClientSession) -> None:
         msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
         for t in range(3):  # closed loop: a turn after the previous answer
-            msgs.append({"role": "user", "content": f"session {i} turn {t}: " + "x y " * 150})
+            msgs.append({"role": "user", "content": f"session {i} turn {t}: " + "x y " * 70})
             body = chat_body(msgs, stream=True)  # a stream: the router sees its first byte
             async with http.post(server.url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200, await r.text()
