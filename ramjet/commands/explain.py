@@ -146,7 +146,10 @@ def explain(e: dict[str, Any]) -> str:
         out += ["    " + line for line in table(rows).rstrip("\n").split("\n")]
         cal = [c for c in (calibration_line(k, v) for k, v in pred.items()) if c is not None]
         if cal:
-            out.append("  calibration (weights applied to the profiled terms, fitted online):")
+            out.append(
+                "  calibration (weights fitted online; the predicted TTFT applies them, the cost"
+                " only with fleet_stats.calibrated_decisions):"
+            )
             out += cal
         others = [k for k in pred if k != best]
         if others:
