@@ -138,43 +138,15 @@ def priority_value(key_ms: int, convention: str, client: int | None) -> int:
     return client * CLASS_STRIDE + low_first
 
 
-def _priority_span(text: str) -> tuple[int, int] | None:
-    """Character span of the last top-level `"priority"` value of a JSON object text."""
-    dec = json.JSONDecoder()
-    ws = " \t\n\r"
-    i = text.index("{") + 1
-    span: tuple[int, int] | None = None
-    n = len(text)
-    while i < n:
-        while i < n and text[i] in ws:
-            i += 1
-        if i >= n or text[i] == "}":
-            break
-        if text[i] == ",":
-            i += 1
-            continue
-        key, i = dec.raw_decode(text, i)
-        while text[i] in ws:
-            i += 1
-        i += 1  # ':'
-        while text[i] in ws:
-            i += 1
-        _, end = dec.raw_decode(text, i)
-        if key == "priority":
-            span = (i, end)
-        i = end
-    return span
-
-
-def without_priority(body: bytes) -> bytes:
-    """`body` (a JSON object) with every top-level `priority` member removed; the other
-    members are the client's bytes (the whitespace between members may change)."""
-    text = body.decode("utf-8")
+def _members(text: str) -> tuple[int, list[tuple[str, int, int, int]], int]:
+    """The top-level members of a JSON object text: (index just after its `{`, each
+    member's (key, start, value start, value end), index where the walk stopped: the
+    closing `}` or the end). One walk for `_priority_span` and `without_priority`."""
     dec = json.JSONDecoder()
     ws = " \t\n\r"
     open_at = text.index("{")
     i = open_at + 1
-    kept: list[str] = []
+    out: list[tuple[str, int, int, int]] = []
     n = len(text)
     while i < n:
         while i < n and text[i] in ws:
@@ -191,10 +163,25 @@ def without_priority(body: bytes) -> bytes:
         i += 1  # ':'
         while text[i] in ws:
             i += 1
+        value_at = i
         _, i = dec.raw_decode(text, i)
-        if key != "priority":
-            kept.append(text[start:i])
-    return (text[: open_at + 1] + ",".join(kept) + text[i:]).encode("utf-8")
+        out.append((key, start, value_at, i))
+    return open_at + 1, out, i
+
+
+def _priority_span(text: str) -> tuple[int, int] | None:
+    """Character span of the last top-level `"priority"` value of a JSON object text."""
+    spans = [(v, e) for key, _, v, e in _members(text)[1] if key == "priority"]
+    return spans[-1] if spans else None
+
+
+def without_priority(body: bytes) -> bytes:
+    """`body` (a JSON object) with every top-level `priority` member removed; the other
+    members are the client's bytes (the whitespace between members may change)."""
+    text = body.decode("utf-8")
+    inside, members, end = _members(text)
+    kept = [text[start:e] for key, start, _, e in members if key != "priority"]
+    return (text[:inside] + ",".join(kept) + text[end:]).encode("utf-8")
 
 
 def with_priority(body: bytes, value: int, replace: bool) -> bytes:
