@@ -183,6 +183,15 @@ _EXPIRES = attrgetter("expires_at")
 _INF = float("inf")
 
 
+def _replace_by_staging(
+    staging: ExactStager, entries: Iterable[tuple[PrefixKey, Tier, float]]
+) -> None:
+    """`replace_exact` of either store: the entries staged, then swapped in whole."""
+    for key, tier, expires_at in entries:
+        staging.add((key,), tier, expires_at)
+    staging.commit()
+
+
 class DictStore:
     """In-process `ResidencyStore`: per (table, source, engine) an OrderedDict in
     confirmation order (about 130 bytes per entry). See the module docstring for the
@@ -320,10 +329,7 @@ class DictStore:
         entries: Iterable[tuple[PrefixKey, Tier, float]],
         now: float,
     ) -> None:
-        staging = self.stage_exact(table, engine, now)
-        for key, tier, expires_at in entries:
-            staging.add((key,), tier, expires_at)
-        staging.commit()
+        _replace_by_staging(self.stage_exact(table, engine, now), entries)
 
     def stage_exact(self, table: Table, engine: EngineId, now: float) -> ExactStaging:
         """Build the engine's new exact content of `table` off to the side; see the
@@ -640,10 +646,7 @@ class MemoryStore:
         entries: Iterable[tuple[PrefixKey, Tier, float]],
         now: float,
     ) -> None:
-        staging = self.stage_exact(table, engine, now)
-        for key, tier, expires_at in entries:
-            staging.add((key,), tier, expires_at)
-        staging.commit()
+        _replace_by_staging(self.stage_exact(table, engine, now), entries)
 
     def stage_exact(self, table: Table, engine: EngineId, now: float) -> ExactStager:
         if table is not Table.GLOBAL:
