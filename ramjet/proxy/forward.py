@@ -242,7 +242,7 @@ class Proxy:
             tried.add(engine.id)
             attempt = Attempt(engine.id)
             res.attempts.append(attempt)
-            ticket = Ticket(engine, prompt_tokens)
+            ticket = Ticket(engine, prompt_tokens, self._fleet.clock())
             more = len(res.attempts) < self._cfg.retry.max_attempts
             nxt = _NextEngine(choose_next, tried, more)
             got = None
