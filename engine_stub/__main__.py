@@ -185,7 +185,7 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _probe_lock(arg: str | None) -> str | None:
-    from engine_stub.profiler import DEFAULT_PROBE_LOCK
+    from ramjet.runtime.probe_lock import DEFAULT_PROBE_LOCK
 
     return DEFAULT_PROBE_LOCK if arg is None else (arg or None)
 

@@ -19,15 +19,13 @@ Modes: "fast" (at start, a few seconds: short contexts, few repeats) and "full"
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from typing import Any
 from engine_stub.kvstore import GlobalKVStore
 from engine_stub.speculation import Speculator
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
+from ramjet.runtime.probe_lock import DEFAULT_PROBE_LOCK, host_lock
 from ramjet.types import PrefixKey, Tier
 
 log = logging.getLogger(__name__)
@@ -232,9 +231,6 @@ class Profiler:
         return acceptance, produced / max(1, steps)
 
 
-DEFAULT_PROBE_LOCK = str(Path(tempfile.gettempdir()) / "ramjet-engine-probe.lock")
-"""Engines on one host take this lock while they probe, so that two engines started
-together (`make run`'s pair) do not each measure the other's load."""
 MIN_CPU_SHARE = 0.7
 """A probe whose process got less CPU than this share of its threads' wall time was
 measured while something else ran on its cores: it is taken again."""
@@ -262,7 +258,7 @@ def probe_quietly(
     slow). Keeps the run that got the most CPU and records, in `extra`, its `cpu_share`,
     the tries taken and `contended` when no try was quiet (the router's online
     calibration then corrects what the probe got wrong, `ramjet.policy.calibration`)."""
-    with _host_lock(lock_path, lock_timeout_s) as waited_s:
+    with host_lock(lock_path, lock_timeout_s) as waited_s:
         best: tuple[float, ProfileResult] | None = None
         for i in range(max(1, tries)):
             c0, w0 = time.process_time(), time.perf_counter()
@@ -288,29 +284,3 @@ def probe_quietly(
             lock_wait_s=round(waited_s, 3),
         )
         return result
-
-
-@contextlib.contextmanager
-def _host_lock(path: str | None, timeout_s: float) -> Iterator[float]:
-    """An exclusive `flock` on `path`, waited for at most `timeout_s` (then the probe runs
-    anyway, logged); yields the seconds waited."""
-    if not path:
-        yield 0.0
-        return
-    t0 = time.monotonic()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - t0 > timeout_s:
-                    log.warning(
-                        "probe lock %s still held after %.0fs: probing anyway", path, timeout_s
-                    )
-                    break
-                time.sleep(0.05)
-        yield time.monotonic() - t0
-    finally:
-        os.close(fd)  # releases the lock

@@ -84,3 +84,32 @@ def test_engines_on_one_host_probe_one_at_a_time(tmp_path: Path) -> None:
         t.join(10)
     assert len(outs) == 3 and not any(overlap)
     assert max(o.extra["lock_wait_s"] for o in outs) >= 0.15  # the last waited for two
+
+
+async def test_sidecars_take_the_same_lock_without_blocking_their_loop(tmp_path: Path) -> None:
+    """The sidecar's probe (`ramjet.sidecar.runner`) holds the same host lock, awaited:
+    the event loop goes on while another engine probes."""
+    import asyncio
+
+    from ramjet.runtime.probe_lock import async_host_lock, host_lock
+
+    lock = str(tmp_path / "probe.lock")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    async def probe() -> float:
+        async with async_host_lock(lock, timeout_s=5) as waited_s:
+            return waited_s
+
+    t = asyncio.ensure_future(ticker())
+    with host_lock(lock):  # another engine is probing
+        waiter = asyncio.ensure_future(probe())
+        await asyncio.sleep(0.2)
+        assert not waiter.done() and ticks >= 5
+    assert await asyncio.wait_for(waiter, 2) >= 0.2
+    t.cancel()
