@@ -228,8 +228,15 @@ async def stream_chat(
 
 
 async def workload(
-    url: str, sessions: list[list[Turn]], system: str, block_tokens: int, records: Records | None
+    url: str,
+    sessions: list[list[Turn]],
+    system: str,
+    block_tokens: int,
+    records: Records | None,
+    concurrent: bool = True,
 ) -> list[Result]:
+    """Every session's turns, closed loop; the sessions at once, or (`concurrent` False)
+    one request at a time, session after session."""
     out: list[Result] = []
     total = sum(len(s) for s in sessions)
     start = time.perf_counter()
@@ -262,7 +269,11 @@ async def workload(
             msgs.append({"role": "assistant", "content": answer})
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-        await asyncio.gather(*(one(i, s, http) for i, s in enumerate(sessions)))
+        if concurrent:
+            await asyncio.gather(*(one(i, s, http) for i, s in enumerate(sessions)))
+        else:
+            for i, s in enumerate(sessions):
+                await one(i, s, http)
     print()
     return out
 
@@ -354,6 +365,26 @@ async def run_smg(tmp: Path, sessions: list[list[Turn]], system: str, bt: int) -
         proc.wait(10)
         for e in engines.values():
             e.stop()
+
+
+async def run_floor(tmp: Path, sessions: list[list[Turn]], system: str, bt: int) -> Run:
+    """The oracle's floor: one fresh engine, one request at a time, so each request finds
+    every prefix sent before it cached (one cache for the whole fleet) and waits for
+    nothing. No router on any number of these engines gives a request a shorter TTFT
+    than it gets here (the run's noise aside), so a bar below this run's mean or p99
+    lies beyond what the oracle reaches."""
+    eng = VllmEngine("v0", vllm_env(), core=0, workdir=tmp / "floor-v0")
+    eng.workdir.mkdir(parents=True)
+    try:
+        await asyncio.to_thread(eng.start)
+        await asyncio.to_thread(eng.wait_ready)
+        eng.reset_prefix_cache()
+        t0, load0, began = time.monotonic(), os.getloadavg()[0], time.time()
+        results = await workload(eng.url, sessions, system, bt, None, concurrent=False)
+        load = (load0, os.getloadavg()[0])
+        return Run("oracle_floor", results, time.monotonic() - t0, load=load, began_at=began)
+    finally:
+        eng.stop()
 
 
 async def run_ramjet(
@@ -550,6 +581,15 @@ def verdict(shape: str, runs: list[Run]) -> list[str]:
             f"{'ok  ' if ok else 'MISS'} {shape}: ramjet_enforce / smg_cache_aware mean {m:.2f}x, "
             f"p99 {p:.2f}x (<= 0.70x each, same run)"
         )
+    floor = pooled_runs.get("oracle_floor")
+    if base is not None and floor is not None:
+        for stat in ("mean", "p99"):
+            f = floor[stat] / base[stat]
+            where = "BEYOND the oracle" if f > 0.70 else "within the oracle's reach"
+            lines.append(
+                f"info {shape}: oracle floor / smg_cache_aware {stat} {f:.2f}x: a 0.70x {stat} "
+                f"bar is {where} (floor {floor[stat]:.3f} s, SMG {base[stat]:.3f} s)"
+            )
     return lines
 
 
@@ -569,7 +609,9 @@ async def main() -> int:
     ap.add_argument(
         "--only", default="smg_cache_aware,ramjet_observe,ramjet_enforce",
         help="routers, of smg_cache_aware, ramjet_observe, ramjet_enforce and ramjet_enforce_pool "
-        "(enforce on engines that share KV through connectors/vllm_pool)",
+        "(enforce on engines that share KV through connectors/vllm_pool), and oracle_floor "
+        "(one engine, one request at a time, everything sent before cached: no router does "
+        "better)",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     ap.add_argument(
@@ -644,6 +686,8 @@ async def run_shape(
                 print(f"round {k}/{args.rounds} {name}: fresh engines ...", flush=True)
                 if name == "smg_cache_aware":
                     run = await run_smg(tmp, sessions, system, args.block_tokens)
+                elif name == "oracle_floor":
+                    run = await run_floor(tmp, sessions, system, args.block_tokens)
                 elif name.startswith("ramjet_"):
                     mode = name.removeprefix("ramjet_").removesuffix("_pool")
                     run, cold = await run_ramjet(tmp, mode, sessions,
