@@ -162,6 +162,10 @@ class Router:
         """The loop serving requests, kept on first use (`asyncio.get_running_loop` makes a
         getpid syscall each time)."""
 
+    def leave(self) -> None:
+        """Fail /readyz from now on while still serving (`leaving`)."""
+        self.leaving = True
+
     def reconfigure(self, config: PolicyConfig, modes: ModeRunner) -> None:
         """Put `config` and its mode runner in force (a reload, `ramjet.app.reload`), in
         one step between two requests."""

@@ -454,7 +454,7 @@ async def serve(
         loop.add_signal_handler(signal.SIGHUP, on_sighup, server.router, policy_path)
     await stop.wait()
     if shutdown_delay_s > 0:
-        server.router.leaving = True
+        server.router.leave()
         stop.clear()
         log.info("leaving: /readyz fails, still serving for %.1fs", shutdown_delay_s)
         with contextlib.suppress(TimeoutError):
