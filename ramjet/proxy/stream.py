@@ -117,9 +117,8 @@ class StreamWriter:
         direct = resp.direct
         relay = _Relay(direct, res, self._cfg.limits.stream_buffer_bytes)
         try:
-            await resp.begin()
             chunk = first
-            # Headers leave with the first piece (`_Passthrough`): count them against
+            # Headers leave with the first piece (`ClientResponse`): count them against
             # the write buffer once.
             extra = FRAMING_BYTES + sum(len(k) + len(v) + 4 for k, v in out_headers.items())
             while chunk:

@@ -51,11 +51,8 @@ class WritePause(Protocol):
 
 class ClientResponse(web.StreamResponse):
     """The streamed answer to a `ClientExchange` (`ClientExchange.respond`): aiohttp's
-    `StreamResponse` (`write`, `write_eof`, `force_close`, `headers`), plus what the relay
-    needs of it. Its headers leave with the first body piece."""
-
-    async def begin(self) -> None:
-        """Make the response ready to write (it sends nothing by itself)."""
+    `StreamResponse` (`write`, `write_eof`, `force_close`, `headers`), ready to write as
+    made, plus what the relay needs of it. Its headers leave with the first body piece."""
 
     @property
     def direct(self) -> tuple[BodyFramer, Connection] | None:
@@ -217,10 +214,10 @@ class AiohttpExchange:
 
 
 class AiohttpResponse(ClientResponse):
-    """A streamed answer on aiohttp's server whose headers leave in the same write as the
-    first body piece (aiohttp's `Response` does this; `StreamResponse` sends them at
-    `prepare`): one syscall fewer per response, nothing else changes (a body-less end
-    still sends them)."""
+    """A streamed answer on aiohttp's server, prepared at its first write, whose headers
+    leave in the same write as the first body piece (aiohttp's `Response` does this;
+    `StreamResponse` sends them at `prepare`): one syscall fewer per response, nothing
+    else changes (a body-less end still sends them)."""
 
     _send_headers_immediately = False
 
@@ -230,8 +227,15 @@ class AiohttpResponse(ClientResponse):
         super().__init__(status=status, reason=reason, headers=headers)
         self._request = request
 
-    async def begin(self) -> None:
-        await self.prepare(self._request)
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self.prepared:
+            await self.prepare(self._request)
+        await super().write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if not self.prepared:
+            await self.prepare(self._request)
+        await super().write_eof(data)
 
 
 def serialize_response(resp: web.StreamResponse, keep_alive: bool) -> bytes:
