@@ -95,7 +95,7 @@ MARKS: list[tuple[str, str, int, bool]] = [
     ("ramjet/proxy/stream.py", 'out_headers["X-Ramjet-Engine"] = engine.id', 40, True),
     (
         "ramjet/proxy/stream.py",
-        "relay = _Relay(fast, res, self._cfg.limits.stream_buffer_bytes)",
+        "relay = _Relay(direct, res, self._cfg.limits.stream_buffer_bytes)",
         42,
         True,
     ),

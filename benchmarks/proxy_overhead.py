@@ -6,6 +6,7 @@
     ... --layers            # also the HTTP layer alone: aiohttp vs httptools servers
     ... --only smg_ca,ramjet_observe                          # a subset (direct always)
     ... --opt-python /path/to/python   # also Ramjet under another CPython build (_opt columns)
+    ... --base /path/to/checkout       # also Ramjet from another checkout (_base columns)
 
 Set-up: two upstream engines (one process, two ports; `httptools` HTTP/1.1) that parse
 every request's JSON body (`"stream"` is read from the parsed body, so a proxy that
@@ -22,7 +23,9 @@ tier_aware recorded, decision log on) and `ramjet_enforce` (tier_aware live). Wi
 asyncio.Protocol on httptools; what choosing Ramjet's HTTP layer could save (either is
 also started when named in `--only`). With `--opt-python PYTHON`, `ramjet_observe_opt`
 and `ramjet_enforce_opt`: the same routers under that interpreter (the same source tree),
-to price the CPython build itself.
+to price the CPython build itself. With `--base DIR`, `ramjet_observe_base` and
+`ramjet_enforce_base`: the same routers run from the checkout at DIR (its own compiled
+build, if current), interleaved with this one's: a before/after of a change in one run.
 
 Before any timing, each target is checked with an independent client (aiohttp): a small
 request must come back 200 with the completion and the prompt size the upstream saw, a
@@ -452,7 +455,9 @@ class Target:
         return tree(self.proc.pid) if self.proc is not None else []
 
 
-def start_ramjet(name: str, ups: list[str], tmp: Path, mode: str, python: str = PY) -> Target:
+def start_ramjet(
+    name: str, ups: list[str], tmp: Path, mode: str, python: str = PY, root: Path = ROOT
+) -> Target:
     port = free_port()
     engines = "".join(f"  - id: e{i}\n    url: {u}\n" for i, u in enumerate(ups))
     policy = tmp / f"{name}.yaml"
@@ -464,7 +469,8 @@ def start_ramjet(name: str, ups: list[str], tmp: Path, mode: str, python: str = 
         "timeouts:\n  drain_s: 1\n"
     )
     cmd = [python, "-m", "ramjet", "serve", "--policy", str(policy), "--port", str(port)]
-    proc = subprocess.Popen(pinned(cmd), cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # `root`'s ramjet
+    proc = subprocess.Popen(pinned(cmd), cwd=root, env=env)
     wait_http(f"http://127.0.0.1:{port}/readyz", proc=proc)
     return Target(name, f"http://127.0.0.1:{port}", proc)
 
@@ -871,6 +877,13 @@ def main() -> int:
         help="also Ramjet observe/enforce under this interpreter (one with the project's "
         "dependencies, e.g. a PGO+LTO CPython): columns ramjet_observe_opt, ramjet_enforce_opt",
     )
+    ap.add_argument(
+        "--base",
+        metavar="DIR",
+        type=Path,
+        help="also Ramjet observe/enforce from the checkout at DIR (e.g. a worktree of main "
+        "with its build): columns ramjet_observe_base, ramjet_enforce_base",
+    )
     args = ap.parse_args()
     if args.upstream:
         run_upstream([int(p) for p in args.upstream.split(",")])
@@ -930,6 +943,9 @@ def main() -> int:
                     targets.append(start_ramjet(name, ups, tmp, mode))
                 if args.opt_python and want(name + "_opt"):
                     targets.append(start_ramjet(name + "_opt", ups, tmp, mode, args.opt_python))
+                if args.base and want(name + "_base"):
+                    base = args.base.resolve()
+                    targets.append(start_ramjet(name + "_base", ups, tmp, mode, root=base))
             for t in targets:
                 uvloop.run(verify(t))
             print(

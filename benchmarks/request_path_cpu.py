@@ -30,7 +30,7 @@ from ramjet.native import install_ramjet
 
 install_ramjet()  # the hot modules as `ramjet serve` runs them (ramjet/native.py)
 
-from ramjet.app.wiring import build_router  # noqa: E402
+from ramjet.app.wiring import build  # noqa: E402
 from ramjet.config import parse_policy  # noqa: E402
 from ramjet.decisions.log import _ENCODER, DecisionLog, decision_entry, parse_realized  # noqa: E402
 from ramjet.decisions.record import DecisionRecord  # noqa: E402
@@ -94,7 +94,7 @@ def main() -> int:
             "candidate": {"name": "tier_aware"},
         }
     )
-    router = build_router(cfg).router
+    router = build(cfg).router
     keep = _Keep()
     router.sink = keep
     for e in router.fleet.engines:

@@ -53,7 +53,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ramjet.request.admission import BodyBudget, PendingClients, client_of
-from ramjet.request.client import FastRequest, FastResponse, serialize_response
+from ramjet.request.client import FastRequest, serialize_response
 from ramjet.request.openai_errors import error_body, json_error
 
 log = logging.getLogger(__name__)
@@ -525,12 +525,13 @@ class FastProtocol(asyncio.Protocol):
         if transport is None or self._closed:
             return
         keep = req.keep_alive
+        streamed = req.response  # the streamed answer the handler began, if any
         started, self.response_started = self.response_started, False
         if started:  # a streamed answer: the connection carries on only if it ended whole
-            done = isinstance(resp, FastResponse) and resp.done
+            done = streamed is not None and resp is streamed and streamed.done
             keep = keep and done and resp is not None and resp.keep_alive is not False
         else:
-            if resp is None or isinstance(resp, FastResponse):
+            if resp is None or resp is streamed:  # none, or a streamed one that sent nothing
                 resp = json_error(500, "Internal error.", "server_error", "http_500", close=True)
             keep = keep and resp.keep_alive is not False
             transport.write(serialize_response(resp, keep))

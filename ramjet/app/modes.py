@@ -162,6 +162,23 @@ class ModeRunner:
         self._slow_streak = 0
         self._skip_until = 0.0
 
+    def replaced(
+        self, mode: ModeConfig, incumbent: RoutingPolicy, candidate: RoutingPolicy | None
+    ) -> ModeRunner:
+        """A runner for a reload (`ramjet.app.reload`): `mode` and the policies given, the
+        same metrics and clocks; the candidate's slow-pick streak and cool-down carry on
+        while the candidate is the same object."""
+        new = ModeRunner(mode, incumbent, candidate, self._metrics, self._clock, self._timer)
+        if candidate is not None and candidate is self.candidate:
+            new._slow_streak, new._skip_until = self._slow_streak, self._skip_until
+        return new
+
+    def policies(self) -> tuple[RoutingPolicy, ...]:
+        """The policies this runner asks: the candidate (if any), then the incumbent."""
+        if self.candidate is None:
+            return (self.incumbent,)
+        return (self.candidate, self.incumbent)
+
     def _try(
         self,
         policy: RoutingPolicy,

@@ -6,8 +6,10 @@ The whole file is loaded and validated first (`load_policy`, then every policy's
 parameters through the registry); any error changes nothing and is returned (HTTP 400,
 or a log line for SIGHUP). On success the router's `ModeRunner` gets the new mode and
 policy objects in one step between two requests (the event loop runs one handler at a
-time, so no request sees half a reload). A policy whose `{name, params}` did not change
-keeps its object, so its state (a round-robin cursor) carries on. Sections other than
+time, so no request sees half a reload): the wiring builds a new `ModeRunner`
+(`ramjet.app.wiring.build_modes`) and the router swaps it in with the config in force
+(`Router.reconfigure`), in one assignment. A policy whose `{name, params}` did not
+change keeps its object, so its state (a round-robin cursor) carries on. Sections other than
 `mode`, `incumbent` and `candidate` (engines, timeouts, limits, ...) need a restart;
 a reload that changes them applies the rest and lists them under `needs_restart`. The
 exception is `keys:` when reports are on: the key ring is rebuilt (key files re-read)
@@ -28,10 +30,10 @@ from typing import Any
 from aiohttp import web
 
 from ramjet.app.router import Router
+from ramjet.app.wiring import build_modes
 from ramjet.config import PolicyConfig, PolicyFileError, load_policy
 from ramjet.errors import ConfigError
-from ramjet.policy.base import RoutingPolicy
-from ramjet.policy.registry import PolicyConfigError, create_policy
+from ramjet.policy.registry import PolicyConfigError
 from ramjet.reports.keys import KeyError_, KeyRing
 from ramjet.request.openai_errors import json_error
 
@@ -47,28 +49,15 @@ class ReloadError(ConfigError, ValueError):
 def apply_config(router: Router, new: PolicyConfig, base_dir: Path | None = None) -> dict[str, Any]:
     """Swap in `new`'s mode and policies (see module docstring); raises ReloadError."""
     old = router.config
-    modes = router.modes
     ring: KeyRing | None = None
     if old.keys.engines or old.reports.engines:  # reports on (ramjet.app.wiring)
         try:  # the report keys, key files re-read: a revoked key stops counting now
             ring = KeyRing.from_config(new.keys, base_dir)
         except KeyError_ as exc:
             raise ReloadError(str(exc)) from None
+    live: dict[str, Any] = {k: getattr(new, k) for k in _LIVE}
     try:
-        inc: RoutingPolicy = (
-            modes.incumbent
-            if new.incumbent == old.incumbent
-            else create_policy(new.incumbent.name, new.incumbent.params, path="incumbent.params")
-        )
-        cand: RoutingPolicy | None = None
-        if new.candidate is not None:
-            cand = (
-                modes.candidate
-                if new.candidate == old.candidate and modes.candidate is not None
-                else create_policy(
-                    new.candidate.name, new.candidate.params, path="candidate.params"
-                )
-            )
+        modes = build_modes(new, router.metrics, keep=(old, router.modes))
     except PolicyConfigError as exc:
         raise ReloadError(str(exc)) from None
     changed = [k for k in _LIVE if getattr(new, k) != getattr(old, k)]
@@ -77,13 +66,10 @@ def apply_config(router: Router, new: PolicyConfig, base_dir: Path | None = None
     needs_restart = sorted(
         k for k in rest_new if rest_new[k] != rest_old.get(k) and (k != "keys" or ring is None)
     )
-    modes.mode, modes.incumbent, modes.candidate = new.mode, inc, cand
     keys = None if ring is None else router.signals.replace_keys(ring)
     if keys is not None:
-        router.config = router.config.model_copy(update={"keys": new.keys})
-    router.config = router.config.model_copy(
-        update={"mode": new.mode, "incumbent": new.incumbent, "candidate": new.candidate}
-    )
+        live["keys"] = new.keys
+    router.reconfigure(old.model_copy(update=live), modes)
     router.accounting.metrics.reloads.labels(result="ok").inc()
     return {
         "mode": new.mode.kind,

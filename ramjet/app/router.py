@@ -50,12 +50,11 @@ from aiohttp import web
 
 from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
 from ramjet.app.priority import PriorityHint, PriorityHints, decided_work, without_priority
-from ramjet.app.profile_source import ProfileSources
 from ramjet.config import PolicyConfig
 from ramjet.decisions.accounting import Accounting
 from ramjet.decisions.record import DecisionRecord, DecisionSink
 from ramjet.fleet.engines import EngineState, Fleet, HealthProber
-from ramjet.fleet.signals import EngineSignals, NoSignals
+from ramjet.fleet.signals import EngineSignals
 from ramjet.fleet.views import PoolSpec, engine_views, retry_engine
 from ramjet.keys.pools import KeyPools
 from ramjet.metrics import RouterMetrics
@@ -63,13 +62,11 @@ from ramjet.policy.base import Decision, EngineView
 from ramjet.policy.calibration import Calibrations
 from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.fleet_stats import WorkRates, fleet_stats
-from ramjet.policy.registry import create_policy
 from ramjet.proxy.exchange import Exchange, ForwardResult
-from ramjet.proxy.forward import Proxy, generation_deadline
-from ramjet.proxy.http1 import EnginePool
+from ramjet.proxy.forward import Proxy, Transports, generation_deadline
 from ramjet.proxy.transport import EngineTransport, fetch
 from ramjet.request.admission import Admission, charged_here, client_of, reject
-from ramjet.request.client import ClientRequest
+from ramjet.request.client import ClientExchange
 from ramjet.request.openai_errors import json_error
 from ramjet.request.parse import (
     ParsedRequest,
@@ -80,7 +77,7 @@ from ramjet.request.parse import (
     to_request_view,
 )
 from ramjet.request.precheck import Prechecker
-from ramjet.residency.source import NoResidency, ResidencySource
+from ramjet.residency.source import ResidencySource
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
@@ -94,83 +91,54 @@ class Router:
         self,
         config: PolicyConfig,
         *,
-        metrics: RouterMetrics | None = None,
-        residency: ResidencySource | None = None,
-        signals: EngineSignals | None = None,
-        key_pools: KeyPools | None = None,
-        sink: DecisionSink | None = None,
-        clock: Any = time.monotonic,
+        metrics: RouterMetrics,
+        residency: ResidencySource,
+        signals: EngineSignals,
+        key_pools: KeyPools,
+        accounting: Accounting,
+        calibration: Calibrations | None,
+        fleet: Fleet,
+        proxy: Proxy,
+        modes: ModeRunner,
+        pools: dict[EngineId, tuple[PoolSpec, ...]],
+        arrivals: ArrivalRate,
+        work_rates: WorkRates,
+        parse_limits: ParseLimits,
+        trusted_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
+        prechecker: Prechecker,
+        priority: PriorityHints,
+        admission: Admission,
+        transports: Transports,
+        clock: Callable[[], float],
     ) -> None:
-        """Built whole, never finished by mutation: `ramjet.app.wiring.build_router` builds
-        the residency source, the signals and the key pools from the policy file."""
+        """Given every part, built (`ramjet.app.wiring.build`); it builds none itself and
+        nothing is set on it from outside (a reload swaps its config and mode runner in
+        one step: `reconfigure`)."""
         self.config = config
-        self.metrics = metrics or RouterMetrics()
-        self.residency: ResidencySource = residency or NoResidency()
-        self.signals: EngineSignals = signals or NoSignals()
+        self.metrics = metrics
+        self.residency = residency
+        self.signals = signals
         self.clock = clock
-        lg = config.logging
-        fs = config.fleet_stats
-        self.calibration = (
-            Calibrations(fs.calibration_forgetting, fs.calibration_clip) if fs.calibrate else None
-        )
-        self.accounting = Accounting(
-            self.metrics.registry,
-            log_path=lg.decisions_path,
-            log_max_bytes=lg.decisions_max_bytes,
-            log_backups=lg.decisions_backups,
-            log_queue=lg.decisions_queue,
-            downstream=sink,
-            clock=clock,
-            wait_tau_s=config.fleet_stats.wait_tau_s,
-            calibration=self.calibration,
-        )
-        self.sink: DecisionSink = self.accounting
-        self.fleet = Fleet(
-            config.engines, config.health, config.retry, clock, on_eject=self._on_eject
-        )
-        self.metrics.init_engines(e.id for e in config.engines)
-        self.proxy = Proxy(config, self.fleet, self.metrics)
-        incumbent = create_policy(
-            config.incumbent.name, config.incumbent.params, path="incumbent.params"
-        )
-        candidate = None
-        if config.candidate is not None:
-            candidate = create_policy(
-                config.candidate.name, config.candidate.params, path="candidate.params"
-            )
-        self.modes = ModeRunner(config.mode, incumbent, candidate, self.metrics, clock=clock)
-        self.profile_sources = ProfileSources(
-            [EngineId(e.id) for e in config.engines],
-            lambda: self.signals,
-            lambda: (p for p in (self.modes.candidate, self.modes.incumbent) if p is not None),
-        )
-        self.metrics.registry.register(self.profile_sources)
-        self.pools: dict[EngineId, tuple[PoolSpec, ...]] = {
-            EngineId(e.id): tuple(
-                (p.id, p.tier, *p.cost_into(e.id)) for p in config.fabric.pools_of(e.id)
-            )
-            for e in config.engines
-            if config.fabric.pools_of(e.id)
-        }
+        self.calibration = calibration
+        self.accounting = accounting
+        self.sink: DecisionSink = accounting
+        self.fleet = fleet
+        self.proxy = proxy
+        self.modes = modes
+        self.pools = pools
         """Each engine's shared tiers (`ramjet.config.FabricConfig`); empty: islands."""
-        self.arrivals = ArrivalRate(config.fleet_stats.arrival_tau_s)
-        self.work_rates = WorkRates(config.fleet_stats.work_tau_s)
-        lim = config.limits
-        self.parse_limits = ParseLimits(
-            max_body_bytes=lim.max_body_bytes,
-            max_depth=lim.max_json_depth,
-            max_messages=lim.max_messages,
-        )
-        self._trusted_networks = tuple(
-            ipaddress.ip_network(n, strict=False) for n in lim.priority_trusted_networks
-        )
+        self.arrivals = arrivals
+        self.work_rates = work_rates
+        self.parse_limits = parse_limits
+        self._trusted_networks = trusted_networks
         self._parse_pool: ThreadPoolExecutor | None = None
-        self._prechecker = Prechecker()
-        """Counts a large body's messages in a child process (`ramjet.request.precheck`)."""
         """Threads parsing large bodies (`_parse`), made on first use."""
-        self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
-        self.priority = PriorityHints(config.priority, self.metrics.registry)
-        self.admission = Admission(config.limits, config.timeouts.body_s, self.metrics)
+        self._prechecker = prechecker
+        """Counts a large body's messages in a child process (`ramjet.request.precheck`)."""
+        self.key_pools = key_pools
+        self.priority = priority
+        self.admission = admission
+        self._transports = transports
         self.draining = False
         self.leaving = False
         """Set on SIGTERM before the drain (`ramjet serve --shutdown-delay`): /readyz
@@ -194,17 +162,22 @@ class Router:
         """The loop serving requests, kept on first use (`asyncio.get_running_loop` makes a
         getpid syscall each time)."""
 
-    def _on_eject(self, engine: EngineId, duration_s: float) -> None:
-        self.metrics.ejections.labels(engine=engine).inc()
+    def leave(self) -> None:
+        """Fail /readyz from now on while still serving (`leaving`)."""
+        self.leaving = True
+
+    def reconfigure(self, config: PolicyConfig, modes: ModeRunner) -> None:
+        """Put `config` and its mode runner in force (a reload, `ramjet.app.reload`), in
+        one step between two requests."""
+        self.config, self.modes = config, modes
 
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.proxy.start()
-        t = self.config.timeouts
         for e in self.fleet.engines:
-            self._probe_transports[e.id] = EnginePool(e.url, limit=4, connect_s=t.connect_s)
-            self._models_transports[e.id] = EnginePool(e.url, limit=2, connect_s=t.connect_s)
+            self._probe_transports[e.id] = self._transports(e, "probe")
+            self._models_transports[e.id] = self._transports(e, "models")
         self._prober = HealthProber(self.fleet, self._probe, self.config.health)
         await self._prober.probe_all()
         self._prober.start()
@@ -252,7 +225,7 @@ class Router:
 
     # -- handlers -----------------------------------------------------------------------
 
-    async def handle_completion(self, request: ClientRequest) -> web.StreamResponse:
+    async def handle_completion(self, request: ClientExchange) -> web.StreamResponse:
         t0 = self.clock()
         self.arrivals.arrive(t0)
         refused = self.admission.refuse_early(request, self.draining)
@@ -260,7 +233,7 @@ class Router:
             return refused
         # The body first: a client that sends it slowly (or never) holds no slot.
         body = await self.admission.read_body(request)
-        if isinstance(body, web.Response):
+        if not isinstance(body, bytes):  # refused
             return body
         held = len(body) if charged_here(request) else 0
         try:
@@ -275,7 +248,7 @@ class Router:
         finally:
             self.admission.bodies.give(held)
 
-    def _priority_trusted(self, request: ClientRequest) -> bool:
+    def _priority_trusted(self, request: ClientExchange) -> bool:
         """Whether the client's own `priority` is kept (`limits.priority_trusted_networks`)."""
         if not self._trusted_networks:
             return False
@@ -285,7 +258,7 @@ class Router:
             return False
         return any(addr in net for net in self._trusted_networks)
 
-    async def _parse(self, request: ClientRequest, body: bytes) -> ParsedRequest:
+    async def _parse(self, request: ClientExchange, body: bytes) -> ParsedRequest:
         """Parse, render and key `body`: a large one on the parse threads, so the event
         loop keeps serving others meanwhile (`limits.parse_thread_bytes`)."""
         if len(body) <= self.config.limits.parse_thread_bytes:
@@ -309,7 +282,9 @@ class Router:
             pool, parse_request, request.path, body, request.headers, self.parse_limits, prechecked
         )
 
-    async def _admitted(self, request: ClientRequest, t0: float, body: bytes) -> web.StreamResponse:
+    async def _admitted(
+        self, request: ClientExchange, t0: float, body: bytes
+    ) -> web.StreamResponse:
         try:
             parsed = await self._parse(request, body)
         except RequestError as exc:
@@ -389,7 +364,7 @@ class Router:
 
     async def _forward(
         self,
-        request: ClientRequest,
+        request: ClientExchange,
         parsed: ParsedRequest,
         outcome: ModeOutcome,
         request_id: str,

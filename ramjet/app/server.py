@@ -26,7 +26,8 @@ Connection-level protections live below the app, in a `RequestHandler` subclass:
 
 Public API for tests and the CLI:
 
-- `create_app(config, ...) -> web.Application` (the `Router` is at `app[ROUTER_KEY]`);
+- `create_app(config, ...) -> web.Application` (the `Router` is at `app[ROUTER_KEY]`;
+  it and its parts are built by `ramjet.app.wiring.build`);
 - `RouterServer(config, host, port=0)`: `await start()`, `.url`, `.router`,
   `await stop(drain_s=...)`;
 - `serve(config, host, port)`: runs until SIGTERM/SIGINT, then drains.
@@ -49,10 +50,12 @@ from prometheus_client import CollectorRegistry
 from ramjet.app.fast_server import FastServer, raw_error
 from ramjet.app.reload import admin_reload_handler, on_sighup
 from ramjet.app.router import Router
-from ramjet.app.wiring import build_router, mount
+from ramjet.app.wiring import FastServerFactory, Wired, build, fast_server, mount
 from ramjet.config import PolicyConfig
 from ramjet.decisions.record import DecisionSink
+from ramjet.proxy.forward import Transports
 from ramjet.request.admission import PendingClients, client_of
+from ramjet.request.client import AiohttpExchange
 from ramjet.request.openai_errors import json_error
 from ramjet.residency.tables import ResidencyTables
 from ramjet.runtime.gc import tune_gc
@@ -178,13 +181,20 @@ class _Handler(RequestHandler):
 
 
 class _Server(web.Server):
-    def __init__(self, *args: Any, header_deadline_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        header_deadline_s: float,
+        pending: PendingClients | None,
+        fast: FastServerFactory | None,
+        **kwargs: Any,
+    ) -> None:
+        """`pending`: the router's pending connections by client; `fast`: builds the
+        completion routes' own server, in front (over `handler`, its fallback)."""
         super().__init__(*args, **kwargs)
         self._header_deadline_s = header_deadline_s
-        self.pending: PendingClients | None = None
-        """Set by `RouterServer.start`: the router's pending connections by client."""
-        self.fast: FastServer | None = None
-        """Set by `RouterServer.start`: the completion routes' own server, in front."""
+        self.pending = pending
+        self.fast = None if fast is None else fast(self.handler)
 
     def handler(self) -> RequestHandler:
         """aiohttp's handler for one connection (with the header deadline)."""
@@ -215,9 +225,21 @@ class _Server(web.Server):
 
 
 class _Runner(web.AppRunner):
-    def __init__(self, app: web.Application, *, header_deadline_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        header_deadline_s: float,
+        pending: PendingClients | None = None,
+        fast: FastServerFactory | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(app, **kwargs)
         self._header_deadline_s = header_deadline_s
+        self._pending = pending
+        self._fast = fast
+        self.fast: FastServer | None = None
+        """The completion routes' own server, once the server is made (with `fast`)."""
 
     async def _make_server(self) -> web.Server:
         loop = asyncio.get_running_loop()
@@ -226,13 +248,17 @@ class _Runner(web.AppRunner):
         app.on_startup.freeze()
         await app.startup()
         app.freeze()
-        return _Server(
+        server = _Server(
             app._handle,
             request_factory=app._make_request,
             loop=loop,
             header_deadline_s=self._header_deadline_s,
+            pending=self._pending,
+            fast=self._fast,
             **self._kwargs,
         )
+        self.fast = server.fast
+        return server
 
 
 @web.middleware
@@ -254,6 +280,7 @@ def create_app(
     sink: DecisionSink | None = None,
     policy_path: str | None = None,
     ops_routes: bool = True,
+    transports: Transports | None = None,
 ) -> web.Application:
     """The router as an aiohttp app; start/stop ride on the app's lifecycle.
     `ops_routes` False leaves out /metrics and /admin/reload (`RouterServer`'s ops port
@@ -261,15 +288,29 @@ def create_app(
     `policy_path` is the file `POST /admin/reload` reloads (`ramjet.app.reload`); key files
     in its `keys:` section resolve against its directory. A policy with engine keys gets
     the signed-report runtime; the router is built by `ramjet.app.wiring`."""
-    wired = build_router(
-        config, registry=registry, residency=residency, sink=sink, policy_path=policy_path
+    wired = build(
+        config,
+        registry=registry,
+        residency=residency,
+        sink=sink,
+        policy_path=policy_path,
+        transports=transports,
     )
+    return app_of(wired, policy_path, ops_routes)
+
+
+def app_of(wired: Wired, policy_path: str | None, ops_routes: bool = True) -> web.Application:
+    """The aiohttp app over a built router (see `create_app`)."""
     r = wired.router
-    app = web.Application(middlewares=[_errors], client_max_size=config.limits.max_body_bytes)
+    app = web.Application(middlewares=[_errors], client_max_size=r.config.limits.max_body_bytes)
     app[ROUTER_KEY] = r
     mount(app, wired)
-    app.router.add_post("/v1/chat/completions", r.handle_completion)
-    app.router.add_post("/v1/completions", r.handle_completion)
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        return await r.handle_completion(AiohttpExchange(request))
+
+    app.router.add_post("/v1/chat/completions", completion)
+    app.router.add_post("/v1/completions", completion)
     app.router.add_get("/v1/models", r.handle_models)
     app.router.add_get("/healthz", r.handle_healthz)
     app.router.add_get("/readyz", r.handle_readyz)
@@ -339,6 +380,8 @@ class RouterServer:
         self._runner = _Runner(
             self.app,
             header_deadline_s=config.timeouts.header_deadline_s,
+            pending=self.router.admission.pending,
+            fast=fast_server(self.router) if self.fast_path else None,
             handler_cancellation=True,
             access_log=logging.getLogger("ramjet.access") if config.logging.access_log else None,
             max_line_size=lim.max_header_line_bytes,
@@ -352,8 +395,7 @@ class RouterServer:
     @property
     def fast(self) -> FastServer | None:
         """The completion routes' own server while started with `fast_path`."""
-        server = self._runner.server
-        return server.fast if isinstance(server, _Server) else None
+        return self._runner.fast
 
     @property
     def url(self) -> str:
@@ -361,24 +403,6 @@ class RouterServer:
 
     async def start(self) -> None:
         await self._runner.setup()
-        server = self._runner.server
-        if isinstance(server, _Server):
-            server.pending = self.router.admission.pending
-        if self.fast_path and isinstance(server, _Server):
-            cfg, metrics = self.config, self.router.metrics
-            server.fast = FastServer(
-                self.router.handle_completion,
-                server.handler,
-                header_deadline_s=cfg.timeouts.header_deadline_s,
-                body_timeout_s=cfg.timeouts.body_s,
-                max_headers=cfg.limits.max_headers,
-                max_line_bytes=cfg.limits.max_header_line_bytes,
-                max_body_bytes=cfg.limits.max_body_bytes,
-                on_body_timeout=lambda: metrics.rejected.labels(reason="body_timeout").inc(),
-                bodies=self.router.admission.bodies,
-                pending=self.router.admission.pending,
-                on_refused=lambda reason: metrics.rejected.labels(reason=reason).inc(),
-            )
         self._site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await self._site.start()
         listening = self._site._server
@@ -430,7 +454,7 @@ async def serve(
         loop.add_signal_handler(signal.SIGHUP, on_sighup, server.router, policy_path)
     await stop.wait()
     if shutdown_delay_s > 0:
-        server.router.leaving = True
+        server.router.leave()
         stop.clear()
         log.info("leaving: /readyz fails, still serving for %.1fs", shutdown_delay_s)
         with contextlib.suppress(TimeoutError):

@@ -26,8 +26,8 @@ request may be retried on another engine:
 
 Headers are cleaned both ways by `ramjet.proxy.headers`; the record of a forward is
 `ramjet.proxy.exchange`. Engines are reached through `ramjet.proxy.transport`'s
-`EngineTransport` (HTTP/1.1 pools, `ramjet.proxy.http1`, unless `Proxy` is given other
-`transports`). `Proxy.open` is everything up to the first byte (attempts, retries,
+`EngineTransport`, each made by the `transports` the proxy is given (HTTP/1.1 pools,
+`ramjet.proxy.http1`, from `ramjet.app.wiring`; in-memory engines in unit tests). `Proxy.open` is everything up to the first byte (attempts, retries,
 in-flight counts) and writes nothing to the client, so it is unit-tested over in-memory
 engines; `Proxy.forward` is `open`, then the stream, then `finish`.
 """
@@ -48,11 +48,10 @@ from ramjet.metrics import RouterMetrics
 from ramjet.proxy.deadlines import Deadlines
 from ramjet.proxy.exchange import Attempt, Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import upstream_request_headers
-from ramjet.proxy.http1 import EnginePool
 from ramjet.proxy.retries import FREE_RETRIES, RETRY_STATUSES, RetryBudget, parse_retry_after
 from ramjet.proxy.stream import StreamWriter
 from ramjet.proxy.transport import EngineResponse, EngineTransport, UpstreamConnectError
-from ramjet.request.client import ClientRequest
+from ramjet.request.client import ClientExchange
 from ramjet.request.openai_errors import json_error
 from ramjet.types import EngineId
 
@@ -61,6 +60,10 @@ log = logging.getLogger(__name__)
 ChooseNext = Callable[[set[EngineId]], EngineState | None]
 TransportFactory = Callable[[EngineState], EngineTransport]
 """Builds an engine's transport (called in `Proxy.start`, on the running loop)."""
+Transports = Callable[[EngineState, str], EngineTransport]
+"""Builds an engine's transport for a use: "forward" (the proxy's), "probe" (health
+probes) or "models" (`/v1/models`); each use has pools of its own. Called on the
+running loop (`Proxy.start`, `Router.start`)."""
 
 
 class _NextEngine:
@@ -114,17 +117,16 @@ class Proxy:
         config: PolicyConfig,
         fleet: Fleet,
         metrics: RouterMetrics,
-        transports: TransportFactory | None = None,
+        transports: TransportFactory,
     ) -> None:
-        """`transports`: how each engine is reached; HTTP/1.1 pools by default
-        (`ramjet.proxy.http1.EnginePool`), a `ramjet.proxy.transport.MemoryTransport` in
-        unit tests."""
+        """`transports`: how each engine is reached (HTTP/1.1 pools from
+        `ramjet.app.wiring`, a `ramjet.proxy.transport.MemoryTransport` in unit tests)."""
         self._cfg = config
         self._fleet = fleet
         self._metrics = metrics
         self.budget = RetryBudget(config.retry.budget_ratio, config.retry.min_retries)
         self._writer = StreamWriter(config, fleet, metrics)
-        self._make_transport = transports or self._http1
+        self._make_transport = transports
         # The in-flight gauges read the engines' counters when scraped, instead of
         # being set twice per attempt.
         for e in fleet.engines:
@@ -149,15 +151,6 @@ class Proxy:
         self._metrics.inflight_of(e.id).set_function(requests)
         self._metrics.inflight_prompt_tokens_of(e.id).set_function(prompt_tokens)
 
-    def _http1(self, e: EngineState) -> EngineTransport:
-        return EnginePool(
-            e.url,
-            limit=self._cfg.limits.connections_per_engine,
-            connect_s=self._cfg.timeouts.connect_s,
-            keepalive_s=30.0,
-            read_high=64 * 1024,
-        )
-
     async def start(self) -> None:
         for e in self._fleet.engines:
             self._pools[e.id] = self._make_transport(e)
@@ -169,7 +162,7 @@ class Proxy:
 
     async def forward(
         self,
-        request: ClientRequest,
+        request: ClientExchange,
         body: bytes,
         first: EngineState,
         prompt_tokens: int,

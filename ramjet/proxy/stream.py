@@ -1,5 +1,12 @@
 """`StreamWriter`: an engine's response, from its first body byte, to the client.
 
+It writes through the two seams only: the client side is a `ClientExchange`
+(`ramjet.request.client`; `respond` starts the answer, whichever server read the
+request) and the engine side an `EngineResponse` (`ramjet.proxy.transport`). When the
+answer offers direct writes (`ClientResponse.direct`, the fast server's), body pieces
+go to the client from the engine connection's callback (`EngineResponse.set_sink`),
+else every piece goes through the read loop below.
+
 Nothing is retried once the first byte was sent (`ramjet.proxy.forward`). Then:
 
 - Writes to the client wait on the transport's high-water mark (`stream_buffer_bytes`),
@@ -30,10 +37,9 @@ from ramjet.fleet.engines import EngineState, Fleet, Outcome, classify_status
 from ramjet.metrics import RouterMetrics
 from ramjet.proxy.exchange import Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import client_response_headers
-from ramjet.proxy.http1 import UpstreamResponse
 from ramjet.proxy.retries import RETRY_STATUSES
 from ramjet.proxy.transport import EngineResponse
-from ramjet.request.client import ClientRequest, FastRequest, FastResponse
+from ramjet.request.client import ClientExchange, ClientResponse
 from ramjet.request.framing import FRAMING_BYTES, BodyFramer, Connection
 from ramjet.request.openai_errors import error_body
 from ramjet.types import EngineId
@@ -41,8 +47,9 @@ from ramjet.types import EngineId
 
 class _Relay:
     """What a response's body has sent (`add`: bytes out, the response tail, the last 2
-    bytes), and for a `FastResponse` its body pieces written from the engine
-    connection's callback (`take`, given to `UpstreamResponse.set_sink`) while the client
+    bytes), and for an answer with direct writes (`ClientResponse.direct`) its body
+    pieces written from the engine connection's callback (`take`, given to
+    `EngineResponse.set_sink`) while the client
     takes them without waiting: no reader wake-up, no coroutine step per piece. A piece
     that would wait (the client's buffer is full or paused), the last piece, and every
     piece while any is buffered go through the coroutine's loop as before, with its
@@ -50,11 +57,13 @@ class _Relay:
 
     __slots__ = ("conn", "framer", "high", "res", "tail")
 
-    def __init__(self, resp: FastResponse | None, res: ForwardResult, high: int) -> None:
+    def __init__(
+        self, direct: tuple[BodyFramer, Connection] | None, res: ForwardResult, high: int
+    ) -> None:
         # the response's framing and connection, so that a piece's write is compiled code
         # end to end (`ramjet.request.framing`), not a call into the interpreted response
-        self.framer: BodyFramer | None = None if resp is None else resp.framer
-        self.conn: Connection | None = None if resp is None else resp.conn
+        self.framer: BodyFramer | None = None if direct is None else direct[0]
+        self.conn: Connection | None = None if direct is None else direct[1]
         self.res = res
         self.high = high
         self.tail = b"\n\n"
@@ -74,14 +83,6 @@ class _Relay:
         return True
 
 
-class _Passthrough(web.StreamResponse):
-    """A streamed response whose headers leave in the same write as the first body piece
-    (aiohttp's `Response` does this; `StreamResponse` sends them at `prepare`): one
-    syscall fewer per response, nothing else changes (a body-less end still sends them)."""
-
-    _send_headers_immediately = False
-
-
 class StreamWriter:
     def __init__(self, config: PolicyConfig, fleet: Fleet, metrics: RouterMetrics) -> None:
         self._cfg = config
@@ -90,7 +91,7 @@ class StreamWriter:
 
     async def stream(
         self,
-        request: ClientRequest,
+        request: ClientExchange,
         upstream: EngineResponse,
         first: bytes,
         engine: EngineState,
@@ -105,30 +106,19 @@ class StreamWriter:
         out_headers, res.engine_headers = client_response_headers(upstream.headers)
         out_headers["X-Ramjet-Engine"] = engine.id
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-        resp: web.StreamResponse
-        if isinstance(request, FastRequest):  # `ramjet.app.fast_server`'s connection
-            resp = FastResponse(
-                request, status, upstream.reason, out_headers, upstream.content_length
-            )
-        else:
-            resp = _Passthrough(status=status, reason=upstream.reason, headers=out_headers)
-            if upstream.content_length is not None:
-                resp.content_length = upstream.content_length
+        length = upstream.content_length
+        resp = request.respond(status, upstream.reason, out_headers, length)
         res.engine, res.status = engine.id, status
         if request.transport is not None:
             request.transport.set_write_buffer_limits(high=self._cfg.limits.stream_buffer_bytes)
         content = upstream
         # The last piece ends the body in the same write (for a chunked body, with the
         # terminator); a length-framed body only once it is complete.
-        length = upstream.content_length
-        fast = resp if isinstance(resp, FastResponse) else None
-        relay = _Relay(fast, res, self._cfg.limits.stream_buffer_bytes)
-        direct = upstream if fast is not None and isinstance(upstream, UpstreamResponse) else None
+        direct = resp.direct
+        relay = _Relay(direct, res, self._cfg.limits.stream_buffer_bytes)
         try:
-            if not isinstance(request, FastRequest):
-                await resp.prepare(request)
             chunk = first
-            # Headers leave with the first piece (`_Passthrough`): count them against
+            # Headers leave with the first piece (`ClientResponse`): count them against
             # the write buffer once.
             extra = FRAMING_BYTES + sum(len(k) + len(v) + 4 for k, v in out_headers.items())
             while chunk:
@@ -144,7 +134,7 @@ class StreamWriter:
                 if res.ttft_s is None:
                     res.ttft_s = time.monotonic() - t0
                     if direct is not None and not last:
-                        direct.set_sink(relay.take)  # the head has gone (`_Relay`)
+                        upstream.set_sink(relay.take)  # the head has gone (`_Relay`)
                 relay.add(chunk)
                 if last:
                     break
@@ -158,7 +148,7 @@ class StreamWriter:
                     raise UpstreamError("idle_timeout") from None
                 except OSError as exc:
                     raise UpstreamError("disconnect", type(exc).__name__) from None
-            if upstream.content_length is not None and res.bytes_out < upstream.content_length:
+            if length is not None and res.bytes_out < length:
                 raise UpstreamError("disconnect", "body shorter than Content-Length")
             await resp.write_eof()
             if status not in RETRY_STATUSES:  # those were recorded on arrival
@@ -182,8 +172,8 @@ class StreamWriter:
 
     async def _send(
         self,
-        request: ClientRequest,
-        resp: web.StreamResponse,
+        request: ClientExchange,
+        resp: ClientResponse,
         chunk: bytes,
         eof: bool,
         extra: int,
@@ -214,8 +204,8 @@ class StreamWriter:
 
     async def _end_cut(
         self,
-        request: ClientRequest,
-        resp: web.StreamResponse,
+        request: ClientExchange,
+        resp: ClientResponse,
         sse: bool,
         tail: bytes,
         engine: EngineId,

@@ -17,6 +17,11 @@ else):
   buffered now in one piece (b"" if none); `readany(idle_s)` waits for the next bytes,
   returns b"" at the end of the body, and raises `TimeoutError` when nothing came within
   `idle_s`. `at_eof()`: the body ended and every byte of it was read.
+- **Direct relay (optional).** `set_sink(sink)` offers later body pieces to `sink` (a
+  callable that returns True when it wrote the piece to the client) before they are
+  buffered; a piece it takes is not read again. An implementation may ignore the sink
+  (every piece is then buffered and read as usual); HTTP/1.1's uses it
+  (`ramjet.proxy.http1`, which also says when a piece is never offered).
 - **Backpressure.** An implementation stops reading the engine while its buffer of unread
   body bytes is full, and resumes when the reader takes them.
 - **Abort.** `close()` on a response whose body has not ended aborts the engine's request
@@ -69,6 +74,7 @@ class EngineResponse(Protocol):
     def at_eof(self) -> bool: ...
     def read_nowait(self) -> bytes: ...
     async def readany(self, idle_s: float | None = None) -> bytes: ...
+    def set_sink(self, sink: Callable[[bytes], bool] | None) -> None: ...
     def close(self) -> None: ...
 
 
@@ -150,6 +156,9 @@ class MemoryResponse:
 
     def at_eof(self) -> bool:
         return self._eof and not self._buf
+
+    def set_sink(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Ignored: every piece is buffered (the contract's sink is optional)."""
 
     def read_nowait(self) -> bytes:
         data = b"".join(self._buf)

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from ramjet.config import LimitsConfig
 from ramjet.metrics import RouterMetrics
-from ramjet.request.client import ClientRequest
+from ramjet.request.client import ClientExchange
 from ramjet.request.openai_errors import json_error
 
 
@@ -144,13 +144,13 @@ def bodies_over_budget() -> web.Response:
     )
 
 
-def charged_here(request: ClientRequest) -> bool:
+def charged_here(request: ClientExchange) -> bool:
     """Whether `Admission.read_body` charges this request's body to the body budget
     (False: `ramjet.app.fast_server` read it and charged it)."""
-    return not getattr(request, "budgeted", False)
+    return not request.budgeted
 
 
-def header_bytes(request: ClientRequest) -> int:
+def header_bytes(request: ClientExchange) -> int:
     """Bytes of the request's header lines (name, ": ", value, CRLF)."""
     return sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
 
@@ -227,7 +227,7 @@ class Admission:
         self.pending = PendingClients(limits.max_pending_per_client)
         """Connections that have not sent a whole request, by client (both servers)."""
 
-    def refuse_early(self, request: ClientRequest, draining: bool) -> web.Response | None:
+    def refuse_early(self, request: ClientExchange, draining: bool) -> web.Response | None:
         """The refusal for a request that must not wait for a slot (steps 1-3), or None."""
         if header_bytes(request) > self.limits.max_header_bytes:
             return reject(
@@ -287,7 +287,7 @@ class Admission:
     def release(self) -> None:
         self._slots.release()
 
-    async def read_body(self, request: ClientRequest) -> bytes | web.Response:
+    async def read_body(self, request: ClientExchange) -> bytes | web.Response:
         """The whole body, or the refusal (413, 408, 400, 503, 429) if it is too big,
         late, bad, over the body budget or one pending connection too many. A body read
         here is charged to the body budget, `charged(request, body)` bytes: the caller
@@ -317,7 +317,7 @@ class Admission:
                 self.bodies.give(held[0])
 
     async def _read_rest(
-        self, request: ClientRequest, held: list[int], limit: int
+        self, request: ClientExchange, held: list[int], limit: int
     ) -> bytes | web.Response:
         """The body after what came with the head, charged to the budget as it comes
         (`held[0]`, bytes charged so far)."""

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from sim_helpers import req, spec, workload
 
-from ramjet.app.router import Router
+from ramjet.app.wiring import build
 from ramjet.config import FleetStatsConfig, parse_policy
 from ramjet.policy.base import FleetStats
 from ramjet.policy.fleet_stats import (
@@ -87,7 +87,7 @@ def test_router_and_simulator_give_the_same_lambda_and_w(taus: tuple[float, floa
     if taus is not None:
         data["fleet_stats"] = {"arrival_tau_s": taus[0], "wait_tau_s": taus[1]}
     config = parse_policy(data)
-    router = Router(config)
+    router = build(config).router
     reqs = _workload()
     sim = Recording(
         reqs,

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers"))
 from redis_server import redis_server
 
-from ramjet.app.wiring import build_router, mount, wants_reports
+from ramjet.app.wiring import build, mount, wants_reports
 from ramjet.config import PolicyConfig, parse_policy
 from ramjet.fleet.signals import REPORTS_KEY, NoSignals, ReportSignals
 from ramjet.reports.keys import public_key_b64
@@ -35,7 +35,7 @@ def with_keys(**extra: Any) -> PolicyConfig:
 
 
 def test_bare_policy_no_residency_no_signals_no_runtimes() -> None:
-    wired = build_router(policy())
+    wired = build(policy())
     assert isinstance(wired.router.residency, NoResidency)
     assert isinstance(wired.router.signals, NoSignals)
     assert wired.reports is None and wired.residency is None
@@ -47,7 +47,7 @@ def test_bare_policy_no_residency_no_signals_no_runtimes() -> None:
 def test_reports_get_tables_and_signals_before_the_router_exists() -> None:
     cfg = with_keys()
     assert wants_reports(cfg)
-    wired = build_router(cfg)
+    wired = build(cfg)
     assert wired.reports is not None
     router = wired.router
     # the router holds the runtime's processor and tables from construction on
@@ -67,7 +67,7 @@ def test_reports_get_tables_and_signals_before_the_router_exists() -> None:
 def test_given_tables_are_the_routers() -> None:
     cfg = with_keys()
     tables = ResidencyTables(cfg.residency)
-    wired = build_router(cfg, residency=tables)
+    wired = build(cfg, residency=tables)
     assert wired.router.residency is tables
     assert wired.reports is not None and wired.reports.processor.tables is tables
     assert wired.residency is None  # the caller runs its own store
@@ -77,7 +77,7 @@ def test_given_tables_are_the_routers() -> None:
 async def test_redis_store_is_built_and_runs_with_the_app() -> None:
     with redis_server() as server:
         cfg = policy(store={"kind": "redis", "url": server.url, "timeout_ms": 500})
-        wired = build_router(cfg)
+        wired = build(cfg)
         runtime = wired.residency
         assert runtime is not None and runtime.store is not None
         assert wired.router.residency is runtime.tables
