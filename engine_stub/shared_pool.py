@@ -128,6 +128,8 @@ class SharedKV:
         self._fp = _fingerprint_bytes(fingerprint)
         self.block_tokens = block_tokens
         self.writer = _Writer(pool, f"pool-write-{pool_id}", queue_items)
+        self.read_errors = 0
+        """Reads that failed with an I/O error (taken as a miss, and logged)."""
 
     def publish(self, items: Sequence[tuple[PrefixKey, bytes]]) -> None:
         """Write blocks through to the pool in the background (module docstring)."""
@@ -145,6 +147,8 @@ class SharedKV:
             try:
                 data = self.pool.read(pool_key(key))
             except OSError:
+                log.exception("pool read failed")
+                self.read_errors += 1
                 data = None
             blob = self._payload(key, data)
             if blob is None:
