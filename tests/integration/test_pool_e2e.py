@@ -15,15 +15,10 @@ reached the router) and its realized work carries the pool tokens.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,43 +26,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
-from engines import REPO, EngineProcess, free_port
+from pool_fleet import pool_fleet
 
 from kvpool import Pool
-from ramjet.reports.keys import write_keypair
 
 pytestmark = pytest.mark.timeout(180)
 
 POOL_BYTES = 8 << 20
 SWA_POOL_BYTES = 4 << 20
 BLOCK = 256
-
-
-def _wait(what: str, ok: Any, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError, ValueError):
-            if ok():
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"{what} not ready in {timeout}s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
-
-
-def _status(url: str) -> int:
-    with urllib.request.urlopen(url, timeout=1.0) as resp:
-        return int(resp.status)
 
 
 def _accepted(router: str, who: str) -> float:
@@ -79,105 +46,6 @@ def _accepted(router: str, who: str) -> float:
         if line.startswith("ramjet_reports_accepted_total{") and f'engine="{who}"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-@contextlib.contextmanager
-def fleet(tmp: Path) -> Iterator[dict[str, Any]]:
-    """Two pool reporters, two engines on the pools, the router: all processes."""
-    keys = tmp / "keys"
-    for who in ("e0", "e1", "host0", "swa0"):
-        write_keypair(keys, f"{who}-a")
-    kv_dir, swa_dir = tmp / "pools" / "host0", tmp / "pools" / "swa0"
-    procs: list[subprocess.Popen[bytes]] = []
-    engines: dict[str, EngineProcess] = {}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    try:
-        urls: dict[str, str] = {}
-        for pid, tier, d in (("host0", "host", kv_dir), ("swa0", "swa", swa_dir)):
-            port = free_port()
-            log = tmp / f"{pid}.log"
-            cmd = [sys.executable, "-m", "ramjet", "pool-reporter", "--pool-dir", str(d),
-                   "--id", pid, "--tier", tier, "--port", str(port), "--interval", "0.2",
-                   "--key", str(keys / f"{pid}-a.key"), "--key-id", f"{pid}-a",
-                   "--swa-ttl", "60"]  # fmt: skip
-            with open(log, "wb") as out:
-                procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, env=env))
-            urls[pid] = f"http://127.0.0.1:{port}"
-            _wait(
-                pid, lambda u=urls[pid]: _status(u + "/ramjet/snapshot") == 200, procs[-1], log, 60
-            )
-        for eid in ("e0", "e1"):
-            flags = {"window": 16, "profile": "skip", "log_level": "WARNING", "max_gen": 4,
-                     "key": keys / f"{eid}-a.key", "key_id": f"{eid}-a",
-                     "pool_dir": kv_dir, "pool_id": "host0", "pool_bytes": POOL_BYTES,
-                     "swa_pool_dir": swa_dir, "swa_pool_id": "swa0",
-                     "swa_pool_bytes": SWA_POOL_BYTES}  # fmt: skip
-            (tmp / eid).mkdir()
-            eng = EngineProcess(eid, free_port(), tmp / eid, flags)
-            eng.start()
-            engines[eid] = eng
-            urls[eid] = eng.url
-        policy = tmp / "policy.yaml"
-        ids = ("e0", "e1", "host0", "swa0")
-        policy.write_text(
-            json.dumps(
-                {
-                    "engines": [{"id": e, "url": urls[e]} for e in ("e0", "e1")],
-                    "mode": "enforce",
-                    "incumbent": {"name": "prefix_affinity"},
-                    "candidate": {"name": "tier_aware"},
-                    "health": {"probe_interval_s": 0.2, "consecutive_failures": 1},
-                    "logging": {"decisions_path": str(tmp / "decisions.jsonl")},
-                    "reports": {
-                        "engines": {w: urls[w] for w in ids},
-                        "poll": {
-                            "wait_s": 0.5,
-                            "timeout_s": 3,
-                            "backoff_min_s": 0.05,
-                            "backoff_max_s": 0.2,
-                        },
-                    },
-                    "keys": {
-                        "engines": {
-                            w: [{"key_id": f"{w}-a", "public_key_file": f"keys/{w}-a.pub"}]
-                            for w in ids
-                        }
-                    },
-                    "fabric": {
-                        "pools": [
-                            {
-                                "id": "host0",
-                                "tier": "host",
-                                "engines": ["e0", "e1"],
-                                "bandwidth_bytes_per_s": 2.0e9,
-                                "latency_s": 0.0002,
-                            },
-                            {
-                                "id": "swa0",
-                                "tier": "swa",
-                                "engines": ["e0", "e1"],
-                                "bandwidth_bytes_per_s": 2.0e9,
-                                "latency_s": 0.0002,
-                            },
-                        ]
-                    },
-                }
-            )
-        )
-        port = free_port()
-        log = tmp / "router.log"
-        cmd = [sys.executable, "-m", "ramjet", "serve", "--policy", str(policy),
-               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-        with open(log, "wb") as out:
-            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, env=env))
-        router = f"http://127.0.0.1:{port}"
-        _wait("router", lambda: _status(router + "/readyz") == 200, procs[-1], log, 60)
-        yield {"router": router, "engines": engines, "kv": kv_dir, "swa": swa_dir, "tmp": tmp}
-    finally:
-        for p in reversed(procs):
-            _stop(p)
-        for eng in engines.values():
-            eng.stop()
 
 
 def _chat(router: str, msgs: list[dict[str, Any]], rid: str) -> tuple[str, dict[str, Any], str]:
@@ -205,8 +73,16 @@ def _record(path: Path, rid: str) -> dict[str, Any]:
 
 
 def test_a_moved_session_restores_its_prefix_and_swa_state_from_the_pools(tmp_path: Path) -> None:
-    with fleet(tmp_path) as f:
-        router = f["router"]
+    fast_probe = {"health": {"probe_interval_s": 0.2, "consecutive_failures": 1}}
+    with pool_fleet(
+        tmp_path,
+        engine_flags={"max_gen": 4},
+        policy=fast_probe,
+        pool_bytes=POOL_BYTES,
+        swa_pool_bytes=SWA_POOL_BYTES,
+    ) as f:
+        assert f.router_url is not None and f.kv_dir is not None and f.swa_dir is not None
+        router = f.router_url
         msgs = [
             {"role": "system", "content": "[pool] You are a careful coding agent. " * 16},
             {"role": "user", "content": "read main.py"},
@@ -216,7 +92,7 @@ def test_a_moved_session_restores_its_prefix_and_swa_state_from_the_pools(tmp_pa
         assert first in ("e0", "e1") and u1["prompt_work"]["prefilled_tokens"] == n1
         other = "e1" if first == "e0" else "e0"
         # the first engine wrote its blocks and its SWA state through to the pools
-        kv, swa = Pool(f["kv"], POOL_BYTES), Pool(f["swa"], SWA_POOL_BYTES)
+        kv, swa = Pool(f.kv_dir, POOL_BYTES), Pool(f.swa_dir, SWA_POOL_BYTES)
         deadline = time.monotonic() + 10
         while len(kv.held_keys()) < n1 // BLOCK or not swa.held_keys():
             assert time.monotonic() < deadline, "the pools never got the session's state"
@@ -227,7 +103,7 @@ def test_a_moved_session_restores_its_prefix_and_swa_state_from_the_pools(tmp_pa
         while any(_accepted(router, p) < seen[p] + 2 for p in seen):
             assert time.monotonic() < deadline, "the pools' reports do not reach the router"
             time.sleep(0.1)
-        f["engines"][first].stop()  # the session must move
+        f.engines[first].stop()  # the session must move
         time.sleep(1.0)  # the router's probe ejects it
         msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go on"}]
         moved, u2, _ = _chat(router, msgs, "turn-2")
@@ -246,7 +122,8 @@ def test_a_moved_session_restores_its_prefix_and_swa_state_from_the_pools(tmp_pa
         assert w["pools"]["swa0"]["tokens"] == n1 and w["pools"]["swa0"]["bytes"] > 0
         assert 0 < w["pool_io_ms"] <= w["restore_io_ms"] <= w["restore_ms"]
         # the router priced the move as a pull from the pool, and read the pool tokens back
-        rec = _record(f["tmp"] / "decisions.jsonl", "turn-2")
+        assert f.decisions is not None
+        rec = _record(f.decisions, "turn-2")
         assert rec["engine"] == other
         assert rec["predicted"][other]["pool_tokens"] >= blocks
         assert rec["realized"]["pool_tokens"] == blocks
