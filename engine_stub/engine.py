@@ -250,6 +250,15 @@ class Engine:
             )
         m.swa_entries.set(len(self.swa))
         m.swa_bytes.set(self.swa.bytes_used)
+        for shared in (self.shared_kv, self.shared_swa):
+            if shared is not None:
+                w = shared.writer
+                for outcome, n in (
+                    ("written", w.written),
+                    ("refused", w.refused),
+                    ("dropped", w.dropped),
+                ):
+                    m.shared_pool_writes.labels(shared.pool_id, outcome).set(n)
 
     def load(self) -> dict[str, Any]:
         waiting, running = self.scheduler.counts()

@@ -103,6 +103,17 @@ def test_a_moved_session_restores_its_prefix_and_swa_state_from_the_pools(tmp_pa
         while any(_accepted(router, p) < seen[p] + 2 for p in seen):
             assert time.monotonic() < deadline, "the pools' reports do not reach the router"
             time.sleep(0.1)
+        with urllib.request.urlopen(f.engines[first].url + "/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+        written = {
+            pool: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            for pool in ("host0", "swa0")
+            if line.startswith("engine_shared_pool_writes{")
+            and 'outcome="written"' in line
+            and f'pool="{pool}"' in line
+        }
+        assert written == {"host0": n1 // BLOCK, "swa0": 1}, metrics
         f.engines[first].stop()  # the session must move
         time.sleep(1.0)  # the router's probe ejects it
         msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go on"}]
