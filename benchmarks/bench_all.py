@@ -68,6 +68,7 @@ BENCHMARKS = (
         headline=r"^decision redis result:",
         timeout_s=300,
     ),
+    Bench("pool_e2e", ("--quick",), headline=r"^pool e2e result:", timeout_s=600),
 )
 
 _FIGURE = re.compile(

@@ -21,7 +21,7 @@ class EngineMetrics:
         self.running = Gauge("engine_running_requests", "Requests holding a slot", registry=r)
         self.prompt_tokens = Counter(
             "engine_prompt_tokens_total",
-            "Prompt tokens by source (hbm, host, ssd, swa, replayed, prefilled)",
+            "Prompt tokens by source (hbm, host, ssd, pool, swa, replayed, prefilled)",
             ["source"],
             registry=r,
         )
@@ -98,6 +98,13 @@ class EngineMetrics:
         )
         self.swa_entries = Gauge("engine_swa_pool_entries", "Pooled SWA states", registry=r)
         self.swa_bytes = Gauge("engine_swa_pool_bytes", "Bytes of pooled SWA state", registry=r)
+        self.shared_pool_writes = Gauge(
+            "engine_shared_pool_writes",
+            "Write-throughs to shared pools since start, by pool and outcome (written: the "
+            "pool holds the item; refused: it did not fit; dropped: the write queue was full)",
+            ["pool", "outcome"],
+            registry=r,
+        )
         self.engram_bytes = Counter(
             "engine_engram_prefetch_bytes_total",
             "Engram rows fetched ahead from host memory",

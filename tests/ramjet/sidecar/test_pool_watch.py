@@ -86,3 +86,60 @@ def test_bad_parameters_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="interval_s"):
         PoolWatcher(pool, pub, Tier.HOST, interval_s=0)
     assert hex_router_key("zz" * 8) is None and hex_router_key("ab") is None
+
+
+def test_an_swa_pools_states_reach_the_router_live_and_expire_when_idle(tmp_path: Path) -> None:
+    import os
+
+    clocks = Clocks()
+    pool = Pool(tmp_path / "swa", capacity_bytes=64 * 1024)
+    watchers: list[PoolWatcher] = []
+    pub = ReportPublisher(
+        POOL,
+        KEYS["stranger"],
+        "stranger",
+        snapshot=lambda: watchers[0].snapshot(),
+        wall_clock=clocks.wall_clock,
+    )
+    watcher = PoolWatcher(
+        pool, pub, "swa", swa_ttl_s=60.0, heartbeat_s=5.0, wall_clock=clocks.wall_clock
+    )
+    watchers.append(watcher)
+    proc, tables = _router(clocks)
+    seq = [0]
+
+    def pull() -> None:
+        for frame in pub.frames_after(seq[0]):
+            assert isinstance(proc.submit(frame), Accepted)
+        seq[0] = pub.seq
+
+    def used(k: PrefixKey, age_s: float) -> None:  # the state's last use, age_s ago
+        t = clocks.wall - age_s
+        os.utime(pool.blocks / f"{k:016x}", (t, t))
+
+    a, b = PrefixKey(0xA0), PrefixKey(0xB0)
+    for k in (a, b):
+        assert pool.put(f"{k:016x}", b"s" * 512)
+    used(a, 0)
+    used(b, 50)  # 10 s left
+    assert watcher.scan() == 2
+    pull()
+    view = tables.view(POOL)
+    assert view.swa_match([(300, a)]) == 300 and view.swa_match([(700, b)]) == 700
+    assert view.global_match([a, b], [256, 256]).total == 0  # SWA states, not blocks
+    # b idles past its TTL: reported expired; a is used again: its TTL restarts
+    clocks.advance(20)
+    used(a, 0)
+    assert watcher.scan() == 2
+    pull()
+    view = tables.view(POOL)
+    assert view.swa_match([(700, b)]) == 0 and view.swa_match([(300, a)]) == 300
+    assert watcher.held() == {a}
+    _, swa = watcher.snapshot()
+    assert [s.keys for s in swa] == [(a,)] and swa[0].ttl_ms == 60_000
+    # quiet: nothing to report, but an empty delta once heartbeat_s has passed
+    before = pub.seq
+    watcher._last_publish -= 10  # the last report was 10 s ago
+    assert watcher.scan() == 0 and pub.seq == before + 1
+    assert watcher.scan() == 0 and pub.seq == before + 1  # not again at once
+    pull()

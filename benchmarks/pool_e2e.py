@@ -1,0 +1,304 @@
+"""One fleet cache on the reference engines (issue 30): Ramjet enforce (`tier_aware`) on two
+engines that share a host pool of global KV and an SWA pool, against Ramjet enforce on
+the same engines as islands, against SMG `cache_aware` on the pool engines (its engines
+pull from the pool on a miss whatever SMG knows), in one run.
+
+    flock /tmp/ramjet-bench.lock .venv/bin/python benchmarks/pool_e2e.py [--quick]
+
+Each arm gets fresh processes (`tests/helpers/pool_fleet.py`): two reference engines
+(window 128, startup profile `fast`, so the router prices them as measured), the pools'
+reporters and the router, all on loopback.
+
+Workload (closed loop, the same prompts in every arm): `--sessions` agent sessions of
+unequal length (2 to `--max-turns` turns, seeded) share a `--system-tokens` system
+prompt; `--concurrency` of them run at once, a slot taking the next session when its
+session ends (an agent fleet). Each turn appends a tool output of 150-700 tokens
+(seeded) and the next turn is sent when the answer has arrived (`--max-tokens` tokens;
+the assistant message appended is fixed text, so prompts do not depend on what was
+generated). As sessions of unequal length end and start, the load on the two engines
+becomes unequal, so a balancer must move sessions, and a moved session recomputes its
+prefix unless it can pull it from the pool.
+
+Checked (`self-check:`): every response 200, streamed content, `[DONE]`, usage with
+`prompt_work`; each (session, turn) has the same prompt size in every arm; the islands
+arm pulls nothing from a pool; the pool arms' moved sessions pull. Printed per arm: mean,
+p50, p99 TTFT (request sent to first content chunk), prompt tokens prefilled (prompt -
+cached), tokens pulled from the pool, tokens replayed, session moves; then the ratios of
+Ramjet with the pool to each other arm. `--rounds` runs every arm that many times,
+alternating arms, and pools each arm's requests (the machine's load varies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+
+from pool_fleet import pool_fleet  # noqa: E402
+
+MODEL = "mini-v4"
+ARMS = ("ramjet_enforce_pool", "ramjet_enforce", "smg_cache_aware_pool")
+
+
+class BenchError(RuntimeError):
+    """A response that is not what was asked for: the run stops."""
+
+
+@dataclass
+class Result:
+    session: int
+    turn: int
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    pool_tokens: int
+    replayed_tokens: int
+    engine: str
+    round: int = 0
+
+
+@dataclass
+class Run:
+    name: str
+    results: list[Result] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def moves(self) -> int:
+        last: dict[tuple[int, int], str] = {}
+        n = 0
+        for r in sorted(self.results, key=lambda r: (r.round, r.session, r.turn)):
+            s = (r.round, r.session)
+            if s in last and last[s] != r.engine:
+                n += 1
+            last[s] = r.engine
+        return n
+
+
+def tool_output(session: int, turn: int, tokens: int) -> str:
+    words = ("read", "file", "line", "test", "patch", "error", "assert", "value", "diff")
+    out: list[str] = []
+    i = 0
+    while sum(len(w) + 1 for w in out) < tokens:
+        out.append(f"{words[(session * 7 + turn * 3 + i) % len(words)]}{(session + i) % 89}")
+        i += 1
+    return " ".join(out)[:tokens]
+
+
+def plan(sessions: int, max_turns: int, seed: int) -> list[list[int]]:
+    """Tool-output sizes per session and turn (byte tokenizer: one token per byte)."""
+    rng = random.Random(seed)
+    turns = [rng.randint(2, max_turns) for _ in range(sessions)]
+    return [[rng.randint(150, 700) for _ in range(n)] for n in turns]
+
+
+async def stream_chat(
+    http: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]], max_tokens: int, sid: str
+) -> tuple[float, dict[str, Any], str]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    usage: dict[str, Any] | None = None
+    done = False
+    async with http.post(url + "/v1/chat/completions", json=body,
+                         headers={"X-Session-Id": sid}) as r:  # fmt: skip
+        if r.status != 200:
+            raise BenchError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
+        engine = r.headers.get("X-Engine-Id", "?")
+        buf = b""
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if not event.startswith(b"data: "):
+                    continue
+                if event[6:] == b"[DONE]":
+                    done = True
+                    continue
+                obj = json.loads(event[6:])
+                for ch in obj.get("choices") or []:
+                    if (ch.get("delta") or {}).get("content") and ttft is None:
+                        ttft = time.perf_counter() - t0
+                if obj.get("usage"):
+                    usage = obj["usage"]
+    if not done or ttft is None or usage is None or "prompt_work" not in usage:
+        raise BenchError(f"{url}: stream without content/usage.prompt_work/[DONE]: {usage}")
+    return ttft, usage, engine
+
+
+async def workload(url: str, sizes: list[list[int]], args: argparse.Namespace) -> list[Result]:
+    system = tool_output(999, 0, args.system_tokens)
+    out: list[Result] = []
+    total = sum(len(s) for s in sizes)
+
+    async def one(si: int, turns: list[int], http: aiohttp.ClientSession) -> None:
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        for ti, n in enumerate(turns):
+            msgs.append({"role": "user", "content": f"s{si} t{ti}: " + tool_output(si, ti, n)})
+            ttft, usage, engine = await stream_chat(http, url, msgs, args.max_tokens, f"s{si}")
+            w = usage["prompt_work"]
+            out.append(Result(si, ti, ttft, usage["prompt_tokens"],
+                              usage["prompt_tokens_details"]["cached_tokens"],
+                              int(w.get("pool_tokens", 0)), int(w["replayed_tokens"]), engine))  # fmt: skip
+            print(f"\r  {len(out)}/{total} requests", end="", flush=True)
+            msgs.append({"role": "assistant", "content": f"ok {ti}"})
+
+    todo = list(enumerate(sizes))
+
+    async def slot(http: aiohttp.ClientSession) -> None:
+        while todo:
+            si, turns = todo.pop(0)
+            await one(si, turns, http)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await asyncio.gather(*(slot(http) for _ in range(args.concurrency)))
+    print()
+    return out
+
+
+async def run_arm(name: str, tmp: Path, sizes: list[list[int]], args: argparse.Namespace) -> Run:
+    pools = name.endswith("_pool")
+    router = "smg" if name.startswith("smg") else "ramjet"
+    flags = {"window": 128, "profile": "fast", "max_gen": args.max_tokens, "threads": 1}
+    with pool_fleet(tmp / name, pools=pools, router=router, engine_flags=flags) as f:
+        assert f.router_url is not None
+        await asyncio.sleep(1.0)  # the router's first pulls of reports and profiles
+        t0 = time.monotonic()
+        results = await workload(f.router_url, sizes, args)
+        return Run(name, results, time.monotonic() - t0)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def figures(run: Run) -> dict[str, float]:
+    t = [r.ttft_s for r in run.results]
+    return {
+        "mean": statistics.fmean(t),
+        "p50": pct(t, 0.5),
+        "p99": pct(t, 0.99),
+        "prefilled": float(sum(r.prompt_tokens - r.cached_tokens for r in run.results)),
+        "pool": float(sum(r.pool_tokens for r in run.results)),
+        "replayed": float(sum(r.replayed_tokens for r in run.results)),
+        "moves": float(run.moves()),
+    }
+
+
+def check(runs: list[Run]) -> list[str]:
+    """The self-checks; a list of failures (empty: all hold)."""
+    bad = []
+    sizes = {r.name: {(x.session, x.turn): x.prompt_tokens for x in r.results} for r in runs}
+    first = runs[0].name
+    for r in runs[1:]:
+        if sizes[r.name] != sizes[first]:
+            bad.append(f"{r.name}: prompts differ from {first}'s")
+    for r in runs:
+        f = figures(r)
+        if not r.name.endswith("_pool") and f["pool"] != 0:
+            bad.append(f"{r.name}: pulled {f['pool']:.0f} tokens with no pool")
+        if r.name.endswith("_pool") and f["moves"] > 0 and f["pool"] == 0:
+            bad.append(f"{r.name}: {f['moves']:.0f} moves and nothing pulled from the pool")
+    return bad
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    sizes = plan(args.sessions, args.max_turns, args.seed)
+    arms = [a for a in ARMS if a in args.only.split(",")]
+    turns = [len(s) for s in sizes]
+    print(f"sessions {len(turns)} ({args.concurrency} at once), turns {turns} "
+          f"({sum(turns)} requests per arm), system {args.system_tokens} tokens, tool outputs "
+          f"150-700 tokens, max_tokens {args.max_tokens}")  # fmt: skip
+    by_name: dict[str, Run] = {}
+    with tempfile.TemporaryDirectory(prefix="pool-e2e-") as tmp:
+        for rnd in range(args.rounds):  # arms alternate, so they share the machine's noise
+            for name in arms:
+                print(f"== round {rnd + 1}/{args.rounds}: {name}")
+                run = await run_arm(name, Path(tmp) / f"r{rnd}", sizes, args)
+                for x in run.results:
+                    x.round = rnd
+                total = by_name.setdefault(name, Run(name))
+                total.results += run.results
+                total.wall_s += run.wall_s
+    runs = list(by_name.values())
+    print()
+    print("| arm | requests | mean TTFT s | p50 s | p99 s | prefilled tokens | pool tokens "
+          "| replayed | moves | per engine | wall s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        f = figures(r)
+        per: dict[str, int] = {}
+        for x in r.results:
+            per[x.engine] = per.get(x.engine, 0) + 1
+        print(f"| {r.name} | {len(r.results)} | {f['mean']:.3f} | {f['p50']:.3f} | {f['p99']:.3f} "
+              f"| {f['prefilled']:.0f} | {f['pool']:.0f} | {f['replayed']:.0f} | {f['moves']:.0f} "
+              f"| {' '.join(f'{k}:{v}' for k, v in sorted(per.items()))} | {r.wall_s:.1f} |")  # fmt: skip
+    for r in runs:
+        f = figures(r)
+        print(f"figure: pool e2e mean TTFT / {r.name} = {f['mean']:.4f} s")
+        print(f"figure: pool e2e prefilled / {r.name} = {f['prefilled']:.0f} tokens")
+    by = {r.name: figures(r) for r in runs}
+    pool = by.get("ramjet_enforce_pool")
+    if pool is not None:
+        for other in ("ramjet_enforce", "smg_cache_aware_pool"):
+            o = by.get(other)
+            if o is None:
+                continue
+            print(f"pool e2e result: ramjet_enforce_pool / {other}: mean {pool['mean'] / o['mean']:.2f}x, "
+                  f"p99 {pool['p99'] / o['p99']:.2f}x, prefilled "
+                  f"{pool['prefilled'] / max(o['prefilled'], 1):.2f}x")  # fmt: skip
+    if args.dump:
+        with open(args.dump, "w") as out:
+            for r in runs:
+                for x in sorted(r.results, key=lambda x: (x.session, x.turn)):
+                    out.write(json.dumps({"arm": r.name, **x.__dict__}) + "\n")
+    bad = check(runs)
+    if bad:
+        print("self-check: FAILED: " + "; ".join(bad))
+        return 1
+    print(f"self-check: ok: {sum(len(r.results) for r in runs)} responses 200 with content, "
+          "[DONE] and prompt_work; identical prompts in every arm; no pool tokens without a "
+          "pool; moved sessions pulled from the pool")  # fmt: skip
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--concurrency", type=int, default=4, help="sessions running at once")
+    p.add_argument("--max-turns", type=int, default=10, help="a session has 2 to this many")
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=30)
+    p.add_argument("--only", default=",".join(ARMS), help=f"arms, of {', '.join(ARMS)}")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of every arm, alternating")
+    p.add_argument("--dump", default=None, help="write every request's figures here (JSONL)")
+    p.add_argument(
+        "--quick", action="store_true", help="--sessions 6 --concurrency 3 --max-turns 6 --rounds 1"
+    )
+    args = p.parse_args()
+    if args.quick:
+        args.sessions, args.concurrency, args.max_turns, args.rounds = 6, 3, 6, 1
+    try:
+        return asyncio.run(main_async(args))
+    except BenchError as exc:
+        print(f"self-check: FAILED: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
