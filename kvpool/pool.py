@@ -8,6 +8,8 @@ reference engine and a sidecar that reports residency can all share one pool.
 Directory layout under `root`:
 
     blocks/<key>                 one published block (the file is the block's bytes)
+    meta/<key>                   the block's metadata, when its writer gave any (small,
+                                 opaque to the pool: e.g. the tokens the block holds)
     tmp/<key>.<pid>.<nonce>      a block being written (never read)
     leases/<key>.<pid>.<ns>      a hard link to blocks/<key> held by a reader
     lock                         the pool lock (flock): taken only to publish and evict
@@ -19,7 +21,11 @@ Protocol:
   new one fits and hard-links the temp file to `blocks/<key>` (`link` fails if the name
   exists: a block is never replaced, so a reader never sees two versions). The temp
   name is then unlinked; a durable pool also fsyncs `blocks/`. A reader therefore sees
-  either no block or the whole block: no torn read.
+  either no block or the whole block: no torn read. Metadata given with the block is
+  written to `meta/<key>` (temp file, then rename) under the same lock just before the
+  link, and an evictor unlinks it right after the block, so whenever `blocks/<key>` is
+  seen its metadata is there (a reader of both may still see the block evicted
+  between its two reads: `meta` then returns None).
 - Read (`read`, or `lease` then `read_lease`). The reader opens `blocks/<key>`, takes a
   shared flock on it and checks that the inode is still linked (`st_nlink > 0`). A
   lease is a hard link `leases/<key>.<pid>.<ns>` made under that shared flock; it keeps
@@ -34,7 +40,8 @@ Protocol:
   leases older than `lease_ttl_s`, are removed by `sweep_leases` (run by every evictor),
   so a crashed reader cannot pin a block forever.
 
-Capacity: the bytes under `blocks/` never exceed `capacity_bytes`. A block that cannot
+Capacity: the bytes under `blocks/` never exceed `capacity_bytes` (metadata is not
+counted: it is meant to be a few hundred bytes a block). A block that cannot
 fit (every older block is leased or being read) is not published: `put` returns
 False. Temp files are outside the bound while they are written.
 
@@ -107,18 +114,24 @@ class Pool:
         self.blocks = self.root / "blocks"
         self.tmp = self.root / "tmp"
         self.leases = self.root / "leases"
-        for d in (self.blocks, self.tmp, self.leases):
+        self.metas = self.root / "meta"
+        for d in (self.blocks, self.tmp, self.leases, self.metas):
             d.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.root / "lock"
         self._lock_path.touch(exist_ok=True)
 
     # -- publish ---------------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> bool:
-        """Publish `data` as block `key`. True when the pool holds the block afterwards
-        (published now or already there; an existing block is touched, not replaced),
-        False when it cannot fit under the capacity."""
+    def put(
+        self, key: str, data: bytes | bytearray | memoryview, meta: bytes | None = None
+    ) -> bool:
+        """Publish `data` as block `key`, with `meta` as its metadata (`meta`). True when
+        the pool holds the block afterwards (published now or already there; an existing
+        block is touched, not replaced, nor its metadata), False when it cannot fit under
+        the capacity."""
         check_key(key)
+        if meta is not None and not isinstance(meta, bytes):
+            raise PoolError(f"meta must be bytes, got {type(meta).__name__}")
         size = len(data)
         if size > self.capacity_bytes:
             return False
@@ -140,6 +153,8 @@ class Pool:
                     return True
                 if not self._make_room(size):
                     return False
+                if meta is not None:
+                    self._write_meta(key, meta)
                 os.link(tmp, dst)
             if self.durable:
                 self._fsync_dir(self.blocks)
@@ -149,6 +164,14 @@ class Pool:
                 os.unlink(tmp)
 
     # -- read ------------------------------------------------------------------------------
+
+    def meta(self, key: str) -> bytes | None:
+        """The metadata published with block `key`; None if it was published without any,
+        or is not (or no longer) in the pool."""
+        try:
+            return (self.metas / check_key(key)).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def contains(self, key: str) -> bool:
         return (self.blocks / check_key(key)).exists()
@@ -301,6 +324,8 @@ class Pool:
             if os.fstat(fd).st_nlink != 1:
                 return False  # leased
             os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # published without metadata
+                os.unlink(self.metas / key)
             return True
         finally:
             os.close(fd)
@@ -316,6 +341,12 @@ class Pool:
             os.close(fd)
             return None
         return fd
+
+    def _write_meta(self, key: str, meta: bytes) -> None:
+        """Under the pool lock: `meta/<key>` whole or not at all (temp, then rename)."""
+        tmp = self.tmp / f"{key}.meta.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp.write_bytes(meta)
+        os.replace(tmp, self.metas / key)
 
     def _touch(self, path: Path) -> bool:
         try:

@@ -40,6 +40,24 @@ def test_put_then_read_returns_the_bytes_and_a_block_is_never_replaced(tmp_path:
     assert not list(pool.tmp.iterdir())
 
 
+def test_metadata_is_published_with_its_block_and_leaves_with_it(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, 2 * BLOCK)
+    assert pool.put(key(1), payload(key(1)), meta=b'{"tokens": [1, 2]}')
+    assert pool.meta(key(1)) == b'{"tokens": [1, 2]}'
+    assert pool.put(key(1), payload(key(1)), meta=b"other")  # not replaced either
+    assert pool.meta(key(1)) == b'{"tokens": [1, 2]}'
+    assert pool.put(key(2), payload(key(2)))  # none given: none kept
+    assert pool.meta(key(2)) is None
+    with pytest.raises(PoolError, match="meta must be bytes"):
+        pool.put(key(3), payload(key(3)), meta="text")  # type: ignore[arg-type]
+    assert pool.held_keys() == {key(1), key(2)}
+    assert pool.put(key(3), payload(key(3)), meta=b"3")  # evicts key(1), the oldest
+    assert pool.held_keys() == {key(2), key(3)}
+    assert pool.meta(key(1)) is None and not (pool.metas / key(1)).exists()
+    assert {p.name for p in pool.metas.iterdir()} == {key(3)}
+    assert not list(pool.tmp.iterdir())
+
+
 @pytest.mark.parametrize("bad", ["", "ABCDEF0123", "../../etc/passwd", "abc", "z" * 16, 7])
 def test_a_bad_key_is_refused_and_changes_nothing(tmp_path: Path, bad: object) -> None:
     pool = Pool(tmp_path, 10 * BLOCK)
