@@ -4,13 +4,12 @@ its contract says. The cases run in the real-vLLM venv (`pool_connector_cases.py
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 from engines import REPO
-from vllm_engines import vllm_env
+from vllm_engines import checkout_pythonpath, vllm_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +20,7 @@ def test_pool_connector_cases(tmp_path: Path) -> None:
     proc = subprocess.run(
         [str(env.python), str(script), str(tmp_path / "pool")],
         cwd=REPO, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
+        env={**checkout_pythonpath(), "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
