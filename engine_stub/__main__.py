@@ -83,6 +83,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--swa-bytes", type=_positive(int), default=None, help="SWA pool cap (default 10%% of RAM)"
     )
+    s.add_argument(
+        "--pool-dir",
+        type=Path,
+        default=None,
+        help="a global-KV pool directory shared with other engines (kvpool): every block "
+        "computed is written through, a local miss reads it",
+    )
+    s.add_argument("--pool-id", default="pool0", help="the pool's id in the router's policy")
+    s.add_argument(
+        "--pool-bytes", type=_positive(int), default=1 << 30, help="the pool's byte capacity"
+    )
+    s.add_argument(
+        "--pool-durable", action="store_true", help="fsync each block published (an SSD pool)"
+    )
+    s.add_argument(
+        "--swa-pool-dir",
+        type=Path,
+        default=None,
+        help="an SWA-state pool directory shared with other engines",
+    )
+    s.add_argument("--swa-pool-id", default="swa0", help="the SWA pool's id in the policy")
+    s.add_argument(
+        "--swa-pool-bytes",
+        type=_positive(int),
+        default=256 << 20,
+        help="the SWA pool's byte capacity",
+    )
     s.add_argument("--max-queue", type=_nonneg_int, default=64, help="waiting requests before 503")
     s.add_argument("--max-batch", type=_positive(int), default=8, help="running requests (slots)")
     s.add_argument("--prefill-chunk", type=_positive(int), default=512)
@@ -174,6 +201,13 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         speculate=not args.no_spec,
         profile_mode=args.profile_mode,
         threads=args.threads,
+        pool_dir=args.pool_dir,
+        pool_id=args.pool_id,
+        pool_bytes=args.pool_bytes,
+        pool_durable=args.pool_durable,
+        swa_pool_dir=args.swa_pool_dir,
+        swa_pool_id=args.swa_pool_id,
+        swa_pool_bytes=args.swa_pool_bytes,
     )
 
 

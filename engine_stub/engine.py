@@ -28,9 +28,11 @@ from engine_stub.kvstore import DEFAULT_TTL_S, GlobalKVStore
 from engine_stub.metrics import EngineMetrics
 from engine_stub.prompt_cache import PromptCache
 from engine_stub.scheduler import Scheduler, SchedulerConfig
+from engine_stub.shared_pool import SharedKV, SharedSWA
 from engine_stub.speculation import Speculator
 from engine_stub.swa_pool import DEFAULT_TTL_S as SWA_TTL_S
 from engine_stub.swa_pool import SWAPool
+from kvpool import Pool
 from ramjet.config import DEFAULT_AGING
 from ramjet.keys.prefix import key_seed
 from ramjet.policy.profile import EngineProfile
@@ -70,6 +72,17 @@ class EngineSettings:
     """Fetch Engram rows in the background while earlier layers run (False: inline)."""
     profile_mode: str = "fast"
     threads: int = 1
+    pool_dir: Path | None = None
+    """A global-KV pool shared with other engines (`engine_stub.shared_pool`); None: none."""
+    pool_id: str = "pool0"
+    """The pool's id in the router's policy (`fabric.pools`): names it in prompt_work."""
+    pool_bytes: int = 1 << 30
+    pool_durable: bool = False
+    """fsync every block published (an SSD pool); a host-memory pool need not."""
+    swa_pool_dir: Path | None = None
+    """An SWA-state pool shared with other engines; None: SWA state stays in the process."""
+    swa_pool_id: str = "swa0"
+    swa_pool_bytes: int = 256 << 20
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -115,7 +128,22 @@ class Engine:
             events=self.events,
         )
         self.swa = SWAPool(cap_bytes=s.swa_bytes, ttl_s=s.swa_ttl_s, events=self.events)
-        self.cache = PromptCache(self.model, self.kv, self.swa, window=self.cfg.window)
+        self.shared_kv: SharedKV | None = None
+        self.shared_swa: SharedSWA | None = None
+        if s.pool_dir is not None:
+            pool = Pool(s.pool_dir, s.pool_bytes, durable=s.pool_durable)
+            self.shared_kv = SharedKV(pool, s.pool_id, self.fingerprint, self.cfg.block_tokens)
+        if s.swa_pool_dir is not None:
+            swa_pool = Pool(s.swa_pool_dir, s.swa_pool_bytes)
+            self.shared_swa = SharedSWA(swa_pool, s.swa_pool_id, self.fingerprint, s.swa_ttl_s)
+        self.cache = PromptCache(
+            self.model,
+            self.kv,
+            self.swa,
+            window=self.cfg.window,
+            shared_kv=self.shared_kv,
+            shared_swa=self.shared_swa,
+        )
         self.speculator = Speculator(self.model) if s.speculate else None
         self.scheduler = Scheduler(
             self.model,
@@ -183,6 +211,9 @@ class Engine:
 
     def close(self) -> None:
         self.scheduler.stop()
+        for shared in (self.shared_kv, self.shared_swa):
+            if shared is not None:
+                shared.close()  # the writes already queued reach the pool
         if self._owns_model:  # a model passed in may serve other engines
             self.model.close()
         self.kv.clear_volatile()
@@ -237,6 +268,15 @@ class Engine:
             ),
             "swa_entries": len(self.swa),
             "swa_bytes": self.swa.bytes_used,
+            "pools": {
+                p.pool_id: {
+                    "written": p.writer.written,
+                    "refused": p.writer.refused,
+                    "dropped": p.writer.dropped,
+                }
+                for p in (self.shared_kv, self.shared_swa)
+                if p is not None
+            },
         }
 
     def cache_snapshot(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ class EngineMetrics:
         self.running = Gauge("engine_running_requests", "Requests holding a slot", registry=r)
         self.prompt_tokens = Counter(
             "engine_prompt_tokens_total",
-            "Prompt tokens by source (hbm, host, ssd, swa, replayed, prefilled)",
+            "Prompt tokens by source (hbm, host, ssd, pool, swa, replayed, prefilled)",
             ["source"],
             registry=r,
         )

@@ -429,6 +429,7 @@ class Scheduler:
             ("hbm", w.hbm_tokens),
             ("host", w.host_tokens),
             ("ssd", w.ssd_tokens),
+            ("pool", w.pool_tokens),
             ("swa", w.swa_tokens),
             ("replayed", w.replayed_tokens),
             ("prefilled", w.prefilled_tokens),

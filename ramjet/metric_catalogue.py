@@ -109,7 +109,7 @@ CATALOGUE: tuple[Metric, ...] = (
     Metric("ramjet_candidate_loss_seconds_total", COUNTER, "seconds", ("mode",), "ramjet.decisions.accounting",
            "Sum of negative estimated gains (as positive seconds)"),
     Metric("ramjet_realized_prompt_tokens_total", COUNTER, "tokens", ("engine", "source"), "ramjet.decisions.accounting",
-           "Prompt tokens by where the engine got them (hbm, host, ssd, swa, replayed, prefilled), from its usage.prompt_work"),
+           "Prompt tokens by where the engine got them (hbm, host, ssd, pool, swa, replayed, prefilled), from its usage.prompt_work"),
     Metric("ramjet_realized_usage_missing_total", COUNTER, "", ("engine",), "ramjet.decisions.accounting",
            "Answered requests whose response carried no readable usage.prompt_work"),
     Metric("ramjet_mean_wait_seconds", GAUGE, "seconds", (), "ramjet.decisions.accounting",

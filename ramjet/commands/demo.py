@@ -3,7 +3,7 @@ multi-turn agent conversations through a running router (e.g. `make run`) with t
 official `openai` client: `--sessions` closed-loop sessions at once (each its own
 `X-Session-Id`; a turn is sent when the session's previous answer has arrived), each
 turn streamed, and print per turn: the engine chosen (the router's
-`X-Ramjet-Engine` response header), cached prompt tokens by tier, replayed tokens and
+`X-Ramjet-Engine` response header), cached prompt tokens by tier and from shared pools, replayed tokens and
 TTFT (request sent to first content chunk), from the engine's `usage.prompt_work`.
 """
 
@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         base_url=args.url.rstrip("/") + "/v1", api_key="ramjet-demo", max_retries=0
     )
     print(f"{'sess':>4} {'turn':>4} {'engine':>8} {'prompt':>7} {'hbm':>6} {'host':>6} {'ssd':>6} "
-          f"{'swa':>5} {'replay':>6} {'prefill':>7} {'ttft_ms':>8}")  # fmt: skip
+          f"{'pool':>6} {'swa':>5} {'replay':>6} {'prefill':>7} {'ttft_ms':>8}")  # fmt: skip
     lock = threading.Lock()
     failed: list[str] = []
     threads = [
@@ -130,7 +130,8 @@ def _session(
             print(
                 f"{s:>4} {turn:>4} {engine:>8} {usage.get('prompt_tokens', 0):>7} "
                 f"{work.get('hbm_tokens', 0):>6} {work.get('host_tokens', 0):>6} "
-                f"{work.get('ssd_tokens', 0):>6} {work.get('swa_tokens', 0):>5} "
+                f"{work.get('ssd_tokens', 0):>6} {work.get('pool_tokens', 0):>6} "
+                f"{work.get('swa_tokens', 0):>5} "
                 f"{work.get('replayed_tokens', 0):>6} {work.get('prefilled_tokens', 0):>7} "
                 f"{ttft * 1e3:>8.1f}",
                 flush=True,

@@ -5,6 +5,14 @@
    process, waited for on `GET /health`.
    Each gets an ephemeral report-signing keypair (`ramjet.reports.local_keys`, in a temp
    dir: `--key FILE --key-id ID-stack`) unless the policy lists keys for it.
+   Shared pools (`fabric.pools`, ARCHITECTURE 5b): each pool with a local member gets a
+   directory (host and SWA pools under /dev/shm, host memory, when it is there; SSD
+   pools under the cache root) and a reporter child, `python -m ramjet pool-reporter`
+   (its own ephemeral key, on the port of `reports.engines.<pool id>` when that is on
+   loopback, else a free one); each member engine gets `--pool-dir` (its first host or
+   SSD pool, `--pool-durable` for SSD) and `--swa-pool-dir` (its first SWA pool). The
+   policy copy then lists the pools' report URLs under `reports.engines`, beside every
+   keyed engine's when the policy listed none.
 2. The router (`python -m ramjet serve --policy COPY --port PORT`, COPY being the policy
    with those public keys merged in), a child process, waited for on its port.
    It writes the decision log where the policy's `logging.decisions_path` says (relative:
@@ -30,11 +38,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 from urllib.parse import urlsplit
 
-from ramjet.config import PolicyFileError, load_policy
+import yaml
+
+from ramjet.config import FabricPoolConfig, PolicyConfig, PolicyFileError, load_policy
 from ramjet.reports.local_keys import ephemeral_keys
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -104,6 +116,80 @@ def _wait_ready(what: str, child: subprocess.Popen[bytes], ready: object, timeou
     raise TimeoutError(f"{what} not ready after {timeout:.0f}s")
 
 
+@dataclass(frozen=True)
+class _LocalPool:
+    pool: FabricPoolConfig
+    port: int
+    path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _local_pools(
+    config: PolicyConfig, local_ids: set[str], cache_root: Path, shm_root: Path | None
+) -> list[_LocalPool]:
+    """The declared pools with a member among the engines started here."""
+    out = []
+    for p in config.fabric.pools:
+        if not local_ids & set(p.engines):
+            continue
+        url = config.reports.engines.get(p.id)
+        parts = urlsplit(url) if url else None
+        port = parts.port if parts and parts.hostname in _LOOPBACK and parts.port else None
+        root = shm_root if shm_root is not None and p.tier != "ssd" else cache_root / "pools"
+        out.append(_LocalPool(p, port or _free_port(), root / p.id))
+    return out
+
+
+def _pool_engine_args(pools: list[_LocalPool], engine: str) -> list[str]:
+    """An engine's flags for its first global-KV pool and its first SWA pool."""
+    args: list[str] = []
+    kv = [lp for lp in pools if engine in lp.pool.engines and lp.pool.tier != "swa"]
+    swa = [lp for lp in pools if engine in lp.pool.engines and lp.pool.tier == "swa"]
+    if kv:
+        args += ["--pool-dir", str(kv[0].path), "--pool-id", kv[0].pool.id]
+        if kv[0].pool.tier == "ssd":
+            args.append("--pool-durable")
+    if swa:
+        args += ["--swa-pool-dir", str(swa[0].path), "--swa-pool-id", swa[0].pool.id]
+    return args
+
+
+def _swa_ttl(engine_args: list[str]) -> str:
+    """The engines' SWA TTL as `--engine-arg` gives it (the engine's default else)."""
+    for i, a in enumerate(engine_args):
+        if a.startswith("--swa-ttl="):
+            return a.split("=", 1)[1]
+        if a == "--swa-ttl" and i + 1 < len(engine_args):
+            return engine_args[i + 1]
+    return "60"
+
+
+def _add_pull_targets(policy_path: Path, config: PolicyConfig, pools: list[_LocalPool]) -> None:
+    """List the pools' report URLs under `reports.engines` of the policy copy (and, when
+    the policy listed no targets, every keyed engine's URL, which that list replaces)."""
+    data: dict[str, Any] = yaml.safe_load(policy_path.read_text(encoding="utf-8"))
+    reports = dict(data.get("reports") or {})
+    targets = dict(reports.get("engines") or {})
+    if not targets:
+        keyed = set((data.get("keys") or {}).get("engines") or {})
+        targets = {e.id: e.url for e in config.engines if e.id in keyed}
+    for lp in pools:
+        targets[lp.pool.id] = lp.url
+    reports["engines"] = targets
+    data["reports"] = reports
+    policy_path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    load_policy(policy_path)
+
+
 class _Stop(Exception):
     """SIGINT/SIGTERM reached the stack: stop every child, then exit."""
 
@@ -132,20 +218,44 @@ def _run(args: argparse.Namespace) -> int:
         root = Path(tmp.name)
     children: list[subprocess.Popen[bytes]] = []
     key_dir = tempfile.TemporaryDirectory(prefix="ramjet-stack-keys-")
+    shm = None
+    if config.fabric.pools and Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        shm = tempfile.TemporaryDirectory(prefix="ramjet-stack-pools-", dir="/dev/shm")
+    pools = _local_pools(
+        config, {eid for eid, _, _ in local}, Path(root), None if shm is None else Path(shm.name)
+    )
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        keys = ephemeral_keys(Path(args.policy), [eid for eid, _, _ in local], Path(key_dir.name))
+        ids = [eid for eid, _, _ in local] + [lp.pool.id for lp in pools]
+        keys = ephemeral_keys(Path(args.policy), ids, Path(key_dir.name))
         for eid in keys.skipped:
-            print(f"stack: engine {eid} has keys in the policy; it signs with its own key")
+            print(f"stack: {eid} has keys in the policy; it signs with its own key")
+        if pools:
+            _add_pull_targets(keys.policy_path, config, pools)
+        for lp in pools:
+            lp.path.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "ramjet", "pool-reporter", "--pool-dir", str(lp.path),
+                   "--id", lp.pool.id, "--tier", lp.pool.tier, "--port", str(lp.port),
+                   "--swa-ttl", _swa_ttl(args.engine_arg), "--log-level", "WARNING",
+                   *keys.engine_args.get(lp.pool.id, [])]  # fmt: skip
+            if lp.pool.id in keys.skipped:
+                print(f"stack: pool {lp.pool.id} signs with keys the stack lacks; not reported")
+                continue
+            print(f"stack: pool {lp.pool.id} ({lp.pool.tier}) at {lp.path} -> reports on "
+                  f"{lp.url} (pid ", end="", flush=True)  # fmt: skip
+            child = subprocess.Popen(cmd)
+            children.append(child)
+            print(f"{child.pid})", flush=True)
+        reporters = len(children)
         for eid, port, url in local:
             cmd = [sys.executable, "-m", "engine_stub", "serve", "--id", eid, "--port", str(port),
                    "--cache-dir", str(Path(root) / eid), *keys.engine_args.get(eid, []),
-                   *args.engine_arg]  # fmt: skip
+                   *_pool_engine_args(pools, eid), *args.engine_arg]  # fmt: skip
             print(f"stack: engine {eid} -> {url} (pid ", end="", flush=True)
             child = subprocess.Popen(cmd)
             children.append(child)
             print(f"{child.pid})", flush=True)
-        for (eid, _, url), child in zip(local, children, strict=True):
+        for (eid, _, url), child in zip(local, children[reporters:], strict=True):
             _wait_ready(f"engine {eid}", child, lambda u=url: _healthy(u), args.ready_timeout)
         router_cmd = [sys.executable, "-m", "ramjet", "serve", "--policy", str(keys.policy_path),
                       "--host", args.host, "--port", str(args.port)]  # fmt: skip
@@ -182,3 +292,5 @@ def _run(args: argparse.Namespace) -> int:
         key_dir.cleanup()
         if tmp is not None:
             tmp.cleanup()
+        if shm is not None:
+            shm.cleanup()

@@ -268,6 +268,7 @@ class Accounting:
                 ("hbm", realized.hbm_tokens),
                 ("host", realized.host_tokens),
                 ("ssd", realized.ssd_tokens),
+                ("pool", realized.pool_tokens),
                 ("swa", realized.swa_tokens),
                 ("replayed", realized.replayed_tokens),
                 ("prefilled", realized.prefilled_tokens),

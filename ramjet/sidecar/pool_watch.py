@@ -17,8 +17,20 @@ beside each block (parent hash, token ids), checks that they hash to the key, an
 chains the router's token-block keys from them, as the sidecar does from KV events. A
 key that does not map is skipped and counted (`unmapped`), never guessed.
 
+SWA pools (`tier="swa"`): each file is an SWA state at a boundary key, live `swa_ttl_s`
+after its last use (the file's mtime, touched by every read and re-publish). A state is
+reported `swa_created` with the TTL left when it appears or is used again, and
+`swa_expired` when it is gone or idle past the TTL.
+
+Freshness: a scan that finds nothing new still publishes an empty delta once
+`heartbeat_s` has passed since the last report, so routers keep the pool's trust EXACT
+(`reports.stale_after_s`) while it is quiet.
+
 Scans run in a thread (`asyncio.to_thread`): listing a pool of millions of blocks is a
 directory walk, kept off the event loop. Publishing is thread-safe.
+
+`ramjet pool-reporter` (`ramjet.commands.pool_reporter`) runs one watcher and serves its
+reports over HTTP; `KEY_MAPS` names the key maps it offers.
 """
 
 from __future__ import annotations
@@ -28,8 +40,10 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from kvpool import Pool
 from ramjet.keys.tokens import chain_keys, token_key_seed
@@ -180,75 +194,131 @@ def _is_hex(s: str) -> bool:
     return len(s) % 2 == 0 and s == s.lower()
 
 
+KEY_MAPS: dict[str, KeyMap] = {"hex": hex_router_key}
+"""Key maps by name (`ramjet pool-reporter --key-map`): another engine's pool registers
+its own here, or passes a `KeyMap` to `PoolWatcher` directly. A vLLM pool's map needs
+the pool and the model (`VllmPoolKeys`): the reporter builds it (`--key-map vllm`)."""
+
+
 class PoolWatcher:
     """The reporter of one pool (module docstring). `tier`: the pool's tier as reported
-    (host or SSD)."""
+    (host or SSD), or "swa" for a pool of SWA states (live `swa_ttl_s` after last use)."""
 
     def __init__(
         self,
         pool: Pool,
         publisher: ReportPublisher,
-        tier: Tier,
+        tier: Tier | Literal["swa"],
         router_key_of: KeyMap = hex_router_key,
         interval_s: float = 0.5,
+        *,
+        swa_ttl_s: float = 60.0,
+        heartbeat_s: float = 2.0,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        if tier not in (Tier.HOST, Tier.SSD):
-            raise ValueError("a pool of global KV is reported as host or ssd")
+        if tier not in (Tier.HOST, Tier.SSD, "swa"):
+            raise ValueError("a pool of global KV is reported as host or ssd, an SWA pool as swa")
         if not interval_s > 0:
             raise ValueError("interval_s must be > 0")
+        if not swa_ttl_s > 0 or not heartbeat_s > 0:
+            raise ValueError("swa_ttl_s and heartbeat_s must be > 0")
         self.pool = pool
         self.publisher = publisher
         self.tier = tier
         self.router_key_of = router_key_of
         self.interval_s = interval_s
-        self._held: set[PrefixKey] = set()
+        self.swa_ttl_s = swa_ttl_s
+        self.heartbeat_s = heartbeat_s
+        self._wall = wall_clock
+        self._held: dict[PrefixKey, float] = {}
+        """Router key -> the block's last use (mtime; SWA pools only, else 0)."""
         self._lock = threading.Lock()
+        self._last_publish = float("-inf")
         self.unmapped = 0
         """Pool keys seen that map to no router key (skipped)."""
         self.scans = 0
         self._task: asyncio.Task[None] | None = None
 
     def held(self) -> frozenset[PrefixKey]:
-        """The router keys of the pool's blocks as of the last scan."""
+        """The router keys of the pool's blocks (live SWA states) as of the last scan."""
         with self._lock:
             return frozenset(self._held)
+
+    def _list(self) -> tuple[dict[PrefixKey, float], int]:
+        now: dict[PrefixKey, float] = {}
+        unmapped = 0
+        if self.tier == "swa":
+            wall = self._wall()
+            for info in self.pool.listing():
+                k = self.router_key_of(info.key)
+                if k is None:
+                    unmapped += 1
+                elif wall - info.last_used < self.swa_ttl_s:
+                    now[k] = info.last_used
+        else:
+            for key in self.pool.held_keys():
+                k = self.router_key_of(key)
+                if k is None:
+                    unmapped += 1
+                else:
+                    now[k] = 0.0
+        return now, unmapped
 
     def scan(self) -> int:
         """List the pool once and publish what changed since the last scan as deltas
         (in lists of at most `MAX_KEYS_PER_LIST` keys); returns the keys changed."""
-        now: set[PrefixKey] = set()
-        unmapped = 0
         begin = getattr(self.router_key_of, "begin_scan", None)
         if begin is not None:  # a key map that keeps state between scans (VllmPoolKeys)
             begin()
-        for key in self.pool.held_keys():
-            k = self.router_key_of(key)
-            if k is None:
-                unmapped += 1
-            else:
-                now.add(k)
+        now, unmapped = self._list()
         with self._lock:
-            stored = sorted(now - self._held)
-            evicted = sorted(self._held - now)
+            stored = sorted(k for k, used in now.items() if self._held.get(k) != used)
+            evicted = sorted(k for k in self._held if k not in now)
             self._held = now
             self.unmapped = unmapped
             self.scans += 1
+        wall = self._wall()
         step = MAX_KEYS_PER_LIST // 2
         for i in range(0, max(len(stored), len(evicted)), step):
             delta = DeltaBuilder()
             for k in stored[i : i + step]:
-                delta.stored(k, self.tier)
+                if self.tier == "swa":
+                    left = self.swa_ttl_s - (wall - now[k])
+                    delta.swa_created(k, max(1, int(left * 1000)))
+                else:
+                    delta.stored(k, self.tier)
             for k in evicted[i : i + step]:
-                delta.evicted(k)
+                if self.tier == "swa":
+                    delta.swa_expired(k)
+                else:
+                    delta.evicted(k)
             self.publisher.publish_delta(delta.build())
+            self._last_publish = time.monotonic()
+        if not stored and not evicted and time.monotonic() - self._last_publish >= self.heartbeat_s:
+            self.publisher.publish_delta(DeltaBuilder().build())  # still here, nothing new
+            self._last_publish = time.monotonic()
         return len(stored) + len(evicted)
 
     def snapshot(self) -> tuple[Sequence[TierKeys], Sequence[SwaStates]]:
         """The publisher's snapshot source: the pool as of the last scan."""
-        held = sorted(self.held())
+        with self._lock:
+            held = dict(self._held)
+        keys = sorted(held)
+        if self.tier == "swa":
+            wall = self._wall()
+            groups: dict[int, list[PrefixKey]] = {}
+            for k in keys:
+                left_ms = max(1, int((self.swa_ttl_s - (wall - held[k])) * 1000))
+                groups.setdefault(-(-left_ms // 1000) * 1000, []).append(k)
+            swa = [
+                SwaStates(keys=tuple(ks[i : i + MAX_KEYS_PER_LIST]), ttl_ms=ttl)
+                for ttl, ks in sorted(groups.items())
+                for i in range(0, len(ks), MAX_KEYS_PER_LIST)
+            ]
+            return [], swa
         lists = [
-            TierKeys(tier=self.tier.label, keys=tuple(held[i : i + MAX_KEYS_PER_LIST]))
-            for i in range(0, len(held), MAX_KEYS_PER_LIST)
+            TierKeys(tier=self.tier.label, keys=tuple(keys[i : i + MAX_KEYS_PER_LIST]))
+            for i in range(0, len(keys), MAX_KEYS_PER_LIST)
         ]
         return lists, []
 
