@@ -179,3 +179,61 @@ def test_a_vllm_key_map_refuses_a_hash_it_cannot_check(tmp_path: Path) -> None:
         VllmPoolKeys(pool, MODEL, B, algo="xxhash")
     with pytest.raises(ValueError, match="block_tokens"):
         VllmPoolKeys(pool, MODEL, 0)
+
+
+def test_the_pool_reporter_serves_a_vllm_pools_residency_signed(tmp_path: Path) -> None:
+    """`ramjet pool-reporter --key-map vllm`, a process on a free port: its snapshot, fetched
+    over HTTP, verifies with the pool's public key and holds the router keys of the
+    blocks the directory holds; a bad argument exits 2 with the reason."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from ramjet.reports.keys import write_keypair
+
+    repo = Path(__file__).resolve().parents[3]
+
+    pool = Pool(tmp_path / "pool", capacity_bytes=1 << 20)
+    tokens = list(range(300, 316))
+    _vllm_publish(pool, tokens)
+    public = write_keypair(tmp_path, "vpool-a")[2].public_key()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = [sys.executable, "-m", "ramjet", "pool-reporter", "--pool-dir", str(pool.root),
+            "--id", "vpool", "--tier", "host", "--key", str(tmp_path / "vpool-a.key"),
+            "--key-id", "vpool-a", "--port", str(port), "--key-map", "vllm"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    bad = subprocess.run([*base, "--model", MODEL], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "needs --model and --block-tokens" in bad.stderr
+    with (tmp_path / "reporter.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [*base, "--model", MODEL, "--block-tokens", str(B), "--interval", "0.1"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        want = set(chain_keys(tokens, token_key_seed(MODEL), B))
+        while True:
+            assert proc.poll() is None, (tmp_path / "reporter.log").read_text()
+            try:
+                url = f"http://127.0.0.1:{port}/ramjet/snapshot"
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    frame = resp.read()
+                tables = ResidencyTables()
+                ring = KeyRing({"vpool-a": (EngineId("vpool"), public)})
+                assert isinstance(ReportProcessor(ring, tables).submit(frame), Accepted)
+                view = tables.view(EngineId("vpool"))
+                if {k for k in want if view.global_match([k], [B]).total} == want:
+                    break
+            except OSError:  # not listening yet
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "reporter.log").read_text()
+            time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert proc.returncode == 0
