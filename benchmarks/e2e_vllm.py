@@ -440,10 +440,14 @@ def start_pool_reporter(tmp: Path, ns: Path, keys: Path) -> tuple[subprocess.Pop
         time.sleep(0.2)
 
 
-async def run_smg(tmp: Path, sessions: list[list[Turn]], system: str, bt: int) -> Run:
-    engines = await asyncio.to_thread(start_engines, tmp, "smg")
+async def run_smg(
+    tmp: Path, sessions: list[list[Turn]], system: str, bt: int, pool: bool = False
+) -> Run:
+    tag = "smg-pool" if pool else "smg"
+    pool_dir = Path(tempfile.mkdtemp(prefix="e2e-vllm-pool-", dir="/dev/shm")) if pool else None
+    engines = await asyncio.to_thread(start_engines, tmp, tag, pool_dir)
     port = free_port()
-    log = (tmp / "smg.log").open("wb")
+    log = (tmp / f"{tag}.log").open("wb")
     cmd = [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
            "--log-level", "warn", "--worker-urls", *[e.url for e in engines.values()]]  # fmt: skip
@@ -463,15 +467,28 @@ async def run_smg(tmp: Path, sessions: list[list[Turn]], system: str, bt: int) -
             await asyncio.sleep(0.5)
         for e in engines.values():
             e.reset_prefix_cache()
+        loaded0 = 0
+        if pool_dir is not None:  # SMG's own start-up requests left blocks there
+            from kvpool import Pool
+
+            for ns in pool_dir.iterdir():
+                Pool(ns, 1).evict_to(0)
+            loaded0 = pool_loaded(engines)
         t0, load0, began = time.monotonic(), os.getloadavg()[0], time.time()
         results = await workload(url, sessions, system, bt, None)
         load = (load0, os.getloadavg()[0])
-        return Run("smg_cache_aware", results, time.monotonic() - t0, load=load, began_at=began)
+        run = Run("smg_cache_aware" + ("_pool" if pool else ""), results,
+                  time.monotonic() - t0, load=load, began_at=began)  # fmt: skip
+        if pool_dir is not None:
+            run.pool_loaded = pool_loaded(engines) - loaded0
+        return run
     finally:
         proc.terminate()
         proc.wait(10)
         for e in engines.values():
             e.stop()
+        if pool_dir is not None:
+            shutil.rmtree(pool_dir, ignore_errors=True)
 
 
 async def run_ramjet(
@@ -712,6 +729,12 @@ def verdict(shape: str, runs: list[Run]) -> list[str]:
             f"{'ok  ' if ok else 'MISS'} {shape}: ramjet_enforce_pool / smg_cache_aware mean "
             f"{m:.2f}x, p99 {p:.2f}x (<= 0.60x each, same run)"
         )
+    smg_pool = pooled_runs.get("smg_cache_aware_pool")
+    if smg_pool is not None and pool is not None:  # no bar: the same engines for both
+        lines.append(
+            f"info {shape}: ramjet_enforce_pool / smg_cache_aware_pool (SMG on pool engines) "
+            f"mean {pool['mean'] / smg_pool['mean']:.2f}x, p99 {pool['p99'] / smg_pool['p99']:.2f}x"
+        )
     if shape == "moving" and enf is not None and pool is not None:
         ok = pool["mean"] < enf["mean"] and pool["prefilled"] < enf["prefilled"]
         lines.append(
@@ -748,7 +771,8 @@ async def main() -> int:
     ap.add_argument("--probe-sizes", default="256,1024,2048,4096")
     ap.add_argument(
         "--only", default="smg_cache_aware,ramjet_observe,ramjet_enforce,ramjet_enforce_pool",
-        help="routers, of smg_cache_aware, ramjet_observe, ramjet_enforce and ramjet_enforce_pool "
+        help="routers, of smg_cache_aware, smg_cache_aware_pool (SMG on engines that share the "
+        "pool), ramjet_observe, ramjet_enforce and ramjet_enforce_pool "
         "(enforce on engines that share KV through connectors/vllm_pool, the router pricing "
         "pulls from it: fabric.pools, the pool's signed reports from `ramjet pool-reporter`)",
     )  # fmt: skip
@@ -828,8 +852,9 @@ async def run_shape(
             tmp = Path(d) / f"round{k}"
             for name in only:
                 print(f"round {k}/{args.rounds} {name}: fresh engines ...", flush=True)
-                if name == "smg_cache_aware":
-                    run = await run_smg(tmp, sessions, system, args.block_tokens)
+                if name in ("smg_cache_aware", "smg_cache_aware_pool"):
+                    run = await run_smg(tmp, sessions, system, args.block_tokens,
+                                        pool=name.endswith("_pool"))  # fmt: skip
                 elif name.startswith("ramjet_"):
                     mode = name.removeprefix("ramjet_").removesuffix("_pool")
                     run, cold = await run_ramjet(tmp, mode, sessions,
