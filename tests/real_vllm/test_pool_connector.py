@@ -25,8 +25,9 @@ def test_pool_connector_cases(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert sum(line.startswith("refused: ") for line in lines) == 7, lines
-    assert lines[-3:] == [
+    assert lines[-4:] == [
         "counted 4 of 5 blocks (never the last token's), 4 leases",
         "took 2: loads into pages 10, 11; 2 leases released",
         "a missing block ends the match; a finished request's leases are released",
+        "3 full blocks saved, each with its parent's hash and tokens; the salted one marked",
     ], lines
