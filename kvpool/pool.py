@@ -13,6 +13,7 @@ Directory layout under `root`:
     tmp/<key>.<pid>.<nonce>      a block being written (never read)
     leases/<key>.<pid>.<ns>      a hard link to blocks/<key> held by a reader
     lock                         the pool lock (flock): taken only to publish and evict
+    used                         the bytes under blocks/ as publishers count them (below)
 
 Protocol:
 
@@ -41,7 +42,12 @@ Protocol:
   so a crashed reader cannot pin a block forever.
 
 Capacity: the bytes under `blocks/` never exceed `capacity_bytes` (metadata is not
-counted: it is meant to be a few hundred bytes a block). A block that cannot
+counted: it is meant to be a few hundred bytes a block). A publisher does not list the
+pool to know what it holds: `used` keeps the count, read and rewritten only under the
+pool lock, raised before the link (a writer that dies between the two leaves it too
+high, never too low) and set from a listing whenever a block would not fit by it and
+after every eviction, so it only errs high, and only until the pool next fills. A put
+therefore costs the same whatever the pool holds; only eviction walks the directory. A block that cannot
 fit (every older block is leased or being read) is not published: `put` returns
 False. Temp files are outside the bound while they are written.
 
@@ -118,6 +124,7 @@ class Pool:
         for d in (self.blocks, self.tmp, self.leases, self.metas):
             d.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.root / "lock"
+        self._used_path = self.root / "used"
         self._lock_path.touch(exist_ok=True)
 
     # -- publish ---------------------------------------------------------------------------
@@ -267,7 +274,9 @@ class Pool:
         at most `target_bytes` are held, as far as leases and readers allow; the bytes
         evicted."""
         with self._pool_lock():
-            return self._evict_until(target_bytes)
+            freed = self._evict_until(target_bytes)
+            self._write_used(self.used_bytes())
+            return freed
 
     def sweep_leases(self) -> int:
         """Remove leases whose process is gone or that are older than `lease_ttl_s`."""
@@ -289,10 +298,31 @@ class Pool:
     # -- internals -------------------------------------------------------------------------
 
     def _make_room(self, size: int) -> bool:
-        """Under the pool lock: evict until `size` more bytes fit. False if they cannot."""
+        """Under the pool lock: evict until `size` more bytes fit, and count them in `used`
+        (the caller links the block next). False if they cannot fit."""
         limit = self.capacity_bytes - size
-        self._evict_until(limit)
-        return self.used_bytes() <= limit
+        used = self._read_used()
+        if used is None or used > limit:  # by the count it does not fit: list, evict
+            self._evict_until(limit)
+            used = self.used_bytes()
+            if used > limit:
+                self._write_used(used)
+                return False
+        self._write_used(used + size)
+        return True
+
+    def _read_used(self) -> int | None:
+        try:
+            return int(self._used_path.read_bytes())
+        except (FileNotFoundError, ValueError):  # never written, or a torn write: recount
+            return None
+
+    def _write_used(self, used: int) -> None:
+        fd = os.open(self._used_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, str(used).encode())
+        finally:
+            os.close(fd)
 
     def _evict_until(self, limit: int) -> int:
         """Under the pool lock: evict oldest-used first until at most `limit` bytes are

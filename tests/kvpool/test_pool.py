@@ -58,6 +58,30 @@ def test_metadata_is_published_with_its_block_and_leaves_with_it(tmp_path: Path)
     assert not list(pool.tmp.iterdir())
 
 
+def test_the_used_count_follows_puts_and_evictions_and_heals_when_high(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, 4 * BLOCK)
+
+    def counted() -> int:
+        return int((tmp_path / "used").read_bytes())
+
+    for i in range(3):
+        assert pool.put(key(i), payload(key(i)))
+        assert counted() == pool.used_bytes() == (i + 1) * BLOCK
+    assert pool.put(key(0), payload(key(0)))  # already there: not counted twice
+    assert counted() == 3 * BLOCK
+    assert pool.evict_to(BLOCK) == 2 * BLOCK
+    assert counted() == pool.used_bytes() == BLOCK
+    # a writer that died after counting its block but before linking it: too high
+    (tmp_path / "used").write_bytes(str(4 * BLOCK).encode())
+    assert pool.put(key(5), payload(key(5)))  # recounted from the directory, nothing evicted
+    assert pool.held_keys() == {key(0), key(5)} and counted() == 2 * BLOCK
+    (tmp_path / "used").write_bytes(b"garbage")  # torn: recounted too
+    assert pool.put(key(6), payload(key(6))) and counted() == 3 * BLOCK
+    for i in range(7, 10):  # full: the count stays the directory's through evictions
+        assert pool.put(key(i), payload(key(i)))
+        assert counted() == pool.used_bytes() <= 4 * BLOCK
+
+
 @pytest.mark.parametrize("bad", ["", "ABCDEF0123", "../../etc/passwd", "abc", "z" * 16, 7])
 def test_a_bad_key_is_refused_and_changes_nothing(tmp_path: Path, bad: object) -> None:
     pool = Pool(tmp_path, 10 * BLOCK)
