@@ -42,7 +42,7 @@ outgrow the engine's 8,192-token context starts a new conversation), so the cali
 model is checked on a workload it was not tuned on.
 
 A third shape (`moving`, with agent the default): `--move-sessions` sessions whose turns
-are light (64-256 new tokens on a long context) except every third, heavy (800-1,500
+are light (64-256 new tokens on a long context) except every third, heavy (2,500-4,000
 new tokens), staggered, so light turns keep finding their engine busy with a heavy
 prefill: they wait, recompute their context elsewhere, or (with the pool) pull it
 elsewhere (`moving_sessions`).
@@ -186,30 +186,31 @@ def long_tool_sessions(
 def moving_sessions(
     n: int, turns: int, max_output: int, block_tokens: int, system_tokens: int, context: int
 ) -> list[list[Turn]]:
-    """The third shape, where sessions must move to stay balanced: `n` sessions, started
-    0.5 s apart, whose contexts grow to several thousand tokens through heavy turns
-    (800-1,500 new tokens: every third turn, staggered by session, and the first)
-    between light ones (64-256 new tokens on the long context). With three sessions an
-    engine, a light turn often finds its engine busy with another session's heavy
-    prefill: it waits there, recomputes its context on the other engine (1-2 s without
-    the pool), or pulls it there (tens of ms with the pool). No single prefill is long
-    (a heavy turn is ~0.3 s on one core), so the tail is set by where turns wait, not by
-    one request's own prefill. A session whose next turn would not fit `context` starts
-    a new conversation (seeded; unequal lengths)."""
+    """The third shape, where sessions must move to stay balanced: `n` sessions whose
+    turns are light (a 64-256-token message on a long context) except every third,
+    which is heavy (a 2,500-4,000-token tool output), staggered by session (seeded). A
+    heavy turn holds its engine for a second or more of prefill; the light turns of
+    the sessions that engine holds then either wait behind it or move to the other
+    engine, which without the pool means recomputing their context (up to ~7k tokens)
+    and with it means pulling it. Unequal lengths: a session's context grows until the
+    next turn would not fit `context`, then it starts a new conversation.
+
+    A gentler variant (six sessions started 0.5 s apart, heavy turns of 800-1,500
+    tokens) was tried: SMG then ran within 1.4x of the floor (see `verdict`) with no
+    pressure to move, so it says nothing about moving; this one is kept."""
     rng = random.Random(3131)
     out = []
     for s in range(n):
         t_list: list[Turn] = []
         used = system_tokens
         for t in range(turns):
-            heavy = t == 0 or (s + t) % 3 == 0
-            tokens = rng.randint(800, 1500) if heavy else rng.randint(64, 256)
+            heavy = (s + t) % 3 == 0
+            tokens = rng.randint(2500, 4000) if heavy else rng.randint(64, 256)
             reset = used + tokens + 2 * max_output + 64 > context
             if reset:
                 used = system_tokens
             used += tokens + max_output + 16
-            delay = 0.5 * s if t == 0 else 0.0
-            t_list.append(Turn(max(1, tokens // block_tokens), max_output, reset, delay))
+            t_list.append(Turn(max(1, tokens // block_tokens), max_output, reset))
         out.append(t_list)
     return out
 
@@ -799,7 +800,7 @@ async def main() -> int:
                     help="workload shapes, in order: agent (the trace's sessions), "
                          "long_tools (tool outputs of 2,000-6,000 tokens), moving (light "
                          "turns on long contexts between heavy ones: sessions must move)")  # fmt: skip
-    ap.add_argument("--move-sessions", type=int, default=6, help="moving: sessions")
+    ap.add_argument("--move-sessions", type=int, default=4, help="moving: sessions")
     ap.add_argument("--move-turns", type=int, default=8, help="moving: turns per session")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
