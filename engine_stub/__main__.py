@@ -139,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", dest="profile_mode", choices=["fast", "full", "skip"], default="fast"
     )
     s.add_argument(
+        "--probe-lock",
+        default=None,
+        help="lock file engines on this host share while probing (default: one in the "
+        "temp directory; '' for none)",
+    )
+    s.add_argument(
         "--key", type=Path, default=None, help="Ed25519 private key file for signed reports"
     )
     s.add_argument("--key-id", default=None, help="key id published with the reports")
@@ -200,6 +206,7 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_gen_tokens=args.max_gen,
         speculate=not args.no_spec,
         profile_mode=args.profile_mode,
+        probe_lock=_probe_lock(args.probe_lock),
         threads=args.threads,
         pool_dir=args.pool_dir,
         pool_id=args.pool_id,
@@ -209,6 +216,12 @@ def _settings(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         swa_pool_id=args.swa_pool_id,
         swa_pool_bytes=args.swa_pool_bytes,
     )
+
+
+def _probe_lock(arg: str | None) -> str | None:
+    from ramjet.runtime.probe_lock import DEFAULT_PROBE_LOCK
+
+    return DEFAULT_PROBE_LOCK if arg is None else (arg or None)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -71,6 +71,9 @@ class EngineSettings:
     engram_prefetch: bool = True
     """Fetch Engram rows in the background while earlier layers run (False: inline)."""
     profile_mode: str = "fast"
+    probe_lock: str | None = None
+    """A lock file engines on this host share while probing (`profiler.probe_quietly`);
+    None: no lock."""
     threads: int = 1
     pool_dir: Path | None = None
     """A global-KV pool shared with other engines (`engine_stub.shared_pool`); None: none."""
@@ -199,14 +202,21 @@ class Engine:
 
     def start(self) -> None:
         if self.settings.profile_mode != "skip":
-            from engine_stub.profiler import Profiler
+            from engine_stub.profiler import Profiler, probe_quietly
 
             t0 = time.perf_counter()
-            result = Profiler(
-                self.model, mode=self.settings.profile_mode, device=self.settings.device
-            ).run()
+            s = self.settings
+            profiler = Profiler(self.model, mode=s.profile_mode, device=s.device)
+            if s.device == "cpu":
+                result = probe_quietly(profiler.run, threads=s.threads, lock_path=s.probe_lock)
+            else:  # process CPU time says nothing of a GPU's
+                result = profiler.run()
             self.profile, self.profile_extra = result.profile, result.extra
-            log.info("profiled in %.1fs", time.perf_counter() - t0)
+            log.info(
+                "profiled in %.1fs (cpu share %s)",
+                time.perf_counter() - t0,
+                result.extra.get("cpu_share", "n/a"),
+            )
         self.scheduler.start()
 
     def close(self) -> None:

@@ -424,6 +424,7 @@ class Router:
                 request_id,
                 exchange,
                 deadline_s,
+                res,
             )
             if res.engine is not None and res.status < 400:
                 self.residency.record_routed(res.engine, parsed.keys, self.clock())

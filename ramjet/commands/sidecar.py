@@ -24,6 +24,7 @@ import sys
 from ramjet.policy.profile import TierCost
 from ramjet.reports.envelope import ID_PATTERN
 from ramjet.reports.keys import KeyError_, load_private_key
+from ramjet.runtime.probe_lock import DEFAULT_PROBE_LOCK
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -56,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="prompt sizes in the engine's tokens, comma-separated (default: 256, 1024, "
         "4096, ... up to the engine's max model length, which is probed last)",
+    )
+    p.add_argument(
+        "--probe-lock",
+        default=DEFAULT_PROBE_LOCK,
+        help="lock file the engines of this host share while probing, so that no probe "
+        "measures another's load ('' for none)",
     )
     p.add_argument("--kv-bytes-per-token", type=float, default=None)
     p.add_argument("--host-gbps", type=float, default=None, help="host->GPU restore GB/s")
@@ -135,6 +142,7 @@ def _run(args: argparse.Namespace) -> int:
         profile=args.profile,
         profile_file=args.profile_file,
         probe_sizes=sizes,
+        probe_lock=args.probe_lock or None,
         global_kv_bytes_per_token=args.kv_bytes_per_token or 1.0,
         tiers=tiers,
         events_warn_after_s=args.events_warn_after,

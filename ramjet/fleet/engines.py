@@ -78,6 +78,10 @@ class EngineState:
     """When (the fleet's clock) a request here last got its first byte: a load report
     received before then may still count work that has since started
     (`ramjet.fleet.signals.ReportSignals.load`)."""
+    busy_since: float = float("inf")
+    """Since when (the fleet's clock) the engine has worked on the oldest of the router's
+    requests here without a first byte: that request's send, or the last first byte if
+    later (the engine went on to the next). inf: none outstanding yet."""
     models: tuple[str, ...] = field(default=())
     id: EngineId = field(init=False)
     """`config.id`, kept as a field: it is read ~20 times per request."""
@@ -122,10 +126,12 @@ class Ticket:
 
     __slots__ = ("_engine", "_open", "_tokens")
 
-    def __init__(self, engine: EngineState, prompt_tokens: int) -> None:
+    def __init__(self, engine: EngineState, prompt_tokens: int, now: float | None = None) -> None:
         self._engine = engine
         self._tokens = prompt_tokens
         self._open = True
+        if now is not None and prompt_tokens > 0 and engine.inflight_prompt_tokens <= 0:
+            engine.busy_since = now  # the engine starts on this one now
         engine.inflight_requests += 1
         engine.inflight_prompt_tokens += prompt_tokens
 
@@ -134,6 +140,7 @@ class Ticket:
         attempt ended without an answer): its prompt work is no longer outstanding."""
         if now is not None and now > self._engine.started_at:
             self._engine.started_at = now
+            self._engine.busy_since = now  # and goes on to the next
         if self._tokens:
             self._engine.inflight_prompt_tokens -= self._tokens
             self._tokens = 0

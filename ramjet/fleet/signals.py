@@ -39,6 +39,7 @@ Wiring: `ramjet.app.wiring` builds the report runtime and hands the router its
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from aiohttp import web
@@ -61,7 +62,9 @@ class EngineSignals(Protocol):
 
     def profile(self, engine: EngineId) -> EngineProfile | None: ...
 
-    def load(self, engine: EngineState) -> EngineLoad: ...
+    def load(self, engine: EngineState, now: float | None = None) -> EngineLoad:
+        """`now`: the fleet's clock, for `EngineLoad.busy_s` (None: 0)."""
+        ...
 
     def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
         """Swap in a reloaded key ring, purging what revoked keys signed (None: no
@@ -81,10 +84,11 @@ class NoSignals:
     def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
         return None
 
-    def load(self, engine: EngineState) -> EngineLoad:
+    def load(self, engine: EngineState, now: float | None = None) -> EngineLoad:
         return EngineLoad(
             inflight_requests=engine.inflight_requests,
             inflight_prompt_tokens=engine.inflight_prompt_tokens,
+            busy_s=busy_seconds(engine, now),
         )
 
 
@@ -103,12 +107,13 @@ class ReportSignals:
     def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
         return self.processor.replace_keyring(ring)
 
-    def load(self, engine: EngineState) -> EngineLoad:
+    def load(self, engine: EngineState, now: float | None = None) -> EngineLoad:
         reported = self.processor.load(engine.id)  # None once older than stale_after_s
         if reported is None:
             return EngineLoad(
                 inflight_requests=engine.inflight_requests,
                 inflight_prompt_tokens=engine.inflight_prompt_tokens,
+                busy_s=busy_seconds(engine, now),
             )
         received = self.processor.load_received_at(engine.id)
         if received is not None and received < engine.started_at:
@@ -118,12 +123,33 @@ class ReportSignals:
                 inflight_prompt_tokens=engine.inflight_prompt_tokens,
                 running_requests=reported.running_requests,
                 kv_utilization=reported.kv_utilization,
+                busy_s=busy_seconds(engine, now),
             )
+        queued = reported.queued_prompt_tokens
+        # the reported queue is what was left when the report came: progress since then
+        since = received if queued and queued > engine.inflight_prompt_tokens else None
         return EngineLoad(
             inflight_requests=engine.inflight_requests,
             inflight_prompt_tokens=engine.inflight_prompt_tokens,
-            queued_prompt_tokens=reported.queued_prompt_tokens,
+            queued_prompt_tokens=queued,
             running_requests=reported.running_requests,
             kv_utilization=reported.kv_utilization,
             waiting_requests=reported.waiting_requests,
+            busy_s=busy_seconds(engine, now, since),
         )
+
+
+def busy_seconds(engine: EngineState, now: float | None, since: float | None = None) -> float:
+    """How far the engine is into the outstanding prompt work the view counts
+    (`EngineLoad.busy_s`): since the router's oldest unanswered request there started
+    (`EngineState.busy_since`), or since `since` (a reported queue's arrival) when that is
+    the work counted; 0 when nothing is outstanding or the time is unknown."""
+    if now is None:
+        return 0.0
+    if since is None:
+        if engine.inflight_prompt_tokens <= 0:
+            return 0.0
+        since = engine.busy_since
+    elif engine.inflight_prompt_tokens > 0:
+        since = max(since, engine.busy_since)
+    return max(now - since, 0.0) if math.isfinite(since) else 0.0

@@ -46,7 +46,7 @@ def engine_views(
         EngineView(
             id=e.id,
             healthy=e.id in ok,
-            load=signals.load(e),
+            load=signals.load(e, now),
             residency=residency.view(e.id, now),
             profile=signals.profile(e.id),
             trust=signals.trust(e.id),

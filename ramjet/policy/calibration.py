@@ -17,6 +17,10 @@ the context, which a curve probed at short contexts, or probed flat under load, 
 Its weight starts at 0 (the profile as probed), moves slowly (a narrow prior: it is
 nearly collinear with x_prefill) and only grows if the engine shows it.
 
+- Warm-up: an engine's first `WARMUP` samples fit one common scale (the median of
+  realised over predicted TTFT), applied to every multiplicative term: a profile probed
+  on a busy host is off by about one factor everywhere, which three requests show and
+  eight cannot split into terms. The per-term fit below starts from there.
 - Relative error is what an operator reads, so each sample is weighted by 1/y²: the
   regression is of 1 on z = x / y (`TtftCalibration.observe`), and its residual
   e = 1 - w·z = (y - ŷ) / y is the relative error.
@@ -67,6 +71,13 @@ co-located job, a profile probed under load): the covariance is multiplied by
 weights follow within about ten samples without being thrown about by a run of noise."""
 DRIFT_GAIN = 4.0
 DRIFT_COOLDOWN = 8
+WARMUP = 8
+"""Samples over which an engine's first fit is one common scale: the median of realised
+over predicted TTFT (from `WARMUP_MIN` samples on), applied to every multiplicative term.
+A profile probed on a busy host is off by about one factor in every term, and a handful
+of requests cannot tell the terms apart, but can tell that factor; the median keeps one
+odd request from setting it. The per-term fit starts from the scaled weights."""
+WARMUP_MIN = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +116,10 @@ class TtftCalibration:
         "_cap",
         "_cooldown",
         "_p",
+        "_ratios",
         "_samples",
         "_sigma",
+        "_start",
         "_w",
         "clip",
         "forgetting",
@@ -142,6 +155,8 @@ class TtftCalibration:
         self._bias = 0.0
         self._cooldown = 0
         self._samples = 0
+        self._start = list(self._w)
+        self._ratios: list[float] = []
 
     def weights(self) -> TtftWeights:
         w = self._w
@@ -160,6 +175,10 @@ class TtftCalibration:
         n = len(z)
         w, p = self._w, self._p
         e = 1.0 - sum(w[i] * z[i] for i in range(n))
+        if self._samples < WARMUP:
+            self._warm(z)
+            self._samples += 1
+            return e
         bound = self.clip * self._sigma
         ec = min(max(e, -bound), bound)
         self._sigma = max(0.8 * self._sigma + 0.2 * abs(ec), SIGMA_FLOOR)
@@ -181,6 +200,24 @@ class TtftCalibration:
         self._bound()
         self._samples += 1
         return e
+
+    def _warm(self, z: Sequence[float]) -> None:
+        """One warm-up sample (`WARMUP`): the realised over the profile's prediction, and
+        the weights at the profile times the median of those ratios so far."""
+        start = self._start
+        predicted = sum(start[i] * z[i] for i in range(len(z)))  # over realised: ŷ / y
+        if predicted > 0:
+            self._ratios.append(1.0 / predicted)
+        if len(self._ratios) < WARMUP_MIN:
+            return
+        ratios = sorted(self._ratios)
+        mid = len(ratios) // 2
+        scale = ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
+        scale = min(max(scale, W_MIN), W_MAX)
+        last = len(start) - 1  # the fixed term is not a multiple of the profile
+        for i in range(last):
+            self._w[i] = start[i] * scale
+        self._bound()
 
     def _bound(self) -> None:
         w, p, n = self._w, self._p, len(self._w)

@@ -24,7 +24,9 @@ For request r (n prompt tokens) on engine e, with profile P:
 - wait_e = the time until e starts r: the engine's outstanding prompt tokens (reported,
   corrected by the router's in-flight, see `candidates.outstanding_prompt_tokens`)
   priced by the profile's prefill curve from context 0 (queued prompts mix lengths; the
-  curve's start is the conservative, common case), plus decode interference: a chunked
+  curve's start is the conservative, common case), less the time the engine has already
+  spent on that work (`EngineLoad.busy_s`: the head of the queue is that far into its
+  prefill), plus decode interference: a chunked
   prefill engine runs one decode step for its running batch per prefill chunk, so while
   any request decodes, each `chunk_tokens` of queued and own new tokens adds one
   `decode_step_s`. An engine that prefills one request per step (`per_job`, the
@@ -310,7 +312,8 @@ def wait_seconds(
         queued, waiting = outstanding_prompt_tokens(engine.load), engine.load.waiting_requests
     else:
         queued, waiting = ahead
-    wait = profile.prefill_seconds(queued, 0)
+    # the head of the queue is `busy_s` into its prefill already
+    wait = max(profile.prefill_seconds(queued, 0) - engine.load.busy_s, 0.0) if queued else 0.0
     waiting = (waiting or 0) if per_job else 0
     if waiting > 0:
         wait += waiting * profile.prefill_overhead_s

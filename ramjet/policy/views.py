@@ -104,6 +104,11 @@ class EngineLoad:
     """Context tokens of the requests decoding on the engine; None if not known (engines
     do not report it; the simulator knows it, and Dynamo's router counts it from its own
     routing)."""
+    busy_s: float = 0.0
+    """Seconds the engine has already worked on the outstanding prompt work counted above
+    (since the later of the last first byte the router saw from it, the oldest such
+    request's send and, for a reported queue, the report's arrival): the head of the
+    queue is that far through its prefill (`cost.wait_seconds`). 0: unknown."""
 
     def __init__(
         self,
@@ -114,6 +119,7 @@ class EngineLoad:
         kv_utilization: float = 0.0,
         waiting_requests: int | None = None,
         decode_tokens: int | None = None,
+        busy_s: float = 0.0,
     ) -> None:
         object.__setattr__(self, "inflight_requests", inflight_requests)
         object.__setattr__(self, "inflight_prompt_tokens", inflight_prompt_tokens)
@@ -122,6 +128,7 @@ class EngineLoad:
         object.__setattr__(self, "kv_utilization", kv_utilization)
         object.__setattr__(self, "waiting_requests", waiting_requests)
         object.__setattr__(self, "decode_tokens", decode_tokens)
+        object.__setattr__(self, "busy_s", busy_s)
 
 
 @dataclass(init=False, frozen=True, slots=True)

@@ -177,10 +177,13 @@ class Proxy:
         request_id: str,
         exchange: Exchange,
         deadline_s: float | None = None,
+        res: ForwardResult | None = None,
     ) -> tuple[web.StreamResponse, ForwardResult]:
         """`deadline_s`: the first-byte deadline when not `timeouts.first_byte_s` (a
-        non-stream request's, `generation_deadline`)."""
-        res = ForwardResult()
+        non-stream request's, `generation_deadline`). `res`: the caller's record of the
+        outcome, filled as the exchange goes, so that a caller cancelled mid-exchange (the
+        client left) still knows the engine, status and TTFT reached."""
+        res = ForwardResult() if res is None else res
         headers = upstream_request_headers(request.headers, request_id)
         t0 = time.monotonic()
         self.budget.active += 1
@@ -239,7 +242,7 @@ class Proxy:
             tried.add(engine.id)
             attempt = Attempt(engine.id)
             res.attempts.append(attempt)
-            ticket = Ticket(engine, prompt_tokens)
+            ticket = Ticket(engine, prompt_tokens, self._fleet.clock())
             more = len(res.attempts) < self._cfg.retry.max_attempts
             nxt = _NextEngine(choose_next, tried, more)
             got = None

@@ -60,6 +60,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from ramjet.policy.profile import EngineProfile, TierCost
 from ramjet.reports.bodies import DeltaBuilder, LoadBody, SwaStates, TierKeys
 from ramjet.reports.publisher import ReportPublisher
+from ramjet.runtime.probe_lock import async_host_lock
 from ramjet.runtime.tasks import cancel_and_wait
 from ramjet.sidecar.metrics import SidecarMetrics
 from ramjet.sidecar.probe import probe_profile
@@ -94,6 +95,8 @@ class SidecarSettings:
     profile_file: str | None = None
     probe_sizes: tuple[int, ...] | None = None
     """Prompt sizes in tokens; None: up to the engine's max model length."""
+    probe_lock: str | None = None
+    """The host's probe lock (`ramjet.runtime.probe_lock`); None: probe without one."""
     global_kv_bytes_per_token: float = 1.0
     tiers: dict[str, TierCost] = field(default_factory=dict)
     replay_timeout_s: float = 2.0
@@ -440,13 +443,16 @@ class Sidecar:
     async def _probe(self) -> None:
         s = self.settings
         try:
-            self.profile = await probe_profile(
-                s.engine_url,
-                s.model,
-                sizes=s.probe_sizes,
-                global_kv_bytes_per_token=s.global_kv_bytes_per_token,
-                tiers=s.tiers,
-            )
+            async with async_host_lock(s.probe_lock) as waited_s:
+                if waited_s > 1.0:
+                    log.info("waited %.1f s for another engine's probe on this host", waited_s)
+                self.profile = await probe_profile(
+                    s.engine_url,
+                    s.model,
+                    sizes=s.probe_sizes,
+                    global_kv_bytes_per_token=s.global_kv_bytes_per_token,
+                    tiers=s.tiers,
+                )
         except (aiohttp.ClientError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
             log.error("profile probe failed: %s", exc)
             return

@@ -39,6 +39,9 @@ class Behavior:
     kill_after_chunks: int | None = None
     """Abort the TCP connection after this many chunks."""
     stall_after_chunks: int | None = None
+    eof_delay_s: float = 0.0
+    """Sleep between `data: [DONE]` and the chunked body's terminator (a client that
+    stops at [DONE] may leave before the body ends)."""
     """Stop sending (but keep the connection) after this many chunks."""
     health_status: int = 200
     models_delay_s: float = 0.0
@@ -192,6 +195,8 @@ class FakeUpstream:
                     await asyncio.sleep(b.chunk_delay_s)
             await resp.write(sse_chunk(self.name, self.model, b.chunks, finish=True))
             await resp.write(b"data: [DONE]\n\n")
+            if b.eof_delay_s:
+                await asyncio.sleep(b.eof_delay_s)
             await resp.write_eof()
             return resp
         except asyncio.CancelledError:

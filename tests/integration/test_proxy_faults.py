@@ -387,3 +387,30 @@ async def test_cut_stream_leaves_keepalive_client_able_to_send_its_next_request(
                     f"next request lost on a reused connection (announced close: {closing})"
                 ) from exc
     assert ok == 6
+
+
+async def test_client_leaving_after_done_keeps_the_realised_outcome(
+    upstreams: list[FakeUpstream], make_router: RouterFactory
+) -> None:
+    """A client that stops reading at `data: [DONE]` and closes (the openai client does)
+    may leave before the engine's chunked terminator arrives: its handler is cancelled
+    then. The record still names the engine, the status and the realised TTFT, so the
+    request is accounted (and calibrates the TTFT model), not logged as one that never
+    reached an engine."""
+    sink = Records()
+    router = await make_router(sink=sink)
+    for u in upstreams:
+        u.behavior = Behavior(chunks=2, eof_delay_s=0.3)
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(router.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+        await r.content.readuntil(b"data: [DONE]\n\n")
+        r.close()
+    for _ in range(50):
+        if sink.records:
+            break
+        await asyncio.sleep(0.02)
+    [rec] = sink.records
+    assert rec.end == "client_gone"
+    assert rec.engine in ("e0", "e1") and rec.status == 200
+    assert rec.ttft_s is not None and rec.ttft_s > 0
+    assert rec.attempts and rec.attempts[0].engine == rec.engine

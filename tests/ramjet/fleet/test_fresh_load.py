@@ -6,11 +6,15 @@ took 0.11 s."""
 
 from __future__ import annotations
 
+from policy_fakes import FixedResidency
 from reports_fixtures import E0, frame, load_body, rig
 
 from ramjet.config import EngineConfig
 from ramjet.fleet.engines import EngineState, Ticket
 from ramjet.fleet.signals import ReportSignals
+from ramjet.policy.base import EngineLoad, EngineView
+from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, wait_seconds
+from ramjet.types import EngineId
 
 
 def _engine() -> EngineState:
@@ -44,3 +48,49 @@ def test_a_failed_attempt_is_no_start() -> None:
     Ticket(engine, 500).close()  # no first byte: nothing is known to have started
     assert signals.load(engine).queued_prompt_tokens == 500
     assert engine.id == E0
+
+
+def test_the_head_of_the_queue_is_partly_done() -> None:
+    """`EngineLoad.busy_s`: the engine has worked on the router's oldest unanswered
+    request since it was sent, and on the next since the previous one's first byte; for a
+    reported queue, since the report came (it counted what was left then)."""
+    r = rig()
+    signals, engine = ReportSignals(r.processor), _engine()
+    t = r.clocks.clock
+    assert signals.load(engine, t()).busy_s == 0.0  # nothing outstanding
+    a = Ticket(engine, 400, t())
+    r.clocks.advance(0.1)
+    b = Ticket(engine, 300, t())  # queued behind a: busy_since stays at a's send
+    r.clocks.advance(0.15)
+    assert abs(signals.load(engine, t()).busy_s - 0.25) < 1e-9
+    a.first_byte(t())  # a has started answering: the engine is on b now
+    r.clocks.advance(0.05)
+    assert abs(signals.load(engine, t()).busy_s - 0.05) < 1e-9
+    assert signals.load(engine).busy_s == 0.0  # no clock, no claim
+    b.first_byte(t())
+    a.close()
+    b.close()
+    assert signals.load(engine, t()).busy_s == 0.0
+    # another router's work, seen only in a report: progress since the report came
+    r.processor.submit(frame(load_body(900), seq=1, wall=r.clocks.wall))
+    r.clocks.advance(0.3)
+    load = signals.load(engine, t())
+    assert load.queued_prompt_tokens == 900 and abs(load.busy_s - 0.3) < 1e-9
+
+
+def test_the_wait_counts_only_what_is_left_of_the_head() -> None:
+    prof = V41_FLASH_TP4_ESTIMATE
+    full = prof.prefill_seconds(2000, 0)
+
+    def wait(busy_s: float) -> float:
+        load = EngineLoad(
+            inflight_requests=1, inflight_prompt_tokens=2000, running_requests=0, busy_s=busy_s
+        )
+        view = EngineView(
+            id=EngineId("e0"), healthy=True, load=load, residency=FixedResidency(), profile=prof
+        )
+        return wait_seconds(prof, view, 100, 512)
+
+    assert abs(wait(0.0) - full) < 1e-9
+    assert abs(wait(0.4 * full) - 0.6 * full) < 1e-9
+    assert wait(2 * full) == 0.0  # the head is late: nothing is left, never negative

@@ -14,6 +14,8 @@ from ramjet.policy.calibration import (
     PROFILE,
     W_MAX,
     W_MIN,
+    WARMUP,
+    WARMUP_MIN,
     Calibrations,
     TtftCalibration,
     features_of,
@@ -152,8 +154,11 @@ def test_the_cost_model_applies_the_weights_and_keeps_the_raw_terms() -> None:
     comp = raw.components()
     assert comp["ttft_s"] == pytest.approx(comp["ttft_raw_s"])
     cals = Calibrations()
-    for _ in range(40):  # the engine prefills at half the profile's cost, waits at 0.7x
-        f = [comp["x_prefill_s"], 0.0, 0.0, comp["x_wait_s"], 0.0]
+    for i in range(40):  # the engine prefills at half the profile's cost, waits at 0.7x
+        # (requests of several sizes and waits: one repeated sample cannot tell the terms
+        # apart)
+        u, v = 0.5 + (i % 7) / 7, 0.3 + (i % 5) / 4
+        f = [u * comp["x_prefill_s"], 0.0, 0.0, v * comp["x_wait_s"], 0.0]
         cals.observe(EngineId("e0"), f, 0.5 * f[0] + 0.7 * f[3])
     decides = FleetStats(calibration=cals.weights(), calibration_decides=True)
     cal = estimate(req, [view], decides)[0].components()
@@ -194,3 +199,34 @@ def test_a_profile_the_calibration_finds_2x_off_is_noted() -> None:
         cals.observe(EngineId("e0"), f, 3.0 * f[0])
         notes = TierAware().pick(req, [view], FleetStats(calibration=cals.weights())).notes
         assert ("profile_off:e0" in notes) == (i >= 15), (i, notes)
+
+
+def _scaled_engine(seed: int, factor: float, n: int) -> list[tuple[list[float], float]]:
+    """Samples of an engine whose every term is `factor` times the profile's (5% noise)."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(n):
+        f = [r.uniform(0.01, 0.5), 0.0, r.choice([0.0, r.uniform(0.0, 0.05)]), 0.0, 0.0]
+        f[3] = r.choice([0.0, 0.0, r.uniform(0.0, 1.0)])
+        out.append((f, factor * sum(f) * r.lognormvariate(0, 0.05)))
+    return out
+
+
+@pytest.mark.parametrize("factor", [3.0, 1 / 3])
+def test_a_profile_off_by_one_factor_is_caught_within_a_few_requests(factor: float) -> None:
+    """A profile probed on a busy host (or on a quieter one) is off by about one factor in
+    every term: the warm-up fits that factor, so from the `WARMUP_MIN`-th request on the
+    error is the engine's noise, not the factor."""
+    c = TtftCalibration()
+    samples = _scaled_engine(7, factor, WARMUP + 50)
+    errors = [abs(c.observe(f, y) or 0.0) for f, y in samples]
+    assert min(errors[:WARMUP_MIN]) > 0.6  # the profile as probed
+    assert max(errors[WARMUP_MIN:]) < 0.2
+    assert c.weights().prefill == pytest.approx(factor, rel=0.1)
+
+
+def test_one_odd_request_among_the_first_does_not_set_the_scale() -> None:
+    c = TtftCalibration()
+    for i, (f, y) in enumerate(_scaled_engine(8, 1.0, WARMUP_MIN + 2)):
+        c.observe(f, 10 * y if i == 1 else y)  # one request 10x slower than the engine
+    assert c.weights().prefill == pytest.approx(1.0, rel=0.15)
