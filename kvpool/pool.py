@@ -8,9 +8,12 @@ reference engine and a sidecar that reports residency can all share one pool.
 Directory layout under `root`:
 
     blocks/<key>                 one published block (the file is the block's bytes)
+    meta/<key>                   the block's metadata, when its writer gave any (small,
+                                 opaque to the pool: e.g. the tokens the block holds)
     tmp/<key>.<pid>.<nonce>      a block being written (never read)
     leases/<key>.<pid>.<ns>      a hard link to blocks/<key> held by a reader
     lock                         the pool lock (flock): taken only to publish and evict
+    used                         the bytes under blocks/ as publishers count them (below)
 
 Protocol:
 
@@ -19,7 +22,11 @@ Protocol:
   new one fits and hard-links the temp file to `blocks/<key>` (`link` fails if the name
   exists: a block is never replaced, so a reader never sees two versions). The temp
   name is then unlinked; a durable pool also fsyncs `blocks/`. A reader therefore sees
-  either no block or the whole block: no torn read.
+  either no block or the whole block: no torn read. Metadata given with the block is
+  written to `meta/<key>` (temp file, then rename) under the same lock just before the
+  link, and an evictor unlinks it right after the block, so whenever `blocks/<key>` is
+  seen its metadata is there (a reader of both may still see the block evicted
+  between its two reads: `meta` then returns None).
 - Read (`read`, or `lease` then `read_lease`). The reader opens `blocks/<key>`, takes a
   shared flock on it and checks that the inode is still linked (`st_nlink > 0`). A
   lease is a hard link `leases/<key>.<pid>.<ns>` made under that shared flock; it keeps
@@ -34,7 +41,13 @@ Protocol:
   leases older than `lease_ttl_s`, are removed by `sweep_leases` (run by every evictor),
   so a crashed reader cannot pin a block forever.
 
-Capacity: the bytes under `blocks/` never exceed `capacity_bytes`. A block that cannot
+Capacity: the bytes under `blocks/` never exceed `capacity_bytes` (metadata is not
+counted: it is meant to be a few hundred bytes a block). A publisher does not list the
+pool to know what it holds: `used` keeps the count, read and rewritten only under the
+pool lock, raised before the link (a writer that dies between the two leaves it too
+high, never too low) and set from a listing whenever a block would not fit by it and
+after every eviction, so it only errs high, and only until the pool next fills. A put
+therefore costs the same whatever the pool holds; only eviction walks the directory. A block that cannot
 fit (every older block is leased or being read) is not published: `put` returns
 False. Temp files are outside the bound while they are written.
 
@@ -107,18 +120,25 @@ class Pool:
         self.blocks = self.root / "blocks"
         self.tmp = self.root / "tmp"
         self.leases = self.root / "leases"
-        for d in (self.blocks, self.tmp, self.leases):
+        self.metas = self.root / "meta"
+        for d in (self.blocks, self.tmp, self.leases, self.metas):
             d.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.root / "lock"
+        self._used_path = self.root / "used"
         self._lock_path.touch(exist_ok=True)
 
     # -- publish ---------------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> bool:
-        """Publish `data` as block `key`. True when the pool holds the block afterwards
-        (published now or already there; an existing block is touched, not replaced),
-        False when it cannot fit under the capacity."""
+    def put(
+        self, key: str, data: bytes | bytearray | memoryview, meta: bytes | None = None
+    ) -> bool:
+        """Publish `data` as block `key`, with `meta` as its metadata (`meta`). True when
+        the pool holds the block afterwards (published now or already there; an existing
+        block is touched, not replaced, nor its metadata), False when it cannot fit under
+        the capacity."""
         check_key(key)
+        if meta is not None and not isinstance(meta, bytes):
+            raise PoolError(f"meta must be bytes, got {type(meta).__name__}")
         size = len(data)
         if size > self.capacity_bytes:
             return False
@@ -140,6 +160,8 @@ class Pool:
                     return True
                 if not self._make_room(size):
                     return False
+                if meta is not None:
+                    self._write_meta(key, meta)
                 os.link(tmp, dst)
             if self.durable:
                 self._fsync_dir(self.blocks)
@@ -149,6 +171,14 @@ class Pool:
                 os.unlink(tmp)
 
     # -- read ------------------------------------------------------------------------------
+
+    def meta(self, key: str) -> bytes | None:
+        """The metadata published with block `key`; None if it was published without any,
+        or is not (or no longer) in the pool."""
+        try:
+            return (self.metas / check_key(key)).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def contains(self, key: str) -> bool:
         return (self.blocks / check_key(key)).exists()
@@ -244,7 +274,9 @@ class Pool:
         at most `target_bytes` are held, as far as leases and readers allow; the bytes
         evicted."""
         with self._pool_lock():
-            return self._evict_until(target_bytes)
+            freed = self._evict_until(target_bytes)
+            self._write_used(self.used_bytes())
+            return freed
 
     def sweep_leases(self) -> int:
         """Remove leases whose process is gone or that are older than `lease_ttl_s`."""
@@ -266,10 +298,31 @@ class Pool:
     # -- internals -------------------------------------------------------------------------
 
     def _make_room(self, size: int) -> bool:
-        """Under the pool lock: evict until `size` more bytes fit. False if they cannot."""
+        """Under the pool lock: evict until `size` more bytes fit, and count them in `used`
+        (the caller links the block next). False if they cannot fit."""
         limit = self.capacity_bytes - size
-        self._evict_until(limit)
-        return self.used_bytes() <= limit
+        used = self._read_used()
+        if used is None or used > limit:  # by the count it does not fit: list, evict
+            self._evict_until(limit)
+            used = self.used_bytes()
+            if used > limit:
+                self._write_used(used)
+                return False
+        self._write_used(used + size)
+        return True
+
+    def _read_used(self) -> int | None:
+        try:
+            return int(self._used_path.read_bytes())
+        except (FileNotFoundError, ValueError):  # never written, or a torn write: recount
+            return None
+
+    def _write_used(self, used: int) -> None:
+        fd = os.open(self._used_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, str(used).encode())
+        finally:
+            os.close(fd)
 
     def _evict_until(self, limit: int) -> int:
         """Under the pool lock: evict oldest-used first until at most `limit` bytes are
@@ -301,6 +354,8 @@ class Pool:
             if os.fstat(fd).st_nlink != 1:
                 return False  # leased
             os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # published without metadata
+                os.unlink(self.metas / key)
             return True
         finally:
             os.close(fd)
@@ -316,6 +371,12 @@ class Pool:
             os.close(fd)
             return None
         return fd
+
+    def _write_meta(self, key: str, meta: bytes) -> None:
+        """Under the pool lock: `meta/<key>` whole or not at all (temp, then rename)."""
+        tmp = self.tmp / f"{key}.meta.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp.write_bytes(meta)
+        os.replace(tmp, self.metas / key)
 
     def _touch(self, path: Path) -> bool:
         try:

@@ -40,12 +40,23 @@ if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "$PIN" ]]; then
 fi
 
 # The project's KV connector (connectors/vllm_pool, loaded by vLLM as
-# `vllm_pool.connector`) and the pool it writes (kvpool/): linked into the venv, so an
-# engine imports this checkout's code (every run: the links follow the checkout).
+# `vllm_pool.connector`) and the pool it writes (kvpool/): linked into the venv, so
+# `import vllm_pool` works for anyone using it. Engines started by the tests and
+# benchmarks put this checkout's .cache/vllm-path (links to its own two packages) first
+# on PYTHONPATH (tests/helpers/vllm_engines.py), so each checkout runs its own code even
+# where several share one venv (a worktree whose .venv-vllm links to another checkout's):
+# the venv's links are (re)made only for the venv's own checkout, or where they are
+# missing or broken.
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-ln -sfn "$ROOT/kvpool" "$SITE/kvpool"
-ln -sfn "$ROOT/connectors/vllm_pool" "$SITE/vllm_pool"
-if ! "$VENV/bin/python" -c 'import kvpool, vllm_pool' >&2; then
+REAL_VENV="$(realpath "$VENV")"
+if [[ "$REAL_VENV" == "$(realpath "$ROOT")"/* ]] || [[ ! -e "$SITE/kvpool" ]] || [[ ! -e "$SITE/vllm_pool" ]]; then
+    ln -sfn "$ROOT/kvpool" "$SITE/kvpool"
+    ln -sfn "$ROOT/connectors/vllm_pool" "$SITE/vllm_pool"
+fi
+mkdir -p "$ROOT/.cache/vllm-path"
+ln -sfn "$ROOT/kvpool" "$ROOT/.cache/vllm-path/kvpool"
+ln -sfn "$ROOT/connectors/vllm_pool" "$ROOT/.cache/vllm-path/vllm_pool"
+if ! PYTHONPATH="$ROOT/.cache/vllm-path" "$VENV/bin/python" -c 'import kvpool, vllm_pool' >&2; then
     log "FAILED: kvpool / vllm_pool not importable from $VENV"
     exit 1
 fi

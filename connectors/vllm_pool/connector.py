@@ -45,7 +45,9 @@ Worker side. Loads are synchronous: `start_load_kv` runs before the forward (the
 scheduler marks the step `has_sync_kv_loads`), reads each leased block into its page
 in every layer and releases the lease; a block that cannot be read is reported by
 `get_block_ids_with_load_errors`, and vLLM recomputes it. `wait_for_save` runs after the
-forward, when every layer of the step is written, and publishes the saved blocks.
+forward, when every layer of the step is written, and publishes the saved blocks,
+each with its metadata (`block_meta`: parent hash, token ids, extra keys or not), from
+which the pool's reporter maps vLLM's block hashes to router keys.
 `wait_for_layer_load` and `save_kv_layer` have nothing to do.
 """
 
@@ -96,10 +98,30 @@ class LoadItem:
 
 @dataclass(frozen=True)
 class SaveItem:
-    """Publish page `block_id` as pool block `key`."""
+    """Publish page `block_id` as pool block `key`, with its metadata (`block_meta`)."""
 
     block_id: int
     key: str
+    meta: bytes | None = None
+
+
+def block_meta(request: Request, i: int, block_size: int) -> bytes:
+    """What block `i` of `request` holds, published beside it (`kvpool` metadata) so
+    that a reporter can name the block in its own keys without reproducing vLLM's
+    hash: the parent block's hash (hex; null for a first block), the block's token
+    ids, and whether vLLM hashed extra keys into it (a LoRA adapter, multimodal
+    inputs, prompt embeddings, or the cache salt of a first block), which tokens
+    alone do not name. The reporter checks the hash against parent and tokens
+    (`ramjet.sidecar.pool_watch.VllmPoolKeys`)."""
+    extra = (
+        request.lora_request is not None
+        or bool(request.mm_features)
+        or request.prompt_embeds is not None
+        or (i == 0 and bool(request.cache_salt))
+    )
+    parent = request.block_hashes[i - 1].hex() if i > 0 else None
+    tokens = list(request.all_token_ids[i * block_size : (i + 1) * block_size])
+    return json.dumps({"v": 1, "parent": parent, "tokens": tokens, "extra": extra}).encode()
 
 
 @dataclass
@@ -252,7 +274,8 @@ class PoolConnector(KVConnectorBase_V1):
             for i in range(first, full):
                 key = request.block_hashes[i].hex()
                 if not self.pool.contains(key):
-                    meta.saves.append(SaveItem(block_ids[i], key))
+                    info = block_meta(request, i, self.block_size)
+                    meta.saves.append(SaveItem(block_ids[i], key, info))
         self.stats["save_blocks"] += len(meta.saves)
         self._write_stats()
         return meta
@@ -332,7 +355,7 @@ class PoolConnector(KVConnectorBase_V1):
         for item in meta.saves:
             pages = [layer[item.block_id].reshape(-1).view(torch.uint8) for layer in self._layers]
             try:
-                self.pool.put(item.key, torch.cat(pages).numpy().data)
+                self.pool.put(item.key, torch.cat(pages).numpy().data, item.meta)
             except OSError as err:  # a cache: a block not saved is a later miss
                 logger.warning("PoolConnector: block %s not saved: %s", item.key[:16], err)
 

@@ -9,7 +9,10 @@ the reporter, on `GET /ramjet/reports` and `GET /ramjet/snapshot`. Routers pull 
 an engine: list the URL under `reports.engines.<pool id>`, the public key under
 `keys.engines.<pool id>`, and the pool under `fabric.pools`. `--key-map` names how a
 pool file's key becomes a router key (`KEY_MAPS`; `hex`: the reference engine's, the
-router key in 16 hex digits). `--tier swa`: a pool of SWA states, live `--swa-ttl`
+router key in 16 hex digits; `vllm`: vLLM block hashes written by our connector, mapped
+from the metadata beside each block, `VllmPoolKeys`, with `--model` (the router's model
+name), `--block-tokens` (the engines' `--block-size`) and the engines' hash settings,
+`--vllm-hash-algo` and `--vllm-none-hash-seed` (their PYTHONHASHSEED, if set)). `--tier swa`: a pool of SWA states, live `--swa-ttl`
 seconds after their last use (the engines' `--swa-ttl`). Exit 2 on a bad argument or
 key, 0 on SIGINT/TERM.
 """
@@ -42,6 +45,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--key", required=True, type=Path, help="Ed25519 private key (PKCS#8 PEM)")
     p.add_argument("--key-id", required=True)
     p.add_argument("--key-map", default="hex", help="pool key -> router key (default: hex)")
+    p.add_argument("--model", help="--key-map vllm: the model name requests carry")
+    p.add_argument("--block-tokens", type=int, help="--key-map vllm: the engines' --block-size")
+    p.add_argument("--vllm-hash-algo", default="sha256_cbor", choices=["sha256", "sha256_cbor"],
+                   help="--key-map vllm: the engines' --prefix-caching-hash-algo")  # fmt: skip
+    p.add_argument("--vllm-none-hash-seed", default=None,
+                   help="--key-map vllm: the engines' PYTHONHASHSEED (default: unset)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="serves /ramjet/reports")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between scans")
@@ -59,8 +68,14 @@ def _run(args: argparse.Namespace) -> int:
     problems = []
     if not ID_PATTERN.fullmatch(args.id):
         problems.append(f"--id: bad pool id {args.id!r}")
-    if args.key_map not in KEY_MAPS:
-        problems.append(f"--key-map: one of {', '.join(sorted(KEY_MAPS))}")
+    if args.key_map not in KEY_MAPS and args.key_map != "vllm":
+        problems.append(f"--key-map: one of {', '.join(sorted([*KEY_MAPS, 'vllm']))}")
+    if args.key_map == "vllm" and (not args.model or not args.block_tokens):
+        problems.append("--key-map vllm needs --model and --block-tokens")
+    if args.block_tokens is not None and args.block_tokens <= 0:
+        problems.append("--block-tokens must be positive")
+    if args.key_map == "vllm" and args.tier == "swa":
+        problems.append("--key-map vllm: a pool of global KV (--tier host or ssd)")
     if not args.interval > 0 or not args.swa_ttl > 0:
         problems.append("--interval and --swa-ttl must be > 0")
     if not 0 <= args.port <= 65535:
@@ -76,7 +91,18 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pool-reporter: {exc}", file=sys.stderr)
         return 2
     tier: Tier | Literal["swa"] = "swa" if args.tier == "swa" else Tier.parse(args.tier)
-    asyncio.run(serve(args, key, tier, KEY_MAPS[args.key_map]))
+    key_map: KeyMap
+    if args.key_map == "vllm":
+        from kvpool import Pool
+        from ramjet.sidecar.engine_hashes import VLLM_DEFAULT_NONE_HASH_SEED
+        from ramjet.sidecar.pool_watch import VllmPoolKeys
+
+        seed = args.vllm_none_hash_seed or VLLM_DEFAULT_NONE_HASH_SEED
+        pool = Pool(args.pool_dir, 1 << 62)  # reads each block's metadata, nothing more
+        key_map = VllmPoolKeys(pool, args.model, args.block_tokens, args.vllm_hash_algo, seed)
+    else:
+        key_map = KEY_MAPS[args.key_map]
+    asyncio.run(serve(args, key, tier, key_map))
     return 0
 
 

@@ -104,6 +104,16 @@ def vllm_env() -> VllmEnv:
     return _ENV
 
 
+def checkout_pythonpath(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with this checkout's KV connector and pool first on
+    PYTHONPATH (`.cache/vllm-path`, made by scripts/vllm_env.sh): a vLLM process imports
+    them, not whatever checkout the shared venv's links point at."""
+    out = dict(os.environ if env is None else env)
+    path = str(REPO / ".cache" / "vllm-path")
+    out["PYTHONPATH"] = path + (os.pathsep + out["PYTHONPATH"] if out.get("PYTHONPATH") else "")
+    return out
+
+
 def post_json(
     url: str, body: Any, timeout: float = 120.0, headers: dict[str, str] | None = None
 ) -> tuple[int, Any]:
@@ -193,7 +203,7 @@ class VllmEngine:
         return args + list(self.extra_args)
 
     def environ(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = checkout_pythonpath()
         env.update(
             VLLM_CPU_KVCACHE_SPACE="1",
             HF_HUB_OFFLINE="1",

@@ -48,6 +48,19 @@ def vllm_pool_params() -> dict[str, object]:
     return params
 
 
+@dataclass(frozen=True)
+class PoolDecl:
+    """A shared KV pool the router is told about (`fabric.pools`): its reporting id, the
+    URL of its reporter, the reporter's public key file (key id `<id>-a`) and the pull
+    cost into a member."""
+
+    id: str
+    url: str
+    public_key_file: Path
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+
 class Records:
     """A decision sink that keeps every record."""
 
@@ -127,6 +140,7 @@ class Stack:
         mode: str = "observe",
         incumbent: str = "prefix_affinity",
         candidate_params: dict[str, object] | None = None,
+        pool: PoolDecl | None = None,
     ) -> str:
         eng = "\n".join(
             f'  - {{id: {e.engine_id}, url: "{e.url}", models: [{MODEL}]}}'
@@ -137,8 +151,17 @@ class Stack:
             f"    {eid}: [{{key_id: {eid}-sc, public_key_file: {self.keys}/{eid}-sc.pub}}]"
             for eid in self.engines
         )
+        fabric = ""
+        if pool is not None:  # its reports come from its reporter, signed with its own key
+            pulls += f'\n    {pool.id}: "{pool.url}"'
+            keys += f"\n    {pool.id}: [{{key_id: {pool.id}-a, public_key_file: {pool.public_key_file}}}]"
+            fabric = (
+                f"fabric:\n  pools:\n    - {{id: {pool.id}, tier: host, engines: "
+                f"[{', '.join(self.engines)}], bandwidth_bytes_per_s: {pool.bandwidth_bytes_per_s!r}, "
+                f"latency_s: {pool.latency_s!r}}}\n"
+            )
         return f"""\
-engines:
+{fabric}engines:
 {eng}
 mode: {{kind: {mode}, candidate_budget_s: 1.0}}  # the shadow pick is checked, not timed
 incumbent: {{name: {incumbent}}}
@@ -167,9 +190,10 @@ keys:
         mode: str = "observe",
         incumbent: str = "prefix_affinity",
         candidate_params: dict[str, object] | None = None,
+        pool: PoolDecl | None = None,
     ) -> tuple[RouterServer, Records]:
         policy = tmp / f"policy-{mode}-{time.monotonic_ns()}.yaml"
-        policy.write_text(self.policy_text(mode, incumbent, candidate_params))
+        policy.write_text(self.policy_text(mode, incumbent, candidate_params, pool))
         records = Records()
         server = RouterServer(load_policy(policy), policy_path=str(policy), sink=records)
         await server.start()

@@ -40,6 +40,49 @@ def test_put_then_read_returns_the_bytes_and_a_block_is_never_replaced(tmp_path:
     assert not list(pool.tmp.iterdir())
 
 
+def test_metadata_is_published_with_its_block_and_leaves_with_it(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, 2 * BLOCK)
+    assert pool.put(key(1), payload(key(1)), meta=b'{"tokens": [1, 2]}')
+    assert pool.meta(key(1)) == b'{"tokens": [1, 2]}'
+    assert pool.put(key(1), payload(key(1)), meta=b"other")  # not replaced either
+    assert pool.meta(key(1)) == b'{"tokens": [1, 2]}'
+    assert pool.put(key(2), payload(key(2)))  # none given: none kept
+    assert pool.meta(key(2)) is None
+    with pytest.raises(PoolError, match="meta must be bytes"):
+        pool.put(key(3), payload(key(3)), meta="text")  # type: ignore[arg-type]
+    assert pool.held_keys() == {key(1), key(2)}
+    assert pool.put(key(3), payload(key(3)), meta=b"3")  # evicts key(1), the oldest
+    assert pool.held_keys() == {key(2), key(3)}
+    assert pool.meta(key(1)) is None and not (pool.metas / key(1)).exists()
+    assert {p.name for p in pool.metas.iterdir()} == {key(3)}
+    assert not list(pool.tmp.iterdir())
+
+
+def test_the_used_count_follows_puts_and_evictions_and_heals_when_high(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, 4 * BLOCK)
+
+    def counted() -> int:
+        return int((tmp_path / "used").read_bytes())
+
+    for i in range(3):
+        assert pool.put(key(i), payload(key(i)))
+        assert counted() == pool.used_bytes() == (i + 1) * BLOCK
+    assert pool.put(key(0), payload(key(0)))  # already there: not counted twice
+    assert counted() == 3 * BLOCK
+    assert pool.evict_to(BLOCK) == 2 * BLOCK
+    assert counted() == pool.used_bytes() == BLOCK
+    (kept,) = pool.held_keys()
+    # a writer that died after counting its block but before linking it: too high
+    (tmp_path / "used").write_bytes(str(4 * BLOCK).encode())
+    assert pool.put(key(5), payload(key(5)))  # recounted from the directory, nothing evicted
+    assert pool.held_keys() == {kept, key(5)} and counted() == 2 * BLOCK
+    (tmp_path / "used").write_bytes(b"garbage")  # torn: recounted too
+    assert pool.put(key(6), payload(key(6))) and counted() == 3 * BLOCK
+    for i in range(7, 10):  # full: the count stays the directory's through evictions
+        assert pool.put(key(i), payload(key(i)))
+        assert counted() == pool.used_bytes() <= 4 * BLOCK
+
+
 @pytest.mark.parametrize("bad", ["", "ABCDEF0123", "../../etc/passwd", "abc", "z" * 16, 7])
 def test_a_bad_key_is_refused_and_changes_nothing(tmp_path: Path, bad: object) -> None:
     pool = Pool(tmp_path, 10 * BLOCK)

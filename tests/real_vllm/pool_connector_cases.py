@@ -11,6 +11,7 @@ Prints one line per case passed; exits non-zero on the first failure.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,6 +119,33 @@ def main() -> None:
     conn.request_finished(gap, [])  # finished unscheduled: its lease is released
     assert pool.active_leases() == 2
     print("a missing block ends the match; a finished request's leases are released")
+
+    # saves: each block that becomes full carries its parent's hash and its tokens
+    tokens = list(range(1000, 1000 + 3 * BLOCK + 5))
+    new = SimpleNamespace(
+        request_id="c", num_tokens=len(tokens), all_token_ids=tokens,
+        block_hashes=[hashlib.sha256(f"c{i}".encode()).digest() for i in range(3)],
+        lora_request=None, mm_features=None, prompt_embeds=None, cache_salt="salt",
+    )  # fmt: skip
+    conn.on_new_request(new)
+    manager = SimpleNamespace(get_block_ids=lambda req_id: ([7, 8, 9, 10],), block_pool=None)
+    conn.bind_kv_cache_manager(manager)
+    meta = conn.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="c", num_computed_tokens=0)],
+            num_scheduled_tokens={"c": len(tokens)},
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        )
+    )
+    saved = [(x.block_id, x.key, json.loads(x.meta or b"null")) for x in meta.saves]
+    assert [(b, k) for b, k, _ in saved] == [
+        (7 + i, new.block_hashes[i].hex()) for i in range(3)
+    ], saved  # fmt: skip
+    for i, (_, _, m) in enumerate(saved):
+        assert m["tokens"] == tokens[i * BLOCK : (i + 1) * BLOCK], m
+        assert m["parent"] == (new.block_hashes[i - 1].hex() if i else None), m
+        assert m["extra"] is (i == 0), m  # the salt is hashed into the first block only
+    print("3 full blocks saved, each with its parent's hash and tokens; the salted one marked")
 
 
 if __name__ == "__main__":

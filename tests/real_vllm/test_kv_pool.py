@@ -5,7 +5,11 @@
   loads the prefix from the pool: its first token comes at least 3x sooner than when B
   computes the prompt cold (measured in the same run), its greedy tokens and their
   logprobs equal the cold run's (the loaded KV is right, not just fast), and the pool
-  directory holds exactly the blocks A computed, keyed by A's own block hashes.
+  directory holds exactly the blocks A computed, keyed by A's own block hashes; and the
+  pool's signed residency (its reporter, `PoolWatcher` with `VllmPoolKeys`, signing as
+  the pool; a router's report processor verifying it) equals the directory's content:
+  the router keys of the prompt, the same keys the router computes for it and that A's
+  KV events give for A's own copy.
 - Both engines serve concurrent multi-turn sessions that move between them, writing and
   reading the pool at once under a capacity small enough to evict: no request fails,
   every answer equals a cold computation of the same prompt, and the pool stays within
@@ -35,6 +39,7 @@ import pytest
 from vllm_engines import BLOCK, MODEL, RawEvents, VllmEngine, vllm_env
 
 from kvpool import Pool
+from ramjet.keys.tokens import chain_keys, token_key_seed
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -194,6 +199,48 @@ def pool_stats(engine: VllmEngine) -> dict[str, int]:
     return out
 
 
+def pool_residency(pool: Pool, candidates: set[int]) -> set[int]:
+    """The pool's residency as a router holds it, among `candidates` (the router keys a
+    test expects): the pool's reporter (`PoolWatcher`, vLLM keys) scans the directory
+    and signs deltas and a snapshot as the pool; two routers' report processors verify
+    them with the pool's public key and fill their tables, one from the deltas, one from
+    the snapshot. Every block must map (none unmapped), and each router holds exactly as
+    many keys as the pool has blocks."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from ramjet.reports.keys import KeyRing
+    from ramjet.reports.processor import ReportProcessor
+    from ramjet.reports.publisher import ReportPublisher
+    from ramjet.reports.verify import Accepted
+    from ramjet.residency.store import Table
+    from ramjet.residency.tables import ResidencyTables
+    from ramjet.sidecar.pool_watch import PoolWatcher, VllmPoolKeys
+    from ramjet.types import EngineId, PrefixKey, Tier
+
+    pool_id = EngineId("vllm-pool")
+    key = Ed25519PrivateKey.generate()
+    watchers: list[PoolWatcher] = []
+    pub = ReportPublisher(pool_id, key, "pool-a", snapshot=lambda: watchers[0].snapshot())
+    keymap = VllmPoolKeys(pool, MODEL, BLOCK)
+    watcher = PoolWatcher(pool, pub, Tier.HOST, router_key_of=keymap)
+    watchers.append(watcher)
+    watcher.scan()
+    assert watcher.unmapped == 0, keymap.stats
+    blocks = len(pool.held_keys())
+    held: list[set[int]] = []
+    for from_snapshot in (False, True):
+        tables = ResidencyTables()
+        proc = ReportProcessor(KeyRing({"pool-a": (pool_id, key.public_key())}), tables)
+        frames = [pub.snapshot_frame()] if from_snapshot else pub.frames_after(0)
+        for frame in frames:
+            assert isinstance(proc.submit(frame), Accepted)
+        view = tables.view(pool_id)
+        held.append({k for k in candidates if view.global_match([PrefixKey(k)], [BLOCK]).total})
+        assert tables.size(Table.GLOBAL) == blocks
+    assert held[0] == held[1]
+    return held[0]
+
+
 def stored_hashes(raw: RawEvents) -> set[Any]:
     with raw.lock:
         return set(raw.resident)
@@ -239,6 +286,9 @@ def test_engine_b_loads_a_prefix_engine_a_computed(pair: PoolPair) -> None:
     assert len(listing) == len(prompt) // BLOCK == 128
     assert len(set(files.values())) == 1  # one page size for every block
     assert pair.pool.active_leases() == 0
+    seed = token_key_seed(MODEL)
+    expected = set(chain_keys(prompt, seed, BLOCK))
+    assert pool_residency(pair.pool, expected) == expected == pair.raw_a.keys(seed) & expected
 
     # B warm: the prefix comes from the pool
     loaded = pool_stats(pair.b)["loaded_tokens"]

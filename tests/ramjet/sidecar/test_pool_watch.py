@@ -4,6 +4,7 @@ the directory's content through stores, evictions and a snapshot."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,19 @@ from prometheus_client import CollectorRegistry
 from reports_fixtures import KEYS, Clocks
 
 from kvpool import Pool
+from ramjet.keys.tokens import chain_keys, token_key_seed
 from ramjet.reports.config import ReportsConfig
 from ramjet.reports.keys import KeyRing
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.publisher import ReportPublisher
 from ramjet.reports.verify import Accepted
 from ramjet.residency.tables import ResidencyTables
-from ramjet.sidecar.pool_watch import PoolWatcher, hex_router_key
+from ramjet.sidecar.engine_hashes import (
+    VLLM_DEFAULT_NONE_HASH_SEED,
+    vllm_block_hashes,
+    vllm_none_hash,
+)
+from ramjet.sidecar.pool_watch import PoolWatcher, VllmPoolKeys, hex_router_key
 from ramjet.types import EngineId, PrefixKey, Tier
 
 POOL = EngineId("host0")
@@ -143,3 +150,147 @@ def test_an_swa_pools_states_reach_the_router_live_and_expire_when_idle(tmp_path
     assert watcher.scan() == 0 and pub.seq == before + 1
     assert watcher.scan() == 0 and pub.seq == before + 1  # not again at once
     pull()
+
+
+# -- a pool written by vLLM engines through our connector (VllmPoolKeys) ------------------
+
+B = 4
+MODEL = "tiny"
+NONE = vllm_none_hash("sha256_cbor", VLLM_DEFAULT_NONE_HASH_SEED)
+
+
+def _vllm_publish(pool: Pool, tokens: list[int], extra_first: bool = False) -> list[str]:
+    """Publish every full block of `tokens` as the connector does (`block_meta`): keyed
+    by vLLM's block hash, its metadata beside it. Returns the pool keys in order."""
+    hashes = vllm_block_hashes(
+        tokens,
+        B,
+        "sha256_cbor",
+        NONE,
+        extra_keys=[("cache_salt", "s")] + [None] * 8 if extra_first else None,
+    )
+    out = []
+    for i, h in enumerate(hashes):
+        meta = {"v": 1, "parent": hashes[i - 1].hex() if i else None,
+                "tokens": tokens[i * B : (i + 1) * B], "extra": extra_first and i == 0}  # fmt: skip
+        assert pool.put(h.hex(), b"kv" * 8, json.dumps(meta).encode())
+        out.append(h.hex())
+    return out
+
+
+def test_a_vllm_pools_signed_residency_is_the_router_keys_of_its_blocks(tmp_path: Path) -> None:
+    clocks = Clocks()
+    pool = Pool(tmp_path / "pool", capacity_bytes=64 * 16)
+    keymap = VllmPoolKeys(pool, MODEL, B)
+    watchers: list[PoolWatcher] = []
+    pub = ReportPublisher(POOL, KEYS["stranger"], "stranger",
+                          snapshot=lambda: watchers[0].snapshot(), wall_clock=clocks.wall_clock)  # fmt: skip
+    watcher = PoolWatcher(pool, pub, Tier.HOST, router_key_of=keymap)
+    watchers.append(watcher)
+    proc, tables = _router(clocks)
+    seed = token_key_seed(MODEL)
+    a = list(range(100, 120))  # 5 blocks
+    b = a[:8] + list(range(500, 508))  # shares 2 blocks with a, then 2 of its own
+    # the router's keys of each prompt: what a request's prefix keys are
+    want_a, want_b = chain_keys(a, seed, B), chain_keys(b, seed, B)
+    _vllm_publish(pool, a)
+    _vllm_publish(pool, b)
+    salted = _vllm_publish(pool, list(range(900, 908)), extra_first=True)
+    bad = json.dumps({"v": 1, "parent": None, "tokens": [1, 2, 3, 4], "extra": False})
+    assert pool.put("ab" * 32, b"x", bad.encode())  # metadata that does not hash to the key
+    assert pool.put("cd" * 32, b"x")  # no metadata
+
+    seq = [0]
+
+    def pull() -> None:
+        for frame in pub.frames_after(seq[0]):
+            assert isinstance(proc.submit(frame), Accepted)
+        seq[0] = pub.seq
+
+    watcher.scan()
+    pull()
+    assert watcher.held() == set(want_a) | set(want_b)
+    assert _held(tables, want_a + want_b) == set(want_a) | set(want_b)
+    assert tables.view(POOL).global_match(want_b, [B] * 4).total == 4 * B
+    assert keymap.stats == {"extra_keys": 1, "unknown_parent": 1, "hash_mismatch": 1,
+                            "no_meta": 1}  # fmt: skip
+    assert watcher.unmapped == 4 and salted[0] in pool.held_keys()
+
+    # the first blocks leave the pool: their children keep the keys mapped before
+    assert pool.evict_to(pool.used_bytes() - 3 * 16) >= 3 * 16
+    gone = set(watcher.held())
+    watcher.scan()
+    pull()
+    gone -= watcher.held()
+    assert gone and _held(tables, want_a + want_b) == watcher.held()
+    on_disk = {keymap(k) for k in pool.held_keys()} - {None}
+    assert watcher.held() == on_disk
+    late, late_tables = _router(clocks)
+    assert isinstance(late.submit(pub.snapshot_frame()), Accepted)
+    assert _held(late_tables, want_a + want_b) == on_disk
+
+
+def test_a_vllm_key_map_refuses_a_hash_it_cannot_check(tmp_path: Path) -> None:
+    pool = Pool(tmp_path / "p", capacity_bytes=1024)
+    with pytest.raises(ValueError, match="cryptographic"):
+        VllmPoolKeys(pool, MODEL, B, algo="xxhash")
+    with pytest.raises(ValueError, match="block_tokens"):
+        VllmPoolKeys(pool, MODEL, 0)
+
+
+def test_the_pool_reporter_serves_a_vllm_pools_residency_signed(tmp_path: Path) -> None:
+    """`ramjet pool-reporter --key-map vllm`, a process on a free port: its snapshot, fetched
+    over HTTP, verifies with the pool's public key and holds the router keys of the
+    blocks the directory holds; a bad argument exits 2 with the reason."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from ramjet.reports.keys import write_keypair
+
+    repo = Path(__file__).resolve().parents[3]
+
+    pool = Pool(tmp_path / "pool", capacity_bytes=1 << 20)
+    tokens = list(range(300, 316))
+    _vllm_publish(pool, tokens)
+    public = write_keypair(tmp_path, "vpool-a")[2].public_key()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = [sys.executable, "-m", "ramjet", "pool-reporter", "--pool-dir", str(pool.root),
+            "--id", "vpool", "--tier", "host", "--key", str(tmp_path / "vpool-a.key"),
+            "--key-id", "vpool-a", "--port", str(port), "--key-map", "vllm"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    bad = subprocess.run([*base, "--model", MODEL], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "needs --model and --block-tokens" in bad.stderr
+    with (tmp_path / "reporter.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [*base, "--model", MODEL, "--block-tokens", str(B), "--interval", "0.1"],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        want = set(chain_keys(tokens, token_key_seed(MODEL), B))
+        while True:
+            assert proc.poll() is None, (tmp_path / "reporter.log").read_text()
+            try:
+                url = f"http://127.0.0.1:{port}/ramjet/snapshot"
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    frame = resp.read()
+                tables = ResidencyTables()
+                ring = KeyRing({"vpool-a": (EngineId("vpool"), public)})
+                assert isinstance(ReportProcessor(ring, tables).submit(frame), Accepted)
+                view = tables.view(EngineId("vpool"))
+                if {k for k in want if view.global_match([k], [B]).total} == want:
+                    break
+            except OSError:  # not listening yet
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "reporter.log").read_text()
+            time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert proc.returncode == 0
