@@ -51,7 +51,7 @@ from ramjet.types import EngineId, PrefixKey, Tier, TrustGrade
 
 _Piece = tuple[Sequence[PrefixKey], Tier | None, float | None]
 
-DEFAULT_SNAPSHOT_CHUNK_KEYS = 4096
+DEFAULT_SNAPSHOT_CHUNK_KEYS = 1024
 """Keys applied per event-loop turn by `submit_async`: about 6 ms into the compact index
 (`ramjet.residency.index`, compiled), under the 10 ms a turn may take."""
 
@@ -142,8 +142,10 @@ class ReportProcessor:
         self, frame: bytes, expected_engine: EngineId | None = None
     ) -> Accepted | Rejected:
         """`submit`, but a snapshot over `snapshot_chunk_keys` keys is applied in pieces
-        that yield to the event loop (see the module docstring). Returns once applied."""
-        outcome = self.verifier.check(frame, expected_engine)
+        that yield to the event loop (see the module docstring), and a large frame is
+        verified and parsed off the loop (`ReportVerifier.check_async`). Returns once
+        applied."""
+        outcome = await self.verifier.check_async(frame, expected_engine)
         if isinstance(outcome, Rejected):
             self.count_rejected(outcome.reason, outcome.engine)
             return outcome
@@ -373,6 +375,7 @@ class ReportProcessor:
         self, engine: EngineId, s: SnapshotBody, now: float, transit_s: float
     ) -> None:
         staging = self.tables.stage_snapshot(engine, now)
+        staging.reserve_global(sum(len(g.keys) for g in s.residency))
         for piece in self._pieces(s, transit_s, 1 << 30):
             self._add_piece(staging, piece)
         staging.commit()
@@ -380,6 +383,7 @@ class ReportProcessor:
     async def _apply_in_pieces(self, engine: EngineId, job: SnapshotApply) -> None:
         st = self.state(engine)
         staging = self.tables.stage_snapshot(engine, job.now)
+        staging.reserve_global(sum(len(g.keys) for g in job.body.residency))
         try:
             for piece in self._pieces(job.body, job.transit_s, self.snapshot_chunk_keys):
                 self._add_piece(staging, piece)
