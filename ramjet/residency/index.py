@@ -6,8 +6,9 @@ snapshot group) confirmed together: its confirmation time and expiry are kept on
 run, not once per block ("coarse expiry per run"). About 20-30 bytes per block in all
 (the table's slots at 50-75 % load, 12 bytes each, plus 8 bytes in its run's key list).
 
-Layout. The keys are spread over `SHARDS` shards by their low bits (prefix keys are
-xxhash outputs: uniform); each shard is an open-addressing table (linear probing,
+Layout. The keys are spread over `SHARDS` shards by their low 12 bits, and a key's home
+slot in its shard is the bits above modulo the shard's size (prefix keys are xxhash
+outputs: uniform, so no further mixing); each shard is an open-addressing table (linear probing,
 tombstones) of two parallel arrays, `array('Q')` keys and `array('I')` words (0 empty,
 1 a tombstone). A shard grows, shrinks and drops its tombstones by rehashing alone, so
 no single step touches more than one shard (a 20M-block index: ~5k blocks a shard, about
