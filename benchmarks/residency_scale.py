@@ -47,17 +47,29 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
 
-from ramjet.reports.bodies import MAX_KEYS_PER_BODY, DeltaBody, SnapshotBody, TierKeys, encode_body
-from ramjet.reports.config import ReportsConfig
-from ramjet.reports.envelope import Envelope, ReportKind, sign
-from ramjet.reports.keys import KeyRing
-from ramjet.reports.processor import ReportProcessor
-from ramjet.reports.verify import Accepted
-from ramjet.residency.config import ResidencyConfig
-from ramjet.residency.store import DictStore, MemoryStore, Table
-from ramjet.residency.tables import ResidencyTables, ViewMode
-from ramjet.runtime.gc import tune_gc
-from ramjet.types import EngineId, PrefixKey, Tier
+from ramjet.native import install_ramjet
+
+# the hot modules as `ramjet serve` runs them (ramjet/native.py), in each worker too:
+# before any other ramjet module is imported
+NATIVE = install_ramjet().line()
+
+from ramjet.reports.bodies import (  # noqa: E402
+    MAX_KEYS_PER_BODY,
+    DeltaBody,
+    SnapshotBody,
+    TierKeys,
+    encode_body,
+)
+from ramjet.reports.config import ReportsConfig  # noqa: E402
+from ramjet.reports.envelope import Envelope, ReportKind, sign  # noqa: E402
+from ramjet.reports.keys import KeyRing  # noqa: E402
+from ramjet.reports.processor import ReportProcessor  # noqa: E402
+from ramjet.reports.verify import Accepted  # noqa: E402
+from ramjet.residency.config import ResidencyConfig  # noqa: E402
+from ramjet.residency.store import DictStore, MemoryStore, Table  # noqa: E402
+from ramjet.residency.tables import ResidencyTables, ViewMode  # noqa: E402
+from ramjet.runtime.gc import tune_gc  # noqa: E402
+from ramjet.types import EngineId, PrefixKey, Tier  # noqa: E402
 
 E0 = EngineId("e0")
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
@@ -193,7 +205,7 @@ class Loader:
 
 
 async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"kind": kind, "blocks": n}
+    out: dict[str, Any] = {"kind": kind, "blocks": n, "native": NATIVE}
     ld = Loader(kind, n)
     ld.tables.set_mode(E0, ViewMode.REPORTED)
     tune_gc()  # as `ramjet serve` does after start-up (`ramjet.runtime.gc`)
@@ -232,6 +244,8 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
         checks.append(isinstance(res, Accepted))
         del frame, res
         loaded += size
+        if loaded // 2_000_000 != (loaded - size) // 2_000_000:
+            print(f"  [{kind}] {loaded:,} blocks loaded", file=sys.stderr, flush=True)
         if "p99_1m_s" not in out and loaded >= min(bulk, 1_000_000) and ld.early["ssd"]:
             out["p99_1m_s"], ok = ld.match_p99(block_tokens, ld.early)
             out["p99_1m_at"] = loaded
@@ -312,9 +326,10 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
 def run_worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", kind, "--blocks", str(n)]
     cmd += ["--block-tokens", str(block_tokens)]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    # stdout: the result; stderr (progress, errors) goes straight to ours
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     if r.returncode != 0:
-        raise SystemExit(f"worker {kind} failed:\n{r.stderr[-4000:]}")
+        raise SystemExit(f"worker {kind} failed (exit {r.returncode}): see above")
     result: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
     return result
 
@@ -342,16 +357,15 @@ def main() -> None:
     if a.worker is not None:
         print(json.dumps(asyncio.run(worker(a.worker, a.blocks, a.block_tokens))))
         return
-    from ramjet.native import install_ramjet
-
     dict_n = a.dict_blocks if a.dict_blocks is not None else min(a.blocks, 5_000_000)
-    print(f"{install_ramjet().line()}")
+    print(NATIVE)
     print(
         f"loading {a.blocks:,} blocks (compact) and {dict_n:,} (dict) through signed "
         f"reports; prompt {PROMPT_TOKENS:,} tokens in {a.block_tokens}-token blocks"
     )
     new = run_worker("compact", a.blocks, a.block_tokens)
     old = run_worker("dict", dict_n, a.block_tokens)
+    print(f"  workers: {new['native']}")
     for r in (new, old):
         r["snapshot2_rate"] = r["snapshot_keys"] / r["snapshot2_cpu_s"]
 
