@@ -14,10 +14,12 @@ Commit, per engine:
 - a snapshot replaces the engine's exact residency and clears the gap;
 - TTLs in a report count from its issue time: the time it spent in transit is deducted.
 
-Large snapshots without stalling the loop: `await submit_async(frame)` (what the ingest
-uses) applies a snapshot of more than `snapshot_chunk_keys` keys in pieces, yielding to
-the event loop between pieces, into a staged copy of the engine's tables that replaces
-the live one in one step (`ResidencyTables.stage_snapshot`), so routing keeps reading the
+Large frames without stalling the loop: `await submit_async(frame)` (what the ingest
+uses) verifies and parses a frame of `ramjet.reports.verify.OFFLOAD_BYTES` or more in a
+worker thread (`ReportVerifier.check_async`), and applies a snapshot of more than
+`snapshot_chunk_keys` keys in pieces, yielding to the event loop between pieces, into a
+staged copy of the engine's tables (sized once for the snapshot) that replaces the live
+one in one step (`ResidencyTables.stage_snapshot`), so routing keeps reading the
 old, whole view meanwhile. The snapshot's cursor is taken at acceptance, so a report of
 the same engine accepted during the apply is newer than the snapshot: it is applied to
 the live tables at once and replayed onto the staged copy before the swap (deltas set a
@@ -51,9 +53,10 @@ from ramjet.types import EngineId, PrefixKey, Tier, TrustGrade
 
 _Piece = tuple[Sequence[PrefixKey], Tier | None, float | None]
 
-DEFAULT_SNAPSHOT_CHUNK_KEYS = 4096
-"""Keys applied per event-loop turn by `submit_async`: about 6 ms into the compact index
-(`ramjet.residency.index`, compiled), under the 10 ms a turn may take."""
+DEFAULT_SNAPSHOT_CHUNK_KEYS = 1024
+"""Keys applied per event-loop turn by `submit_async`: 1-2 ms into the compact index
+(`ramjet.residency.index`), so a turn stays well under the 10 ms it may take even where
+a piece grows many shards at once (their first touch of memory is page faults)."""
 
 
 @dataclass(slots=True)
@@ -142,8 +145,10 @@ class ReportProcessor:
         self, frame: bytes, expected_engine: EngineId | None = None
     ) -> Accepted | Rejected:
         """`submit`, but a snapshot over `snapshot_chunk_keys` keys is applied in pieces
-        that yield to the event loop (see the module docstring). Returns once applied."""
-        outcome = self.verifier.check(frame, expected_engine)
+        that yield to the event loop (see the module docstring), and a large frame is
+        verified and parsed off the loop (`ReportVerifier.check_async`). Returns once
+        applied."""
+        outcome = await self.verifier.check_async(frame, expected_engine)
         if isinstance(outcome, Rejected):
             self.count_rejected(outcome.reason, outcome.engine)
             return outcome
@@ -373,6 +378,7 @@ class ReportProcessor:
         self, engine: EngineId, s: SnapshotBody, now: float, transit_s: float
     ) -> None:
         staging = self.tables.stage_snapshot(engine, now)
+        staging.reserve_global(sum(len(g.keys) for g in s.residency))
         for piece in self._pieces(s, transit_s, 1 << 30):
             self._add_piece(staging, piece)
         staging.commit()
@@ -380,6 +386,7 @@ class ReportProcessor:
     async def _apply_in_pieces(self, engine: EngineId, job: SnapshotApply) -> None:
         st = self.state(engine)
         staging = self.tables.stage_snapshot(engine, job.now)
+        staging.reserve_global(sum(len(g.keys) for g in job.body.residency))
         try:
             for piece in self._pieces(job.body, job.transit_s, self.snapshot_chunk_keys):
                 self._add_piece(staging, piece)

@@ -200,7 +200,7 @@ class SharedReports:
         snapshot over the processor's `snapshot_chunk_keys` is applied in pieces, as
         `ReportProcessor.submit_async` does. Returns once applied."""
         p = self.processor
-        outcome = p.verifier.check(frame, expected_engine)
+        outcome = await p.verifier.check_async(frame, expected_engine)
         if isinstance(outcome, Rejected):
             self._count_rejected(outcome)
             return outcome
@@ -211,7 +211,7 @@ class SharedReports:
             lock = self._locks[engine] = asyncio.Lock()
         async with lock:  # one claim-and-commit per engine at a time: cursors never go back
             if p.cursor(engine) != seen:  # another frame committed meanwhile: judge again
-                outcome = p.verifier.check(frame, expected_engine)
+                outcome = await p.verifier.check_async(frame, expected_engine)
                 if isinstance(outcome, Rejected):
                     self._count_rejected(outcome)
                     return outcome

@@ -6,8 +6,9 @@ snapshot group) confirmed together: its confirmation time and expiry are kept on
 run, not once per block ("coarse expiry per run"). About 20-30 bytes per block in all
 (the table's slots at 50-75 % load, 12 bytes each, plus 8 bytes in its run's key list).
 
-Layout. The keys are spread over `SHARDS` shards by their low bits (prefix keys are
-xxhash outputs: uniform); each shard is an open-addressing table (linear probing,
+Layout. The keys are spread over `SHARDS` shards by their low 12 bits, and a key's home
+slot in its shard is the bits above modulo the shard's size (prefix keys are xxhash
+outputs: uniform, so no further mixing); each shard is an open-addressing table (linear probing,
 tombstones) of two parallel arrays, `array('Q')` keys and `array('I')` words (0 empty,
 1 a tombstone). A shard grows, shrinks and drops its tombstones by rehashing alone, so
 no single step touches more than one shard (a 20M-block index: ~5k blocks a shard, about
@@ -61,6 +62,8 @@ class BlockIndex:
 
     def __init__(self) -> None:
         self.shards: list[_Shard | None] = [None] * SHARDS
+        self.grow_slots = _MIN_SLOTS
+        """The fewest slots a growing shard rehashes to (`reserve`)."""
         self.count = 0
         """Live blocks (expired ones count until swept)."""
         # runs, by id (id 0 unused: a word of 0 or 1 is an empty slot or a tombstone)
@@ -145,13 +148,12 @@ class BlockIndex:
 
     def lookup(self, key: int) -> int:
         """The block's word (run << 2 | tier), 0 when absent; expired blocks included."""
-        h = key ^ (key >> 29)
-        sh = self.shards[h & _SHARD_MASK]
+        sh = self.shards[key & _SHARD_MASK]
         if sh is None:
             return 0
         keys, words = sh.keys, sh.words
         n = len(words)
-        i = (h >> SHARD_BITS) % n
+        i = (key >> SHARD_BITS) % n
         while True:
             w = words[i]
             if w == _EMPTY:
@@ -172,14 +174,13 @@ class BlockIndex:
     def put(self, key: int, run: int, tier: int) -> bool:
         """Put the block in `run` with `tier`; True when it was not held. A block already
         in `run` keeps its place and takes the tier."""
-        h = key ^ (key >> 29)
-        s = h & _SHARD_MASK
+        s = key & _SHARD_MASK
         sh = self.shards[s]
         if sh is None:
             sh = self.shards[s] = _Shard(_MIN_SLOTS)
         keys, words = sh.keys, sh.words
         n = len(words)
-        i = (h >> SHARD_BITS) % n
+        i = (key >> SHARD_BITS) % n
         tomb = -1
         word = run << 2 | tier
         while True:
@@ -218,30 +219,56 @@ class BlockIndex:
             self._rehash(s, sh)
         return True
 
+    def reserve(self, blocks: int) -> None:
+        """Expect `blocks` blocks in all (a snapshot staged into a new index knows its
+        size): a shard that outgrows its first slots grows straight to its share, so
+        the puts rehash each shard about once instead of at every doubling. 0 (or a
+        small index) goes back to growing by doubling. A shard is still made small and
+        grown as it fills: no single step allocates (and first touches) every shard's
+        full size."""
+        if blocks < SHARDS * _MIN_SLOTS:
+            self.grow_slots = _MIN_SLOTS
+        else:
+            self.grow_slots = blocks * 8 // (5 * SHARDS)  # ~62 % load when all are in
+
     def put_many(self, keys: Sequence[int], run: int, tier: int) -> int:
-        """`put` of each key (one call for a report's group); returns how many were new."""
+        """`put` of each key (one call for a report's group); returns how many were new.
+
+        The hot loop of a snapshot or a delta: a key's shard and slot are read straight
+        from its bits (prefix keys are xxhash outputs), and the run's key list takes the
+        whole group in one C-level `extend` unless a key was already held (then only
+        the keys `put` would append)."""
         shards = self.shards
-        refs = self.refs
         lst = self.run_keys[run]
         assert lst is not None
         word = run << 2 | tier
         new = 0
+        held: list[int] | None = None  # positions of keys this run already held
+        pos = -1
         for key in keys:
-            h = key ^ (key >> 29)
-            s = h & _SHARD_MASK
+            pos += 1
+            s = key & _SHARD_MASK
             sh = shards[s]
             if sh is None:
                 sh = _Shard(_MIN_SLOTS)
                 shards[s] = sh
-            skeys, words = sh.keys, sh.words
+            words = sh.words
             n = len(words)
-            i = (h >> SHARD_BITS) % n
+            i = (key >> SHARD_BITS) % n
+            w = words[i]
+            if w == _EMPTY:  # the common case: a free home slot
+                sh.keys[i] = key
+                words[i] = word
+                sh.filled += 1
+                sh.used += 1
+                new += 1
+                if sh.filled * 4 > n * 3:
+                    self._rehash(s, sh)
+                continue
+            skeys = sh.keys
             tomb = -1
             found = False
             while True:
-                w = words[i]
-                if w == _EMPTY:
-                    break
                 if w == _TOMB:
                     if tomb < 0:
                         tomb = i
@@ -250,13 +277,19 @@ class BlockIndex:
                     words[i] = word
                     if old != run:
                         self._release(old)
-                        refs[run] += 1
-                        lst.append(key)
+                        self.refs[run] += 1
+                    else:
+                        if held is None:
+                            held = []
+                        held.append(pos)
                     found = True
                     break
                 i += 1
                 if i == n:
                     i = 0
+                w = words[i]
+                if w == _EMPTY:
+                    break
             if found:
                 continue
             if tomb >= 0:
@@ -267,11 +300,15 @@ class BlockIndex:
             words[i] = word
             sh.used += 1
             new += 1
-            lst.append(key)
             if sh.filled * 4 > n * 3:
                 self._rehash(s, sh)
+        if held is None:
+            lst.extend(keys)
+        else:
+            skip = set(held)
+            lst.extend([k for j, k in enumerate(keys) if j not in skip])
         self.count += new
-        refs[run] += new
+        self.refs[run] += new
         return new
 
     def words(self, keys: Sequence[int], now: float) -> list[int]:
@@ -280,13 +317,12 @@ class BlockIndex:
         exp = self.exp
         out: list[int] = []
         for key in keys:
-            h = key ^ (key >> 29)
-            sh = shards[h & _SHARD_MASK]
+            sh = shards[key & _SHARD_MASK]
             found = 0
             if sh is not None:
                 skeys, words = sh.keys, sh.words
                 n = len(words)
-                i = (h >> SHARD_BITS) % n
+                i = (key >> SHARD_BITS) % n
                 while True:
                     w = words[i]
                     if w == _EMPTY:
@@ -303,14 +339,13 @@ class BlockIndex:
 
     def remove(self, key: int) -> bool:
         """Drop the block; True when it was held."""
-        h = key ^ (key >> 29)
-        s = h & _SHARD_MASK
+        s = key & _SHARD_MASK
         sh = self.shards[s]
         if sh is None:
             return False
         keys, words = sh.keys, sh.words
         n = len(words)
-        i = (h >> SHARD_BITS) % n
+        i = (key >> SHARD_BITS) % n
         while True:
             w = words[i]
             if w == _EMPTY:
@@ -331,7 +366,7 @@ class BlockIndex:
         if old.used == 0:
             self.shards[s] = None
             return
-        sh = _Shard(_slots(old.used))
+        sh = _Shard(max(_slots(old.used), self.grow_slots))
         keys, words = sh.keys, sh.words
         n = len(words)
         okeys, owords = old.keys, old.words
@@ -339,8 +374,7 @@ class BlockIndex:
             w = owords[j]
             if w > _TOMB:
                 key = okeys[j]
-                h = key ^ (key >> 29)
-                i = (h >> SHARD_BITS) % n
+                i = (key >> SHARD_BITS) % n
                 while words[i] != _EMPTY:
                     i += 1
                     if i == n:

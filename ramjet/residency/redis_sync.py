@@ -82,6 +82,14 @@ log = logging.getLogger(__name__)
 TAIL_COUNT = 16
 _RECORD = struct.Struct(">HIBHIHI8s")  # redis_scripts.APPLY_PACKED's 27-byte entry
 _TIERS = frozenset(int(t) for t in Tier)
+
+
+def _group_order(item: tuple[tuple[int, Tier, int], list[PrefixKey]]) -> tuple[int, int, int]:
+    """A pulled group's place: by confirmation, then tier and expiry (a stable order)."""
+    (confirmed_ms, tier, exp_ms), _ = item
+    return confirmed_ms, int(tier), exp_ms
+
+
 PULL_PAGE = 2000
 
 
@@ -397,6 +405,10 @@ class RedisSync:
         now_local, now_wall = self.clocks.clock(), self.clocks.wall()
         for kind, rows in loaded:
             table, exact = CODE_TABLE[kind[0]], kind[1] == "x"
+            # entries one report confirmed together share tier, confirmation and expiry:
+            # put as one group each (one run of the compact index, not one per block),
+            # the least recently confirmed first
+            groups: dict[tuple[int, Tier, int], list[PrefixKey]] = {}
             for k, exp_ms, value in rows:
                 if value is None:
                     continue  # expired between ZRANGE and MGET
@@ -404,10 +416,17 @@ class RedisSync:
                 if rec is None:
                     continue
                 tier, confirmed_ms = rec
+                group = groups.get((confirmed_ms, tier, exp_ms))
+                if group is None:
+                    group = groups[(confirmed_ms, tier, exp_ms)] = []
+                group.append(PrefixKey(int(k, 16)))
+            for (confirmed_ms, tier, exp_ms), block_keys in sorted(
+                groups.items(), key=_group_order
+            ):
                 self.local.put(
                     table,
                     engine,
-                    (PrefixKey(int(k, 16)),),
+                    block_keys,
                     tier,
                     now_local + (confirmed_ms / 1000 - now_wall),
                     now_local + (exp_ms / 1000 - now_wall),

@@ -161,6 +161,10 @@ class ExactStager(Protocol):
 
     def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None: ...
 
+    def reserve(self, keys: int) -> None:
+        """A size hint: about `keys` keys will be added (a snapshot knows its size)."""
+        ...
+
     def commit(self) -> None: ...
 
 
@@ -414,6 +418,9 @@ class ExactStaging:
             entry = self._shared[(tier, expires_at)] = Entry(tier, self._now, expires_at, True)
         self._map.update(zip(keys, repeat(entry)))
 
+    def reserve(self, keys: int) -> None:
+        """A dict sizes itself."""
+
     def __len__(self) -> int:
         return len(self._map)
 
@@ -594,7 +601,7 @@ class MemoryStore:
         if table is not Table.GLOBAL:
             self._rest.put(table, engine, keys, tier, now, expires_at, exact)
             return
-        if not isinstance(keys, (list, tuple)):
+        if not isinstance(keys, Sequence):
             keys = list(keys)
         if exact:
             if self._rest.holds(engine):
@@ -632,7 +639,7 @@ class MemoryStore:
         if table is Table.GLOBAL:
             ix = self._exact.get(engine)
             if ix is not None:
-                if not isinstance(keys, (list, tuple)):
+                if not isinstance(keys, Sequence):
                     keys = list(keys)
                 for key in keys:
                     if ix.remove(key):
@@ -763,6 +770,11 @@ class IndexStaging:
             self._runs.append(run)
         ix.put_many(keys, run, int(tier))
 
+    def reserve(self, keys: int) -> None:
+        """Size the new index's shards for `keys` blocks (`BlockIndex.reserve`): the
+        pieces then insert without rehashing, about twice as fast."""
+        self._index.reserve(keys)
+
     def __len__(self) -> int:
         return self._index.count
 
@@ -773,4 +785,5 @@ class IndexStaging:
         self._done = True
         for run in self._runs:
             self._index.close_run(run)
+        self._index.reserve(0)  # later shards grow from the smallest again
         self._store._swap_index(self._engine, self._index, self._now)

@@ -318,7 +318,7 @@ class ResidencyTables:
         now). Returns the keys, materialized if they were a one-shot iterator."""
         if self.pending.holds(table, engine) is None:
             return keys
-        if not isinstance(keys, (list, tuple)):
+        if not isinstance(keys, Sequence):
             keys = list(keys)
         self.pending.confirm(table, engine, keys)
         return keys
@@ -440,6 +440,12 @@ class SnapshotStaging:
             e = t._global_expiry(now, ttl_s) if table is Table.GLOBAL else t._swa_expiry(now, ttl_s)
             self._expiry[(table, ttl_s)] = e
         return e
+
+    def reserve_global(self, keys: int) -> None:
+        """A size hint: about `keys` global keys will be added (a store that stages
+        sizes its staged copy once instead of growing it piece by piece)."""
+        if self._staged is not None:
+            self._staged[Table.GLOBAL].reserve(keys)
 
     def add_global(self, keys: Sequence[PrefixKey], tier: Tier, ttl_s: float | None) -> None:
         self._add(Table.GLOBAL, keys, tier, self._expires(Table.GLOBAL, ttl_s))

@@ -195,3 +195,51 @@ def test_expiry_runs_in_bounded_steps_and_ends() -> None:
     assert all(
         e is not None for e in store.get_many(Table.GLOBAL, ENGINES[0], keys[10_000:], 50.0, False)
     )
+
+
+def test_a_reserved_index_holds_what_a_growing_one_does() -> None:
+    """`reserve` (a staged snapshot knows its size) changes how shards grow, never what
+    the index holds: the same blocks, duplicates and re-owned keys included, and growth
+    by doubling again once the staging is committed."""
+    rng = random.Random(9)
+    keys = [rng.getrandbits(64) for _ in range(60_000)]
+    keys += keys[:500]  # put twice within the run
+    grown, reserved = BlockIndex(), BlockIndex()
+    reserved.reserve(len(keys))
+    assert reserved.grow_slots > 8
+    for ix in (grown, reserved):
+        a = ix.new_run(0.0, 10.0)
+        for i in range(0, len(keys), 1024):
+            ix.put_many(keys[i : i + 1024], a, i % 3)
+        b = ix.new_run(1.0, 20.0)
+        assert ix.put_many(keys[100:200], b, 2) == 0  # re-owned by a newer run
+        ix.close_run(a)
+        ix.close_run(b)
+    assert sorted(grown.items()) == sorted(reserved.items())
+    assert grown.count == reserved.count == 60_000
+    for ix in (grown, reserved):
+        assert len(ix.run_keys[1] or ()) == 60_000  # each key once in its first run
+        assert ix.refs[1] == 60_000 - 100 and ix.refs[2] == 100
+    reserved.reserve(0)
+    assert reserved.grow_slots == 8
+
+
+def test_a_long_snapshot_through_the_store_matches_the_dict_store() -> None:
+    """A staged snapshot large enough to reserve, then deltas over it: the compact store
+    answers as the dict store does."""
+    rng = random.Random(4)
+    keys = [PrefixKey(rng.getrandbits(64)) for _ in range(50_000)]
+    old, new = _pair(1_000_000)
+    for tables in (old, new):
+        staging = tables.stage_snapshot(ENGINES[0], 10.0)
+        staging.reserve_global(len(keys))
+        staging.add_global(keys[:30_000], Tier.HBM, None)
+        staging.add_global(keys[30_000:], Tier.SSD, 60.0)
+        staging.commit()
+        tables.store_global(ENGINES[0], keys[:100], Tier.HOST, 20.0)
+        tables.evict_global(ENGINES[0], keys[100:200])
+    for now in (30.0, 100.0):
+        assert new.store.get_many(Table.GLOBAL, ENGINES[0], keys, now, False) == (
+            old.store.get_many(Table.GLOBAL, ENGINES[0], keys, now, False)
+        )
+    assert new.size(Table.GLOBAL) == old.size(Table.GLOBAL) == 49_900

@@ -325,3 +325,32 @@ async def test_a_loop_of_calls_ends_on_its_first_cancel_and_a_paused_redis_still
         assert await link.call(lambda c: c.ping())
     finally:
         await link.close()
+
+
+@pytest.mark.parametrize("encoding", ["packed", "keys"])
+async def test_a_fresh_replica_pulls_a_snapshot_as_its_groups(
+    server: RedisProcess, encoding: str
+) -> None:
+    """A full pull puts the entries one report confirmed together (tier, confirmation,
+    expiry) as one group: the mirror's compact index holds them in one run each, not
+    one run per block, and answers as the writer does."""
+    a, _ = make(server, encoding=encoding)
+    rng = random.Random(11)
+    ks = [PrefixKey(rng.getrandbits(64)) for _ in range(3_000)]
+    now = a.clock()
+    entries = [(k, Tier.HOST if i < 2_000 else Tier.SSD, now + 3_600) for i, k in enumerate(ks)]
+    a.replace_exact(Table.GLOBAL, E0, entries, now)
+    fresh, _ = make_from(a)
+    try:
+        while a.pending:
+            await a.sync_once()
+        await fresh.sync_once()  # a full pull
+        t = fresh.clock()
+        got = fresh.local.get_many(Table.GLOBAL, E0, ks, t, False)
+        assert [e.tier if e else None for e in got] == [Tier.HOST] * 2_000 + [Tier.SSD] * 1_000
+        ix = fresh.local._exact[E0]
+        assert sum(1 for r in ix.refs if r > 0) == 2  # one run per group
+    finally:
+        await a.close()
+        await a.link.close()
+        await fresh.link.close()
