@@ -138,6 +138,12 @@ class LimitsConfig(_Frozen):
     max_messages: int = Field(default=10_000, gt=0)
     """Most chat messages in one request (400 `too_many_messages` beyond), checked
     before the body is decoded into objects."""
+    max_content_parts: int = Field(default=20_000, gt=0)
+    """Most content parts over all of a chat request's `content` arrays (400
+    `too_many_content_parts` beyond), checked as `max_messages` is."""
+    max_prompt_items: int = Field(default=1 << 20, gt=0)
+    """Most items of a completion request's `prompt` array and the arrays in it (token
+    ids; 400 `too_many_prompt_items` beyond), checked as `max_messages` is."""
     max_json_depth: int = Field(default=64, gt=0)
     """Deepest nesting of arrays/objects in a body (400 `nesting_too_deep` beyond)."""
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)

@@ -75,7 +75,7 @@ from ramjet.request.parse import (
     ParsedRequest,
     ParseLimits,
     RequestError,
-    check_message_count,
+    check_counts,
     parse_request,
     to_request_view,
 )
@@ -86,7 +86,8 @@ from ramjet.types import EngineId
 log = logging.getLogger(__name__)
 
 PRECHECK_PROCESS_BYTES = 4 * 1024 * 1024
-"""Bodies larger than this have their messages counted in a child process, off the GIL."""
+"""Bodies larger than this have their messages, content parts and prompt items counted
+in a child process, off the GIL (`ramjet.request.precheck`)."""
 
 
 class Router:
@@ -160,13 +161,15 @@ class Router:
             max_body_bytes=lim.max_body_bytes,
             max_depth=lim.max_json_depth,
             max_messages=lim.max_messages,
+            max_content_parts=lim.max_content_parts,
+            max_prompt_items=lim.max_prompt_items,
         )
         self._trusted_networks = tuple(
             ipaddress.ip_network(n, strict=False) for n in lim.priority_trusted_networks
         )
         self._parse_pool: ThreadPoolExecutor | None = None
         self._prechecker = Prechecker()
-        """Counts a large body's messages in a child process (`ramjet.request.precheck`)."""
+        """Counts what a large body holds in a child process (`ramjet.request.precheck`)."""
         """Threads parsing large bodies (`_parse`), made on first use."""
         self.key_pools = key_pools if key_pools is not None else KeyPools(config.key_pools)
         self.priority = PriorityHints(config.priority, self.metrics.registry)
@@ -292,13 +295,13 @@ class Router:
             parsed = parse_request(request.path, body, request.headers, self.parse_limits)
             return parsed
         prechecked = False
-        if len(body) > PRECHECK_PROCESS_BYTES:  # its message count, in a child process
+        if len(body) > PRECHECK_PROCESS_BYTES:  # its counts, in a child process
             try:
-                n = await self._prechecker.count(body)
+                counts = await self._prechecker.count(body)
             except Exception:  # the child failed: the parse thread counts instead
-                log.exception("message count in the child process failed")
+                log.exception("counting a body in the child process failed")
             else:
-                check_message_count(n, self.parse_limits)
+                check_counts(counts, self.parse_limits)
                 prechecked = True
         pool = self._parse_pool
         if pool is None:

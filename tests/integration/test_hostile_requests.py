@@ -244,6 +244,99 @@ async def test_message_count_and_nesting_limits_refuse_with_400(
         assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 1
 
 
+async def _engine_requests(engines: list[EngineProcess]) -> float:
+    """Requests the engines have received (their `engine_requests_total`)."""
+    total = 0.0
+    async with aiohttp.ClientSession() as s:
+        for e in engines:
+            async with s.get(e.url + "/metrics") as r:
+                for line in (await r.text()).splitlines():
+                    if line.startswith("engine_requests_total"):
+                        total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _parts(n_messages: int, parts_each: int, pad: int = 1) -> dict[str, Any]:
+    part = {"type": "text", "text": "w" * pad}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [part] * parts_each}] * n_messages,
+        "max_tokens": 1,
+    }
+
+
+def _prompt(prompt: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_content_part_and_prompt_array_limits_refuse_with_400(
+    make_router: Any, engines: list[EngineProcess], fast_path: bool
+) -> None:
+    """Chat `content` arrays and completion `prompt` arrays are bounded in count and
+    nesting as messages are: a small body after its decode, a large one before it (on a
+    parse thread), one over 4 MiB in the child process. Each refusal is a 400 OpenAI
+    error naming the field, reaches no engine and holds nothing; a body at the limits
+    passes."""
+    router = await make_router(
+        fast_path=fast_path,
+        limits={
+            "max_body_bytes": 8 << 20,
+            "max_content_parts": 40,
+            "max_prompt_items": 100,
+            "max_json_depth": 8,
+        },
+    )
+    deep: Any = {"type": "image_url", "image_url": {"url": "x"}}
+    for _ in range(8):
+        deep = {"nested": deep}
+    chat = "/v1/chat/completions"
+    comp = "/v1/completions"
+    cases: list[tuple[str, dict[str, Any], str, str | None]] = [
+        (chat, _parts(1, 41), "too_many_content_parts", "messages"),  # decoded, small
+        (chat, _parts(3, 14), "too_many_content_parts", "messages"),  # summed over messages
+        (chat, _parts(1, 30_000), "too_many_content_parts", "messages"),  # over 256 KiB
+        (chat, _parts(1, 200_000), "too_many_content_parts", "messages"),  # over 4 MiB
+        (chat, _parts(1, 200_000, 0), "too_many_content_parts", "messages"),
+        (comp, _prompt(list(range(101))), "too_many_prompt_items", "prompt"),
+        (comp, _prompt([list(range(100))]), "too_many_prompt_items", "prompt"),  # nested
+        (comp, _prompt(["a"] * 101), "too_many_prompt_items", "prompt"),  # a batch of strings
+        (comp, _prompt([7] * 200_000), "too_many_prompt_items", "prompt"),  # over 256 KiB
+        (comp, _prompt([[7] * 1_500_000]), "too_many_prompt_items", "prompt"),  # over 4 MiB
+        (comp, _prompt(["ab"] * 1_000_000), "too_many_prompt_items", "prompt"),  # over 4 MiB
+        (chat, {**_parts(1, 1), "messages": [{"role": "user", "content": [deep]}]},
+         "nesting_too_deep", None),
+        (comp, _prompt([[[[[[[[[1]]]]]]]]]), "nesting_too_deep", None),
+    ]  # fmt: skip
+    before = await _engine_requests(engines)
+    async with aiohttp.ClientSession() as s:
+        for path, body, code, param in cases:
+            raw_body = json.dumps(body).encode()
+            data = io.BytesIO(raw_body) if len(raw_body) > 1 << 20 else raw_body
+            async with s.post(
+                router.url + path, data=data, headers={"Content-Type": "application/json"}
+            ) as r:
+                status, raw = r.status, await r.read()
+            assert status == 400, (path, code, raw[:300])
+            err = json.loads(raw)["error"]
+            assert (err["code"], err["param"], err["type"]) == (
+                code,
+                param,
+                "invalid_request_error",
+            ), err
+            assert router.router.admission.bodies.used == 0
+        assert await _engine_requests(engines) == before, "a refused request reached an engine"
+        for path, body in [
+            (chat, _parts(2, 20)),
+            (comp, _prompt([list(range(99))])),
+            (comp, _prompt(list(range(100)))),
+        ]:
+            async with s.post(router.url + path, json=body) as r:
+                assert r.status == 200, await r.read()
+    for code in ("too_many_content_parts", "too_many_prompt_items"):
+        assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 4
+
+
 async def _open_idle_chunked(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))

@@ -1,0 +1,56 @@
+"""`Prechecker`: a large body's counts from a child process, the body sent over a socket
+(no pickle), one exchange at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+from ramjet.request.precheck import BodyCounts, Prechecker, body_counts
+
+
+def _chat(messages: int, parts: int) -> bytes:
+    content = [{"type": "text", "text": "w"}] * parts
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": content}] * messages}
+    ).encode()
+
+
+def test_body_counts_of_every_shape() -> None:
+    assert body_counts(_chat(3, 2)) == BodyCounts(3, 6, 0)
+    assert body_counts(b'{"prompt": [[1, 2, 3]]}') == BodyCounts(0, 0, 4)
+    assert body_counts(b'{"prompt": ["a", "b", [1, 2]]}') == BodyCounts(0, 0, 5)
+    assert body_counts(b'{"prompt": "text"}') == BodyCounts(0, 0, 0)
+    # shapes the typed decode refuses are decoded whole and counted the same way
+    odd = b'{"messages": [{"content": 5}, {"content": [1, 2]}, 3], "prompt": [1.5, [2]]}'
+    assert body_counts(odd) == BodyCounts(3, 2, 3)
+    bad = body_counts(b'{"messages": [')
+    assert bad.error.startswith("request body is not valid JSON")
+    assert "UTF-8" in body_counts(b'"\xff"').error
+
+
+async def test_counts_in_the_child_survive_a_cancelled_caller_and_a_dead_child() -> None:
+    pre = Prechecker()
+    try:
+        big = _chat(200_000, 1)  # several MB: its exchange takes a while
+        small = _chat(2, 3)
+        assert await pre.count(small) == BodyCounts(2, 6, 0)
+        # A caller cancelled while its body is with the child: the next caller still
+        # gets its own counts (the exchange finished on the worker thread first).
+        first = asyncio.ensure_future(pre.count(big))
+        await asyncio.sleep(0.01)
+        first.cancel()
+        assert await pre.count(small) == BodyCounts(2, 6, 0)
+        assert await pre.count(big) == BodyCounts(200_000, 200_000, 0)
+        assert (await pre.count(b"{nope")).error
+        assert pre.started == 1
+        child = pre._child
+        assert child is not None and child.proc.pid is not None
+        os.kill(child.proc.pid, signal.SIGKILL)
+        child.proc.join(5)
+        assert await pre.count(small) == BodyCounts(2, 6, 0)  # a new child
+        assert pre.started == 2
+    finally:
+        pre.close()
