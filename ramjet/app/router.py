@@ -88,6 +88,9 @@ log = logging.getLogger(__name__)
 PRECHECK_PROCESS_BYTES = 4 * 1024 * 1024
 """Bodies larger than this have their messages, content parts and prompt items counted
 in a child process, off the GIL (`ramjet.request.precheck`)."""
+REKEY_INLINE_BYTES = 16 * 1024
+"""Bodies larger than this get their token-block keys (`KeyPools.rekey`: the pool's chat
+template and tokenizer, some microseconds per token) on the parse threads."""
 
 
 class Router:
@@ -303,13 +306,32 @@ class Router:
             else:
                 check_counts(counts, self.parse_limits)
                 prechecked = True
+        return await self._loop().run_in_executor(
+            self._parse_threads(),
+            parse_request,
+            request.path,
+            body,
+            request.headers,
+            self.parse_limits,
+            prechecked,
+        )
+
+    def _parse_threads(self) -> ThreadPoolExecutor:
         pool = self._parse_pool
         if pool is None:
             pool = self._parse_pool = ThreadPoolExecutor(
                 self.config.limits.parse_threads, thread_name_prefix="ramjet-parse"
             )
+        return pool
+
+    async def _rekey(self, parsed: ParsedRequest, engines: list[EngineId]) -> ParsedRequest:
+        """`key_pools.rekey`: a chat template and a tokenizer cost far more per byte than
+        the parse, so any body over `REKEY_INLINE_BYTES` is keyed on the parse threads,
+        off the event loop."""
+        if len(parsed.body) <= REKEY_INLINE_BYTES:
+            return self.key_pools.rekey(parsed, engines)
         return await self._loop().run_in_executor(
-            pool, parse_request, request.path, body, request.headers, self.parse_limits, prechecked
+            self._parse_threads(), self.key_pools.rekey, parsed, engines
         )
 
     async def _admitted(self, request: ClientRequest, t0: float, body: bytes) -> web.StreamResponse:
@@ -352,7 +374,7 @@ class Router:
             )
         if self.key_pools:  # token-block keys for a pool of tokenizing engines
             try:
-                parsed = self.key_pools.rekey(parsed, [v.id for v in views])
+                parsed = await self._rekey(parsed, [v.id for v in views])
             except RequestError as exc:
                 self.metrics.rejected.labels(reason=exc.code).inc()
                 return web.Response(

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from engines import EngineProcess, start_engine
 from router_rig import Records, router_config
 
 from ramjet.app.server import RouterServer
+from ramjet.keys.tokens import ByteTokenizer
 
 MODEL = "mini-v4"
 
@@ -335,6 +337,51 @@ async def test_content_part_and_prompt_array_limits_refuse_with_400(
                 assert r.status == 200, await r.read()
     for code in ("too_many_content_parts", "too_many_prompt_items"):
         assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 4
+
+
+async def test_token_keying_of_a_large_body_runs_off_the_event_loop(
+    make_router: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token-keyed pool (`key_pools`): a large body's chat template and tokenizer run
+    on a parse thread, so a small stream is served while they work. The pool's
+    tokenizer is held until the stream has ended; on the event loop it would hold the
+    loop, and its wait would time out."""
+    held = threading.Event()
+    release = threading.Event()
+    timed_out: list[bool] = []
+    encode = ByteTokenizer.encode_chat
+
+    def slow(self: ByteTokenizer, messages: Any, tools: Any) -> list[int]:
+        if len(str(messages[0].get("content"))) > 16_000:  # the large body only
+            held.set()
+            timed_out.append(not release.wait(10))
+        return encode(self, messages, tools)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_chat", slow)
+    pool = {"name": "ref", "engines": ["e0", "e1"], "keys_mode": "tokens"}
+    router = await make_router(
+        key_pools=[{**pool, "tokenizer": "bytes", "block_tokens": 256}],
+        limits={"max_body_bytes": 1 << 20},
+    )
+    big = {**_chat(1), "messages": [{"role": "user", "content": "w" * 16_500}]}
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(_post(s, router.url, big))
+        for _ in range(200):
+            if held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert held.is_set()
+        try:
+            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
+                got = await r.read()
+                assert r.status == 200, got[:300]
+                assert got.rstrip().endswith(b"data: [DONE]")
+            assert not release.is_set() and not task.done()
+        finally:
+            release.set()
+        status, raw = await task
+    assert status == 200, raw[:300]
+    assert timed_out == [False], "the tokenizer held the event loop"
 
 
 async def _open_idle_chunked(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
