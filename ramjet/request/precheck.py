@@ -14,7 +14,9 @@ The body goes to the child through a socket, written by a thread of its own with
 The count (`body_counts`) is a typed decode that skips every field it does not count:
 one small object per message or content part, an int per prompt item. A body the typed
 decode cannot read is decoded whole, in the child too, and counted from its objects, or
-refused as invalid JSON: the parent never decodes an unreadable large body itself.
+refused as invalid JSON: the parent never decodes an unreadable large body itself. The
+child runs niced (`CHILD_NICENESS`): on a busy machine its counting yields the CPU to the
+router and the engines, so one huge body slows its own refusal, not other streams.
 `ramjet.request.parse` runs the same count in-process for bodies below the child's
 threshold (or if the child fails).
 """
@@ -25,6 +27,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -108,10 +111,15 @@ def body_counts(body: bytes) -> BodyCounts:
 
 
 _COUNTS = struct.Struct("<qqq")
+CHILD_NICENESS = 10
+"""Added to the child's nice value (`os.nice`)."""
 
 
 def _serve(conn: multiprocessing.connection.Connection) -> None:
-    """The child: count each body it is sent, answer with the counts (and error)."""
+    """The child: count each body it is sent, answer with the counts (and error). It
+    runs at a lower CPU priority: on a busy machine the streams' work comes first."""
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICENESS)
     while True:
         try:
             body = conn.recv_bytes()

@@ -7,8 +7,9 @@ import asyncio
 import json
 import os
 import signal
+from pathlib import Path
 
-from ramjet.request.precheck import BodyCounts, Prechecker, body_counts
+from ramjet.request.precheck import CHILD_NICENESS, BodyCounts, Prechecker, body_counts
 
 
 def _chat(messages: int, parts: int) -> bytes:
@@ -52,5 +53,17 @@ async def test_counts_in_the_child_survive_a_cancelled_caller_and_a_dead_child()
         child.proc.join(5)
         assert await pre.count(small) == BodyCounts(2, 6, 0)  # a new child
         assert pre.started == 2
+    finally:
+        pre.close()
+
+
+async def test_the_child_runs_at_a_lower_cpu_priority() -> None:
+    pre = Prechecker()
+    try:
+        assert await pre.count(b"{}") == BodyCounts(0, 0, 0)
+        child = pre._child
+        assert child is not None and child.proc.pid is not None
+        stat = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert int(stat[16]) == min(19, os.nice(0) + CHILD_NICENESS)  # field 19: nice
     finally:
         pre.close()
