@@ -34,8 +34,11 @@ What this layer keeps itself, as aiohttp's handler does:
   `ramjet.request.admission.PendingClients`, shared with the router): a connection
   counts from the first byte of a request that did not come whole until its head and
   body are in (one that arrives whole never counts); one more past the limit is refused
-  with 429 `too_many_pending`. A connection that sends nothing is bounded by the header
-  deadline alone.
+  with 429 `too_many_pending`;
+- the silent connections of each client (`limits.max_silent_per_client`,
+  `ramjet.request.admission.SilentConnections`, shared with the router): from connect to
+  the first byte; one more past the limit closes the client's oldest silent one (each
+  is also bounded by the header deadline).
 
 The response head and framing are aiohttp's (`ramjet.request.client`).
 """
@@ -52,7 +55,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ramjet.request.admission import BodyBudget, PendingClients, client_of
+from ramjet.request.admission import BodyBudget, PendingClients, SilentConnections, client_of
 from ramjet.request.client import FastRequest, FastResponse, serialize_response
 from ramjet.request.openai_errors import error_body, json_error
 
@@ -121,6 +124,7 @@ class FastServer:
         bodies: BodyBudget | None = None,
         pending: PendingClients | None = None,
         on_refused: Callable[[str], None] = lambda reason: None,
+        silent: SilentConnections | None = None,
     ) -> None:
         """`bodies`, `pending`: the router's body budget and pending-connection counts
         (none: unbounded); `on_refused(reason)` counts a refusal made here."""
@@ -134,6 +138,7 @@ class FastServer:
         self.on_body_timeout = on_body_timeout
         self.bodies = bodies if bodies is not None else BodyBudget(1 << 62)
         self.pending = pending if pending is not None else PendingClients(1 << 62)
+        self.silent = silent if silent is not None else SilentConnections(1 << 62)
         self.on_refused = on_refused
         self.head_scanned = 0
         """Bytes searched for a head's end so far (tests read it)."""
@@ -201,6 +206,8 @@ class FastProtocol(asyncio.Protocol):
         """Counted in the server's `pending` (a request not whole yet)."""
         self._held = 0
         """Body bytes charged to the server's `bodies` for the current request."""
+        self._silent = False
+        """Counted in the server's `silent` (no byte since connect)."""
 
     # -- llhttp callbacks (the head only; the body is sliced by Content-Length) ---------
 
@@ -276,6 +283,13 @@ class FastProtocol(asyncio.Protocol):
         self._server.connections.add(self)
         self._client = client_of(transport)
         self._arm("head", self._server.header_deadline_s)
+        self._silent = True
+        self._server.silent.add(self._client, self, self.close)
+
+    def _unsilence(self) -> None:
+        if self._silent:
+            self._silent = False
+            self._server.silent.remove(self._client, self)
 
     def _enter_pending(self) -> bool:
         """Count this connection as its client's pending one (once); False when that is
@@ -316,6 +330,7 @@ class FastProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._closed = True
+        self._unsilence()
         self._leave_pending()
         if self.task is None:
             self._give_back()  # a body never handed to a handler (else `_run` gives it)
@@ -348,6 +363,8 @@ class FastProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        if self._silent:
+            self._unsilence()
         self._buf += data
         if self.task is None:
             self._process()
@@ -362,6 +379,7 @@ class FastProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         self._stop_timer()
+        self._unsilence()
         self._leave_pending()
         if self.task is None:
             self._give_back()

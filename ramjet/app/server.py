@@ -18,6 +18,9 @@ Connection-level protections live below the app, in a `RequestHandler` subclass:
   counts as one of its client's that have not sent a whole request (the router counts
   it again while its body is read); one too many is answered 429 `too_many_pending`
   and closed.
+- **Silent connections** (`limits.max_silent_per_client`): from connect to its first
+  byte a connection counts as one of its client's silent ones; one more closes the
+  client's oldest (the header deadline bounds each too).
 - **Parser refusals**: aiohttp's strict parser rejects Content-Length with
   Transfer-Encoding, duplicate Content-Length, bare LF, CR/LF in header values, too many
   headers and over-long header lines. They are answered with an OpenAI error object
@@ -52,7 +55,7 @@ from ramjet.app.router import Router
 from ramjet.app.wiring import build_router, mount
 from ramjet.config import PolicyConfig
 from ramjet.decisions.record import DecisionSink
-from ramjet.request.admission import PendingClients, client_of
+from ramjet.request.admission import PendingClients, SilentConnections, client_of
 from ramjet.request.openai_errors import json_error
 from ramjet.residency.tables import ResidencyTables
 from ramjet.runtime.gc import tune_gc
@@ -71,9 +74,13 @@ class _Handler(RequestHandler):
         *,
         header_deadline_s: float,
         pending: PendingClients | None = None,
+        silent: SilentConnections | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
+        self._silent = silent
+        """Counted there from connect to the first byte (None: not counted, as for a
+        connection the fast server hands over, which has sent bytes)."""
         self._deadline_s = header_deadline_s
         self._deadline: asyncio.TimerHandle | None = None
         self._pending = pending
@@ -124,12 +131,29 @@ class _Handler(RequestHandler):
         super().connection_made(transport)
         self._client = client_of(transport)
         self._arm()
+        if self._silent is not None:
+            self._silent.add(self._client, self, self._evicted)
+
+    def _unsilence(self) -> None:
+        silent, self._silent = self._silent, None
+        if silent is not None:
+            silent.remove(self._client, self)
+
+    def _evicted(self) -> None:
+        """Closed to make room for a newer silent connection of the same client."""
+        self._silent = None
+        self.force_close()
+        if self.transport is not None:
+            self.transport.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self._unsilence()
         self._disarm()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._silent is not None:
+            self._unsilence()
         idle = not self._request_in_progress and not self._messages
         super().data_received(data)
         if self._request_in_progress or self._messages:
@@ -183,10 +207,12 @@ class _Server(web.Server):
         self._header_deadline_s = header_deadline_s
         self.pending: PendingClients | None = None
         """Set by `RouterServer.start`: the router's pending connections by client."""
+        self.silent: SilentConnections | None = None
+        """Set by `RouterServer.start`: the router's silent connections by client."""
         self.fast: FastServer | None = None
         """Set by `RouterServer.start`: the completion routes' own server, in front."""
 
-    def handler(self) -> RequestHandler:
+    def handler(self) -> _Handler:
         """aiohttp's handler for one connection (with the header deadline)."""
         return _Handler(
             self,
@@ -201,7 +227,9 @@ class _Server(web.Server):
             # The fast server's protocol, which hands a connection to `handler()` for
             # anything it does not serve itself (`ramjet.app.fast_server`).
             return self.fast()  # type: ignore[return-value]
-        return self.handler()
+        handler = self.handler()
+        handler._silent = self.silent  # counted from connect (not when handed over)
+        return handler
 
     def pre_shutdown(self) -> None:
         super().pre_shutdown()
@@ -364,6 +392,7 @@ class RouterServer:
         server = self._runner.server
         if isinstance(server, _Server):
             server.pending = self.router.admission.pending
+            server.silent = self.router.admission.silent
         if self.fast_path and isinstance(server, _Server):
             cfg, metrics = self.config, self.router.metrics
             server.fast = FastServer(
@@ -378,6 +407,7 @@ class RouterServer:
                 bodies=self.router.admission.bodies,
                 pending=self.router.admission.pending,
                 on_refused=lambda reason: metrics.rejected.labels(reason=reason).inc(),
+                silent=self.router.admission.silent,
             )
         self._site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await self._site.start()

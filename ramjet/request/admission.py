@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -110,6 +111,46 @@ class PendingClients:
             self.counts[client] = n
         else:
             self.counts.pop(client, None)
+
+
+class SilentConnections:
+    """Per client address, the connections that have sent no byte yet since connect
+    (`limits.max_silent_per_client`), oldest first; on the event loop only.
+
+    One more than the limit closes the client's oldest silent connection rather than
+    refusing the new one: a connection cannot tell whether its request will come, and a
+    client (or the clients behind one address) that opens a new connection to send a
+    request must not be locked out by its own idle ones."""
+
+    __slots__ = ("by_client", "evicted", "limit", "on_evict")
+
+    def __init__(self, limit: int, on_evict: Callable[[], None] = lambda: None) -> None:
+        self.limit = limit
+        self.by_client: dict[str, dict[object, Callable[[], None]]] = {}
+        self.evicted = 0
+        """Silent connections closed to make room so far (tests read it)."""
+        self.on_evict = on_evict
+        """Called per eviction (the router counts it as a `too_many_silent` refusal)."""
+
+    def add(self, client: str, conn: object, close: Callable[[], None]) -> None:
+        """Count `conn` as silent; `close()` closes it should it be evicted."""
+        conns = self.by_client.setdefault(client, {})
+        conns[conn] = close
+        while len(conns) > self.limit:
+            oldest = next(iter(conns))
+            evict = conns.pop(oldest)
+            self.evicted += 1
+            self.on_evict()
+            evict()
+
+    def remove(self, client: str, conn: object) -> None:
+        """`conn` sent its first byte, or went away (no-op if it was not counted)."""
+        conns = self.by_client.get(client)
+        if conns is not None and conns.pop(conn, None) is not None and not conns:
+            del self.by_client[client]
+
+    def count(self, client: str) -> int:
+        return len(self.by_client.get(client, ()))
 
 
 class BodyBudget:
@@ -226,6 +267,11 @@ class Admission:
         """Every body held at once (the fast server charges the ones it reads)."""
         self.pending = PendingClients(limits.max_pending_per_client)
         """Connections that have not sent a whole request, by client (both servers)."""
+        self.silent = SilentConnections(
+            limits.max_silent_per_client,
+            lambda: metrics.rejected.labels(reason="too_many_silent").inc(),
+        )
+        """Connections that have sent nothing since connect, by client (both servers)."""
 
     def refuse_early(self, request: ClientRequest, draining: bool) -> web.Response | None:
         """The refusal for a request that must not wait for a slot (steps 1-3), or None."""

@@ -430,6 +430,56 @@ async def test_idle_chunked_bodies_do_not_lock_out_a_normal_request(
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
+async def test_connections_that_send_nothing_do_not_lock_out_a_normal_request(
+    make_router: Any, fast_path: bool
+) -> None:
+    """1,100 connections connect and send nothing: the client keeps at most
+    `max_silent_per_client` of them (each new one closes its oldest), and a normal
+    request from the same address, on a new connection, is answered 200 at once."""
+    router = await make_router(fast_path=fast_path, timeouts={"header_deadline_s": 60.0})
+    host, port = router.url.removeprefix("http://").split(":")
+    conns = [await asyncio.open_connection(host, int(port)) for _ in range(1100)]
+    try:
+        await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession() as s:
+            status, raw = await asyncio.wait_for(_post(s, router.url, _chat(2)), 30)
+        assert status == 200, raw[:300]
+        silent = router.router.admission.silent
+        limit = silent.limit
+        assert limit == 256 and silent.count("127.0.0.1") <= limit
+        # the oldest were closed (the normal request's connection closed one more), the
+        # newest are still open
+        evicted = 1100 - limit + 1
+        for reader, _ in conns[:evicted]:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        for reader, _ in conns[evicted:]:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.001)
+        assert _metric(router, "ramjet_rejected_requests_total", {"reason": "too_many_silent"}) == (
+            evicted
+        )
+    finally:
+        for _, writer in conns:
+            writer.close()
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_a_connection_that_sends_nothing_gets_408_at_the_header_deadline(
+    make_router: Any, fast_path: bool
+) -> None:
+    router = await make_router(fast_path=fast_path, timeouts={"header_deadline_s": 0.5})
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        raw = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 408"), raw[:200]
+    assert json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert router.router.admission.silent.count("127.0.0.1") == 0
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
 async def test_bodies_in_flight_share_one_budget(make_router: Any, fast_path: bool) -> None:
     """A body that would take the bodies held at once past
     `limits.max_inflight_body_bytes` is refused with 503 `overloaded`; once the first is
