@@ -339,6 +339,48 @@ async def test_content_part_and_prompt_array_limits_refuse_with_400(
         assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 4
 
 
+async def test_a_large_body_is_parsed_off_the_event_loop(
+    make_router: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body over `limits.parse_thread_bytes` is decoded, rendered and keyed on a parse
+    thread: a small stream is served while that parse is held (on the event loop the
+    parse would hold the loop, and its wait would time out)."""
+    import ramjet.app.router as router_module
+
+    held = threading.Event()
+    release = threading.Event()
+    timed_out: list[bool] = []
+    parse = router_module.parse_request
+
+    def slow(path: str, body: bytes, *args: Any) -> Any:
+        if len(body) > 300_000:  # the large body only
+            held.set()
+            timed_out.append(not release.wait(10))
+        return parse(path, body, *args)
+
+    monkeypatch.setattr(router_module, "parse_request", slow)
+    router = await make_router(limits={"max_body_bytes": 1 << 20})
+    big = {**_messages(1, 400_000), "model": "not-served"}  # 404 once parsed
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(_post(s, router.url, big))
+        for _ in range(200):
+            if held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert held.is_set()
+        try:
+            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
+                got = await r.read()
+                assert r.status == 200, got[:300]
+                assert got.rstrip().endswith(b"data: [DONE]")
+            assert not release.is_set() and not task.done()
+        finally:
+            release.set()
+        status, raw = await task
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found", raw[:300]
+    assert timed_out == [False], "the parse held the event loop"
+
+
 async def test_token_keying_of_a_large_body_runs_off_the_event_loop(
     make_router: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
