@@ -113,35 +113,66 @@ class PendingClients:
             self.counts.pop(client, None)
 
 
+SWEEP_DELAY_S = 0.1
+"""How long after a client passes `limits.max_silent_per_client` its oldest silent
+connections are closed (see `SilentConnections`)."""
+
+
 class SilentConnections:
     """Per client address, the connections that have sent no byte yet since connect
     (`limits.max_silent_per_client`), oldest first; on the event loop only.
 
-    One more than the limit closes the client's oldest silent connection rather than
-    refusing the new one: a connection cannot tell whether its request will come, and a
-    client (or the clients behind one address) that opens a new connection to send a
-    request must not be locked out by its own idle ones."""
+    Past the limit, the client's oldest silent connections are closed rather than the
+    new one refused: a connection cannot tell whether its request will come, and a client
+    (or the clients behind one address, such as an ingress) that opens a new connection
+    to send a request must not be locked out by idle ones. The closing waits
+    `SWEEP_DELAY_S` (at least one poll of the sockets): a burst of new connections is
+    accepted before any of their requests is read, and those that bring one leave the
+    count meanwhile."""
 
-    __slots__ = ("by_client", "evicted", "limit", "on_evict")
+    __slots__ = ("_loop", "_sweeps", "by_client", "delay_s", "evicted", "limit", "on_evict")
 
-    def __init__(self, limit: int, on_evict: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        limit: int,
+        on_evict: Callable[[], None] = lambda: None,
+        delay_s: float = SWEEP_DELAY_S,
+    ) -> None:
         self.limit = limit
+        self.delay_s = delay_s
         self.by_client: dict[str, dict[object, Callable[[], None]]] = {}
         self.evicted = 0
         """Silent connections closed to make room so far (tests read it)."""
         self.on_evict = on_evict
         """Called per eviction (the router counts it as a `too_many_silent` refusal)."""
+        self._sweeps: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, client: str, conn: object, close: Callable[[], None]) -> None:
         """Count `conn` as silent; `close()` closes it should it be evicted."""
-        conns = self.by_client.setdefault(client, {})
+        conns = self.by_client.get(client)
+        if conns is None:
+            conns = self.by_client[client] = {}
         conns[conn] = close
-        while len(conns) > self.limit:
+        if len(conns) > self.limit and client not in self._sweeps:
+            self._sweeps.add(client)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_later(self.delay_s, self._sweep, client)
+
+    def _sweep(self, client: str) -> None:
+        """Close `client`'s oldest silent connections while it has more than the limit."""
+        self._sweeps.discard(client)
+        conns = self.by_client.get(client)
+        while conns and len(conns) > self.limit:
             oldest = next(iter(conns))
             evict = conns.pop(oldest)
             self.evicted += 1
             self.on_evict()
             evict()
+        if conns is not None and not conns:
+            self.by_client.pop(client, None)
 
     def remove(self, client: str, conn: object) -> None:
         """`conn` sent its first byte, or went away (no-op if it was not counted)."""
