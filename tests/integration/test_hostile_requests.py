@@ -339,6 +339,46 @@ async def test_content_part_and_prompt_array_limits_refuse_with_400(
         assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 4
 
 
+async def test_a_huge_body_is_counted_off_the_event_loop(
+    make_router: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body over 4 MiB goes to the counting child from a worker thread: a small stream
+    is served while that exchange is held, then the body is refused for its count."""
+    from ramjet.request import precheck
+
+    held = threading.Event()
+    release = threading.Event()
+    timed_out: list[bool] = []
+    count = precheck._Child.count
+
+    def slow(self: precheck._Child, body: bytes) -> precheck.BodyCounts:
+        held.set()
+        timed_out.append(not release.wait(10))
+        return count(self, body)
+
+    monkeypatch.setattr(precheck._Child, "count", slow)
+    router = await make_router(limits={"max_body_bytes": 8 << 20, "max_messages": 50})
+    big = _messages(150_000)  # over 4 MiB
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(_post(s, router.url, big))
+        for _ in range(200):
+            if held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert held.is_set()
+        try:
+            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
+                got = await r.read()
+                assert r.status == 200, got[:300]
+                assert got.rstrip().endswith(b"data: [DONE]")
+            assert not release.is_set() and not task.done()
+        finally:
+            release.set()
+        status, raw = await task
+    assert status == 400 and json.loads(raw)["error"]["code"] == "too_many_messages", raw[:300]
+    assert timed_out == [False], "the count held the event loop"
+
+
 async def test_a_large_body_is_parsed_off_the_event_loop(
     make_router: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
