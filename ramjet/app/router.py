@@ -215,6 +215,11 @@ class Router:
         await self._prober.probe_all()
         self._prober.start()
 
+    def start_counting_child(self) -> None:
+        """Start the process that counts large bodies now, off the loop, rather than on
+        the first one (`ramjet.request.precheck`; `ramjet serve` does at start)."""
+        self._prechecker.start()
+
     async def drain(self, timeout_s: float | None = None) -> None:
         """Refuse new requests; let in-flight ones finish for up to `timeout_s`, then end
         the rest (streams get an error event)."""

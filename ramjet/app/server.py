@@ -450,6 +450,7 @@ async def serve(
     by `ramjet.app.wiring`)."""
     server = RouterServer(config, host, port, policy_path=policy_path, ops_port=ops_port)
     await server.start()
+    server.router.start_counting_child()  # ready before the first large body
     tune_gc()  # start-up state frozen, fewer young collections (`ramjet.runtime.gc`)
     log.info("ramjet listening on %s (mode %s)", server.url, config.mode.kind)
     stop = asyncio.Event()

@@ -4,8 +4,8 @@ A body of a million tiny messages (or content parts, or prompt items) costs a C 
 pass that holds the GIL for its whole length (about 0.3 s for 32 MB on a busy 2-core
 machine), and a thread does not help: the event loop waits for the GIL as long. So
 `Prechecker` counts a large body in a child process (`multiprocessing` spawn, one worker,
-started on the first large body, off the event loop), and nothing comes back but the
-counts (`BodyCounts`).
+started off the event loop when `ramjet serve` starts, `Prechecker.start`, else on the
+first large body, and again after it dies), and nothing comes back but the counts (`BodyCounts`).
 
 The body goes to the child through a socket, written by a thread of its own with
 `os.write`, which lets go of the GIL while the kernel copies: no pickle of the body (a
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -34,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import msgspec
+
+log = logging.getLogger(__name__)
 
 
 class BodyCounts(NamedTuple):
@@ -164,18 +167,47 @@ class Prechecker:
         self._thread: ThreadPoolExecutor | None = None
         self._child: _Child | None = None
         self._lock = threading.Lock()
+        self._closed = False
         self.started = 0
         """Child processes started so far (tests read it)."""
+
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="ramjet-count")
+        return self._thread
+
+    def start(self) -> None:
+        """Start the child now, on the worker thread (`ramjet serve` does at its start),
+        so that the first large body does not wait for a process to start, nor compete
+        with other streams for the CPU that takes."""
+        self._thread_pool().submit(self._start_child)
+
+    def _start_child(self) -> None:
+        try:
+            with self._lock:
+                self._ensure_child()
+        except Exception:  # the first large body tries again, and falls back if need be
+            log.exception("starting the counting child failed")
+
+    def _ensure_child(self) -> _Child:
+        child = self._child
+        if child is None:
+            if self._closed:
+                raise OSError("the counting child is closed")
+            child = self._child = _Child()
+            self.started += 1
+            if self._closed:  # closed while it started: `close` may not have seen it
+                self._child = None
+                child.close()
+                raise OSError("the counting child is closed")
+        return child
 
     def _exchange(self, body: bytes) -> BodyCounts:
         """On the worker thread: the child's counts of `body` (a dead child is replaced
         once; a second failure raises)."""
         with self._lock:
             for attempt in (0, 1):
-                child = self._child
-                if child is None:
-                    child = self._child = _Child()
-                    self.started += 1
+                child = self._ensure_child()
                 try:
                     return child.count(body)
                 except (EOFError, OSError):
@@ -189,11 +221,12 @@ class Prechecker:
         """`body_counts(body)`, computed in the child (raises if the child fails). A
         caller cancelled while its body is with the child leaves the exchange to finish
         on the worker thread (the next one waits for it)."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="ramjet-count")
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._exchange, body)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread_pool(), self._exchange, body
+        )
 
     def close(self) -> None:
+        self._closed = True
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.shutdown(wait=False, cancel_futures=True)

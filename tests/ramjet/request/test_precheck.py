@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 from pathlib import Path
@@ -67,3 +68,33 @@ async def test_the_child_runs_at_a_lower_cpu_priority() -> None:
         assert int(stat[16]) == min(19, os.nice(0) + CHILD_NICENESS)  # field 19: nice
     finally:
         pre.close()
+
+
+async def test_start_readies_the_child_before_the_first_body() -> None:
+    pre = Prechecker()
+    try:
+        pre.start()
+        for _ in range(200):
+            if pre.started:
+                break
+            await asyncio.sleep(0.05)
+        assert pre.started == 1 and pre._child is not None
+        assert await pre.count(_chat(2, 1)) == BodyCounts(2, 2, 0)
+        assert pre.started == 1  # no second child
+    finally:
+        pre.close()
+
+
+async def test_a_child_started_as_the_prechecker_closes_is_not_left_running() -> None:
+    pre = Prechecker()
+    pre.start()
+    pre.close()  # while the worker thread may still be starting the child
+    await asyncio.sleep(0)
+    for _ in range(100):
+        child = pre._child
+        if child is None and not pre._lock.locked():
+            break
+        await asyncio.sleep(0.05)
+    assert pre._child is None
+    for p in multiprocessing.active_children():
+        assert p.name != "ramjet-count", "a counting child outlived its prechecker"
