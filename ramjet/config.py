@@ -144,6 +144,10 @@ class LimitsConfig(_Frozen):
     max_prompt_items: int = Field(default=1 << 20, gt=0)
     """Most items of a completion request's `prompt` array and the arrays in it (token
     ids; 400 `too_many_prompt_items` beyond), checked as `max_messages` is."""
+    max_json_values: int = Field(default=2_000_000, gt=0)
+    """Most JSON values (array elements, member values, containers) in a body over
+    `parse_thread_bytes`, in any field (400 `too_many_values` beyond): bounded before the
+    body is decoded, whose C decode holds the GIL for every value it makes."""
     max_json_depth: int = Field(default=64, gt=0)
     """Deepest nesting of arrays/objects in a body (400 `nesting_too_deep` beyond)."""
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)

@@ -166,6 +166,7 @@ class Router:
             max_messages=lim.max_messages,
             max_content_parts=lim.max_content_parts,
             max_prompt_items=lim.max_prompt_items,
+            max_json_values=lim.max_json_values,
         )
         self._trusted_networks = tuple(
             ipaddress.ip_network(n, strict=False) for n in lim.priority_trusted_networks
@@ -305,7 +306,7 @@ class Router:
         prechecked = False
         if len(body) > PRECHECK_PROCESS_BYTES:  # its counts, in a child process
             try:
-                counts = await self._prechecker.count(body)
+                counts = await self._prechecker.count(body, self.parse_limits.max_json_values)
             except Exception:  # the child failed: the parse thread counts instead
                 log.exception("counting a body in the child process failed")
             else:

@@ -102,6 +102,9 @@ class ParseLimits:
     max_prompt_items: int = 1 << 20
     """Most items in a completion body's `prompt` array and the arrays in it (token ids;
     `limits.max_prompt_items`), checked as `max_messages` is."""
+    max_json_values: int = 2_000_000
+    """Most JSON values in a large body, any field (`limits.max_json_values`): bounded
+    from above before the body is decoded (`ramjet.request.precheck.values_bound`)."""
 
     def __post_init__(self) -> None:
         if (
@@ -111,6 +114,7 @@ class ParseLimits:
             or self.max_messages <= 0
             or self.max_content_parts <= 0
             or self.max_prompt_items <= 0
+            or self.max_json_values <= 0
         ):
             raise ValueError("ParseLimits: limits must be positive")
         if not (self.bytes_per_token > 0 and math.isfinite(self.bytes_per_token)):
@@ -315,6 +319,13 @@ def check_counts(counts: BodyCounts, limits: ParseLimits) -> None:
         raise _too_many_parts(counts.parts, limits.max_content_parts)
     if counts.prompt_items > limits.max_prompt_items:
         raise _too_many_prompt_items(counts.prompt_items, limits.max_prompt_items)
+    if counts.values > limits.max_json_values:
+        raise _bad(
+            "too_many_values",
+            f"request body holds more than {limits.max_json_values} JSON values (about "
+            f"{counts.values})",
+            None,
+        )
 
 
 def _check_decoded_counts(obj: Mapping[str, Any], kind: RequestKind, limits: ParseLimits) -> None:
@@ -354,7 +365,7 @@ def _decode_body(body: bytes, limits: ParseLimits, prechecked: bool = False) -> 
         # Refuse a large body with too many messages, parts or prompt items before it is
         # decoded into objects (`body_counts`: one small object per item instead of a
         # dict and strings; a body it cannot read is refused as invalid JSON here).
-        check_counts(body_counts(body), limits)
+        check_counts(body_counts(body, limits.max_json_values), limits)
     try:
         obj = _decode(body)
     except RecursionError:

@@ -29,6 +29,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,10 @@ class BodyCounts(NamedTuple):
     """Items of a `prompt` array, and of the arrays in it (0 for a string prompt)."""
     error: str = ""
     """Not empty: the body is not valid JSON (the decoder's message)."""
+    values: int = 0
+    """At least the number of JSON values in the body (every array element, object
+    member value and container, in any field), at most `values_bound`'s figure: a bound
+    on what the full decode allocates. Only computed when asked for (`body_counts`)."""
 
 
 class _Skipped(msgspec.Struct, gc=False):
@@ -92,9 +97,26 @@ def _counts_of(obj: Any) -> BodyCounts:
     return BodyCounts(n, parts, items)
 
 
-def body_counts(body: bytes) -> BodyCounts:
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def values_bound(body: bytes, limit: int) -> int:
+    """An upper bound on the JSON values in `body` (each container holds at most one
+    more element than it has commas): from its raw commas and brackets (a few C passes),
+    and, only when that passes `limit`, from those outside its strings (a regex pass:
+    commas in text do not count)."""
+    raw = body.count(b",") + 2 * (body.count(b"[") + body.count(b"{")) + 1
+    if raw <= limit:
+        return raw
+    bare = _JSON_STRING.sub(b'""', body)
+    return bare.count(b",") + 2 * (bare.count(b"[") + bare.count(b"{")) + 1
+
+
+def body_counts(body: bytes, values_limit: int | None = None) -> BodyCounts:
     """What `body` holds (`BodyCounts`): a typed decode that skips what it does not
-    count, else (a shape it refuses) a whole decode, else the JSON error."""
+    count, else (a shape it refuses) a whole decode, else the JSON error. With
+    `values_limit`, also `values_bound` (when the other counts do not refuse it already,
+    they being cheaper)."""
     try:
         env = msgspec.json.decode(body, type=_Envelope)
     except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
@@ -102,9 +124,15 @@ def body_counts(body: bytes) -> BodyCounts:
     else:
         msgs = env.messages or ()
         parts = sum(len(m.content) for m in msgs if isinstance(m.content, list))
-        return BodyCounts(len(msgs), parts, _prompt_items_typed(env.prompt))
+        c = BodyCounts(len(msgs), parts, _prompt_items_typed(env.prompt))
+        if values_limit is not None:
+            c = c._replace(values=values_bound(body, values_limit))
+        return c
     try:
-        return _counts_of(msgspec.json.decode(body))
+        c = _counts_of(msgspec.json.decode(body))
+        if values_limit is not None:
+            c = c._replace(values=values_bound(body, values_limit))
+        return c
     except RecursionError:
         return BodyCounts(0, 0, 0)  # the parse refuses it, cheaply (msgspec stops early)
     except UnicodeDecodeError as e:
@@ -113,7 +141,8 @@ def body_counts(body: bytes) -> BodyCounts:
         return BodyCounts(0, 0, 0, f"request body is not valid JSON: {e}")
 
 
-_COUNTS = struct.Struct("<qqq")
+_COUNTS = struct.Struct("<qqqq")
+_LIMIT = struct.Struct("<q")
 CHILD_NICENESS = 10
 """Added to the child's nice value (`os.nice`)."""
 
@@ -125,12 +154,15 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
         os.nice(CHILD_NICENESS)
     while True:
         try:
+            (limit,) = _LIMIT.unpack(conn.recv_bytes())
             body = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        c = body_counts(body)
+        c = body_counts(body, limit)
         del body
-        conn.send_bytes(_COUNTS.pack(c.messages, c.parts, c.prompt_items) + c.error.encode())
+        conn.send_bytes(
+            _COUNTS.pack(c.messages, c.parts, c.prompt_items, c.values) + c.error.encode()
+        )
 
 
 class _Child:
@@ -143,13 +175,14 @@ class _Child:
         self.proc.start()
         theirs.close()
 
-    def count(self, body: bytes) -> BodyCounts:
+    def count(self, body: bytes, values_limit: int) -> BodyCounts:
         # `send_bytes` writes with os.write in a loop: the GIL is let go while the
         # kernel copies each piece.
+        self.conn.send_bytes(_LIMIT.pack(values_limit))
         self.conn.send_bytes(body)
         raw = self.conn.recv_bytes()
-        n, parts, items = _COUNTS.unpack_from(raw)
-        return BodyCounts(n, parts, items, raw[_COUNTS.size :].decode())
+        n, parts, items, values = _COUNTS.unpack_from(raw)
+        return BodyCounts(n, parts, items, raw[_COUNTS.size :].decode(), values)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -202,14 +235,14 @@ class Prechecker:
                 raise OSError("the counting child is closed")
         return child
 
-    def _exchange(self, body: bytes) -> BodyCounts:
+    def _exchange(self, body: bytes, values_limit: int) -> BodyCounts:
         """On the worker thread: the child's counts of `body` (a dead child is replaced
         once; a second failure raises)."""
         with self._lock:
             for attempt in (0, 1):
                 child = self._ensure_child()
                 try:
-                    return child.count(body)
+                    return child.count(body, values_limit)
                 except (EOFError, OSError):
                     self._child = None
                     child.close()
@@ -217,12 +250,13 @@ class Prechecker:
                         raise
             raise AssertionError("unreachable")
 
-    async def count(self, body: bytes) -> BodyCounts:
-        """`body_counts(body)`, computed in the child (raises if the child fails). A
+    async def count(self, body: bytes, values_limit: int = 1 << 62) -> BodyCounts:
+        """`body_counts(body, values_limit)`, computed in the child (raises if the
+        child fails). A
         caller cancelled while its body is with the child leaves the exchange to finish
         on the worker thread (the next one waits for it)."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._thread_pool(), self._exchange, body
+            self._thread_pool(), self._exchange, body, values_limit
         )
 
     def close(self) -> None:

@@ -339,6 +339,41 @@ async def test_content_part_and_prompt_array_limits_refuse_with_400(
         assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 4
 
 
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_a_large_body_with_too_many_values_in_any_field_is_refused_before_its_decode(
+    make_router: Any, engines: list[EngineProcess], fast_path: bool
+) -> None:
+    """A large body whose values are in a field no count limit names (metadata, tools,
+    stop, ...) is refused with 400 `too_many_values` before the decode that would make
+    them (on a parse thread, or over 4 MiB in the child), and reaches no engine; commas
+    in text do not count."""
+    router = await make_router(
+        fast_path=fast_path, limits={"max_body_bytes": 8 << 20, "max_json_values": 100_000}
+    )
+    one = _messages(1)
+    cases = [
+        {**one, "metadata": [7] * 300_000},  # over 256 KiB: counted on a parse thread
+        {**one, "metadata": [7] * 2_000_000},  # over 4 MiB: counted in the child
+        {**one, "stop": ["s"] * 150_000},
+        {**one, "tools": [{"type": "function"}] * 60_000},
+    ]
+    before = await _engine_requests(engines)
+    async with aiohttp.ClientSession() as s:
+        for body in cases:
+            status, raw = await _post(s, router.url, body)
+            assert status == 400, raw[:300]
+            err = json.loads(raw)["error"]
+            assert (err["code"], err["type"]) == ("too_many_values", "invalid_request_error")
+            assert router.router.admission.bodies.used == 0
+        # 200,000 commas, all in text: counted, parsed, then 404 for its model
+        prose = {**_messages(1), "model": "not-served"}
+        prose["messages"] = [{"role": "user", "content": "a, " * 200_000}]
+        status, raw = await _post(s, router.url, prose)
+        assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found", raw
+    assert await _engine_requests(engines) == before
+    assert _metric(router, "ramjet_rejected_requests_total", {"reason": "too_many_values"}) == 4
+
+
 async def test_a_huge_body_is_counted_off_the_event_loop(
     make_router: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
