@@ -76,6 +76,7 @@ from ramjet.request.parse import (
     ParseLimits,
     RequestError,
     check_counts,
+    count_limits,
     parse_request,
     to_request_view,
 )
@@ -306,7 +307,7 @@ class Router:
         prechecked = False
         if len(body) > PRECHECK_PROCESS_BYTES:  # its counts, in a child process
             try:
-                counts = await self._prechecker.count(body, self.parse_limits.max_json_values)
+                counts = await self._prechecker.count(body, count_limits(self.parse_limits))
             except Exception:  # the child failed: the parse thread counts instead
                 log.exception("counting a body in the child process failed")
             else:

@@ -46,7 +46,7 @@ from ramjet.keys.prefix import (
     render_completion,
 )
 from ramjet.policy.base import RequestView
-from ramjet.request.precheck import BodyCounts, body_counts
+from ramjet.request.precheck import BodyCounts, CountLimits, body_counts
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
@@ -308,6 +308,16 @@ def _too_many_prompt_items(n: int, limit: int) -> RequestError:
     )
 
 
+def count_limits(limits: ParseLimits) -> CountLimits:
+    """What `ramjet.request.precheck.body_counts` checks a body against."""
+    return CountLimits(
+        limits.max_messages,
+        limits.max_content_parts,
+        limits.max_prompt_items,
+        limits.max_json_values,
+    )
+
+
 def check_counts(counts: BodyCounts, limits: ParseLimits) -> None:
     """Raise `RequestError` (400) when a body's counts (`ramjet.request.precheck.
     body_counts`) break a limit, or it is not JSON."""
@@ -365,7 +375,7 @@ def _decode_body(body: bytes, limits: ParseLimits, prechecked: bool = False) -> 
         # Refuse a large body with too many messages, parts or prompt items before it is
         # decoded into objects (`body_counts`: one small object per item instead of a
         # dict and strings; a body it cannot read is refused as invalid JSON here).
-        check_counts(body_counts(body, limits.max_json_values), limits)
+        check_counts(body_counts(body, count_limits(limits)), limits)
     try:
         obj = _decode(body)
     except RecursionError:

@@ -57,6 +57,15 @@ class BodyCounts(NamedTuple):
     on what the full decode allocates. Only computed when asked for (`body_counts`)."""
 
 
+class CountLimits(NamedTuple):
+    """The limits `body_counts` checks against (`ramjet.request.parse.ParseLimits`'s)."""
+
+    messages: int
+    parts: int
+    prompt_items: int
+    values: int
+
+
 class _Skipped(msgspec.Struct, gc=False):
     """A content part (or anything object-like), every field skipped: only counted."""
 
@@ -112,11 +121,22 @@ def values_bound(body: bytes, limit: int) -> int:
     return bare.count(b",") + 2 * (bare.count(b"[") + bare.count(b"{")) + 1
 
 
-def body_counts(body: bytes, values_limit: int | None = None) -> BodyCounts:
+def _with_values(c: BodyCounts, body: bytes, limits: CountLimits | None) -> BodyCounts:
+    """`c` with `values_bound`, when `limits` asks for it and no other count of `c`
+    breaks them already (those are cheaper)."""
+    if limits is None or (
+        c.messages > limits.messages
+        or c.parts > limits.parts
+        or c.prompt_items > limits.prompt_items
+    ):
+        return c
+    return c._replace(values=values_bound(body, limits.values))
+
+
+def body_counts(body: bytes, limits: CountLimits | None = None) -> BodyCounts:
     """What `body` holds (`BodyCounts`): a typed decode that skips what it does not
-    count, else (a shape it refuses) a whole decode, else the JSON error. With
-    `values_limit`, also `values_bound` (when the other counts do not refuse it already,
-    they being cheaper)."""
+    count, else (a shape it refuses) a whole decode, else the JSON error. With `limits`,
+    also `values_bound` (only if the other counts are within them)."""
     try:
         env = msgspec.json.decode(body, type=_Envelope)
     except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
@@ -125,14 +145,9 @@ def body_counts(body: bytes, values_limit: int | None = None) -> BodyCounts:
         msgs = env.messages or ()
         parts = sum(len(m.content) for m in msgs if isinstance(m.content, list))
         c = BodyCounts(len(msgs), parts, _prompt_items_typed(env.prompt))
-        if values_limit is not None:
-            c = c._replace(values=values_bound(body, values_limit))
-        return c
+        return _with_values(c, body, limits)
     try:
-        c = _counts_of(msgspec.json.decode(body))
-        if values_limit is not None:
-            c = c._replace(values=values_bound(body, values_limit))
-        return c
+        return _with_values(_counts_of(msgspec.json.decode(body)), body, limits)
     except RecursionError:
         return BodyCounts(0, 0, 0)  # the parse refuses it, cheaply (msgspec stops early)
     except UnicodeDecodeError as e:
@@ -142,7 +157,7 @@ def body_counts(body: bytes, values_limit: int | None = None) -> BodyCounts:
 
 
 _COUNTS = struct.Struct("<qqqq")
-_LIMIT = struct.Struct("<q")
+_LIMITS = struct.Struct("<qqqq")
 CHILD_NICENESS = 10
 """Added to the child's nice value (`os.nice`)."""
 
@@ -154,11 +169,11 @@ def _serve(conn: multiprocessing.connection.Connection) -> None:
         os.nice(CHILD_NICENESS)
     while True:
         try:
-            (limit,) = _LIMIT.unpack(conn.recv_bytes())
+            limits = CountLimits(*_LIMITS.unpack(conn.recv_bytes()))
             body = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        c = body_counts(body, limit)
+        c = body_counts(body, limits)
         del body
         conn.send_bytes(
             _COUNTS.pack(c.messages, c.parts, c.prompt_items, c.values) + c.error.encode()
@@ -175,10 +190,10 @@ class _Child:
         self.proc.start()
         theirs.close()
 
-    def count(self, body: bytes, values_limit: int) -> BodyCounts:
+    def count(self, body: bytes, limits: CountLimits) -> BodyCounts:
         # `send_bytes` writes with os.write in a loop: the GIL is let go while the
         # kernel copies each piece.
-        self.conn.send_bytes(_LIMIT.pack(values_limit))
+        self.conn.send_bytes(_LIMITS.pack(*limits))
         self.conn.send_bytes(body)
         raw = self.conn.recv_bytes()
         n, parts, items, values = _COUNTS.unpack_from(raw)
@@ -235,14 +250,14 @@ class Prechecker:
                 raise OSError("the counting child is closed")
         return child
 
-    def _exchange(self, body: bytes, values_limit: int) -> BodyCounts:
+    def _exchange(self, body: bytes, limits: CountLimits) -> BodyCounts:
         """On the worker thread: the child's counts of `body` (a dead child is replaced
         once; a second failure raises)."""
         with self._lock:
             for attempt in (0, 1):
                 child = self._ensure_child()
                 try:
-                    return child.count(body, values_limit)
+                    return child.count(body, limits)
                 except (EOFError, OSError):
                     self._child = None
                     child.close()
@@ -250,13 +265,13 @@ class Prechecker:
                         raise
             raise AssertionError("unreachable")
 
-    async def count(self, body: bytes, values_limit: int = 1 << 62) -> BodyCounts:
-        """`body_counts(body, values_limit)`, computed in the child (raises if the
-        child fails). A
+    async def count(self, body: bytes, limits: CountLimits) -> BodyCounts:
+        """`body_counts(body, limits)`, computed in the child (raises if the child
+        fails). A
         caller cancelled while its body is with the child leaves the exchange to finish
         on the worker thread (the next one waits for it)."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._thread_pool(), self._exchange, body, values_limit
+            self._thread_pool(), self._exchange, body, limits
         )
 
     def close(self) -> None:

@@ -386,10 +386,12 @@ async def test_a_huge_body_is_counted_off_the_event_loop(
     timed_out: list[bool] = []
     count = precheck._Child.count
 
-    def slow(self: precheck._Child, body: bytes, values_limit: int) -> precheck.BodyCounts:
+    def slow(
+        self: precheck._Child, body: bytes, limits: precheck.CountLimits
+    ) -> precheck.BodyCounts:
         held.set()
         timed_out.append(not release.wait(10))
-        return count(self, body, values_limit)
+        return count(self, body, limits)
 
     monkeypatch.setattr(precheck._Child, "count", slow)
     router = await make_router(limits={"max_body_bytes": 8 << 20, "max_messages": 50})

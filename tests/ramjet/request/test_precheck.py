@@ -13,10 +13,13 @@ from pathlib import Path
 from ramjet.request.precheck import (
     CHILD_NICENESS,
     BodyCounts,
+    CountLimits,
     Prechecker,
     body_counts,
     values_bound,
 )
+
+LIMITS = CountLimits(1 << 30, 1 << 30, 1 << 30, 1 << 30)
 
 
 def _chat(messages: int, parts: int) -> bytes:
@@ -34,8 +37,12 @@ def test_values_bound_is_an_upper_bound_and_skips_text() -> None:
     assert 10 <= tight < values_bound(body, 1 << 30)
     many = json.dumps({"metadata": [7] * 100_000}).encode()
     assert values_bound(many, 1000) >= 100_000
-    assert body_counts(many, 1000).values >= 100_000
+    assert body_counts(many, CountLimits(10, 10, 10, 1000)).values >= 100_000
     assert body_counts(many).values == 0  # not asked for
+    # another count over its limit already: the values are not bounded (cheaper)
+    msgs = _chat(20, 1)
+    assert body_counts(msgs, CountLimits(10, 10, 10, 1)).values == 0
+    assert body_counts(msgs, CountLimits(20, 20, 10, 1)).values > 20
 
 
 def test_body_counts_of_every_shape() -> None:
@@ -56,21 +63,21 @@ async def test_counts_in_the_child_survive_a_cancelled_caller_and_a_dead_child()
     try:
         big = _chat(200_000, 1)  # several MB: its exchange takes a while
         small = _chat(2, 3)
-        assert (await pre.count(small))[:4] == (2, 6, 0, "")
+        assert (await pre.count(small, LIMITS))[:4] == (2, 6, 0, "")
         # A caller cancelled while its body is with the child: the next caller still
         # gets its own counts (the exchange finished on the worker thread first).
-        first = asyncio.ensure_future(pre.count(big))
+        first = asyncio.ensure_future(pre.count(big, LIMITS))
         await asyncio.sleep(0.01)
         first.cancel()
-        assert (await pre.count(small))[:4] == (2, 6, 0, "")
-        assert (await pre.count(big))[:4] == (200_000, 200_000, 0, "")
-        assert (await pre.count(b"{nope")).error
+        assert (await pre.count(small, LIMITS))[:4] == (2, 6, 0, "")
+        assert (await pre.count(big, LIMITS))[:4] == (200_000, 200_000, 0, "")
+        assert (await pre.count(b"{nope", LIMITS)).error
         assert pre.started == 1
         child = pre._child
         assert child is not None and child.proc.pid is not None
         os.kill(child.proc.pid, signal.SIGKILL)
         child.proc.join(5)
-        assert (await pre.count(small))[:4] == (2, 6, 0, "")  # a new child
+        assert (await pre.count(small, LIMITS))[:4] == (2, 6, 0, "")  # a new child
         assert pre.started == 2
     finally:
         pre.close()
@@ -79,7 +86,7 @@ async def test_counts_in_the_child_survive_a_cancelled_caller_and_a_dead_child()
 async def test_the_child_runs_at_a_lower_cpu_priority() -> None:
     pre = Prechecker()
     try:
-        assert (await pre.count(b"{}"))[:4] == (0, 0, 0, "")
+        assert (await pre.count(b"{}", LIMITS))[:4] == (0, 0, 0, "")
         child = pre._child
         assert child is not None and child.proc.pid is not None
         stat = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -97,7 +104,7 @@ async def test_start_readies_the_child_before_the_first_body() -> None:
                 break
             await asyncio.sleep(0.05)
         assert pre.started == 1 and pre._child is not None
-        assert (await pre.count(_chat(2, 1)))[:4] == (2, 2, 0, "")
+        assert (await pre.count(_chat(2, 1), LIMITS))[:4] == (2, 2, 0, "")
         assert pre.started == 1  # no second child
     finally:
         pre.close()
