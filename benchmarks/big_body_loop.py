@@ -73,6 +73,9 @@ async def worst_gap(url: str, path: Path) -> tuple[float, int, str]:
     status, code = await send(url, path)
     done.set()
     await m
+    if "--verbose" in sys.argv:
+        top = sorted(gaps)[-3:]
+        print(f"  {path.name}: worst gaps {[round(x * 1000, 1) for x in top]} ms", flush=True)
     return max(gaps), status, code
 
 
@@ -128,6 +131,7 @@ async def run(rounds: int, tmp: Path, urls: list[str]) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--verbose", action="store_true", help="print each round's worst gaps")
     args = ap.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="big-body-loop-") as tmpdir,
