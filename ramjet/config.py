@@ -159,9 +159,10 @@ class LimitsConfig(_Frozen):
     body) yet; one more is refused with 429 `too_many_pending` and closed."""
     max_silent_per_client: int = Field(default=256, gt=0)
     """Connections from one client address that have sent no byte since they connected
-    (each also bounded by `timeouts.header_deadline_s`); one more closes that client's
-    oldest silent connection, so a new connection that brings a request is never
-    locked out by idle ones."""
+    (each also bounded by `timeouts.header_deadline_s`); past it, that client's oldest
+    silent connections are closed (0.1 s later, so that a burst of connections whose
+    requests are on their way loses none), so a new connection that brings a request
+    is never locked out by idle ones."""
     parse_threads: int = Field(default=2, gt=0)
     """Threads that parse, render and key large bodies off the event loop."""
     parse_thread_bytes: int = Field(default=256 * 1024, ge=0)

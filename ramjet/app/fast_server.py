@@ -40,8 +40,8 @@ What this layer keeps itself, as aiohttp's handler does:
   with 429 `too_many_pending`;
 - the silent connections of each client (`limits.max_silent_per_client`,
   `ramjet.request.admission.SilentConnections`, shared with the router): from connect to
-  the first byte; one more past the limit closes the client's oldest silent one (each
-  is also bounded by the header deadline).
+  the first byte; past the limit the client's oldest silent ones are closed, after a
+  short delay (each is also bounded by the header deadline).
 
 The response head and framing are aiohttp's (`ramjet.request.client`).
 """

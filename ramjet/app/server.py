@@ -19,8 +19,9 @@ Connection-level protections live below the app, in a `RequestHandler` subclass:
   it again while its body is read); one too many is answered 429 `too_many_pending`
   and closed.
 - **Silent connections** (`limits.max_silent_per_client`): from connect to its first
-  byte a connection counts as one of its client's silent ones; one more closes the
-  client's oldest (the header deadline bounds each too).
+  byte a connection counts as one of its client's silent ones; past the limit, the
+  client's oldest are closed (after `SilentConnections`' short delay, so a burst whose
+  requests are on their way loses none; the header deadline bounds each too).
 - **Parser refusals**: aiohttp's strict parser rejects Content-Length with
   Transfer-Encoding, duplicate Content-Length, bare LF, CR/LF in header values, too many
   headers and over-long header lines. They are answered with an OpenAI error object
