@@ -54,6 +54,12 @@ BENCHMARKS = (
     Bench("report_flood", ("--quick",), headline=r"^report flood result:", timeout_s=300),
     Bench("hostile_clients", ("--quick",), headline=r"^self-check:", timeout_s=600),
     Bench(
+        "big_body_loop",
+        ("--rounds", "4"),
+        headline=r"^figure: big body loop / stall",
+        timeout_s=300,
+    ),
+    Bench(
         "decision",
         ("--repeats", "5", "--requests", "300"),
         headline=r"^decision result:",

@@ -13,8 +13,8 @@ stopped by pid before exit; the run is bounded by `--timeout`.
 Cases (every response is checked; any unexpected answer fails the self-check):
 
 1. One huge body: a chat body of N one-word messages (950,000, 32.3 MB: under the
-   32 MiB limit; `--quick`: 100,000) while small streams run one after another on
-   other connections. Printed: the small streams' worst TTFT minus their median alone
+   32 MiB limit; `--quick`: 100,000), sent by a process of its own, while small streams
+   run one after another on other connections. Printed: the small streams' worst TTFT minus their median alone
    (target <= 0.1 s), and the proxy's RSS growth (target <= 200 MB). Ramjet must refuse
    the body with 400 `too_many_messages`.
 2. Idle bodies: 1,100 connections send `Transfer-Encoding: chunked` headers and then
@@ -24,6 +24,9 @@ Cases (every response is checked; any unexpected answer fails the self-check):
    6,000 tokens outlast the default 60 s). Printed: statuses (target all 200), engine
    ejections and retries in Ramjet's metrics, and the requests the engines received
    (target 5: nothing re-run).
+4. Silent connections (not one of the issue's three): 1,100 connections connect and
+   send nothing; a normal request is sent meanwhile. Printed: its status (target 200)
+   and how many silent connections the proxy still holds open.
 """
 
 from __future__ import annotations
@@ -192,10 +195,25 @@ async def metric_sum(s: aiohttp.ClientSession, url: str, name: str) -> float:
 # -- the cases ----------------------------------------------------------------------------
 
 
-async def case_big_body(st: Stack, messages: int) -> dict[str, Any]:
+SENDER = """
+import http.client, sys, urllib.parse
+url = urllib.parse.urlsplit(sys.argv[1])
+body = open(sys.argv[2], "rb").read()
+conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+r = conn.getresponse()
+sys.stdout.buffer.write(b"%d\\n" % r.status + r.read())
+"""
+"""Sends the huge body from a process of its own: on the benchmark's event loop, writing
+32 MB (a copy into the transport's buffer) would delay the small streams measured there."""
+
+
+async def case_big_body(st: Stack, messages: int, tmp: Path) -> dict[str, Any]:
     body = json.dumps(
         {"model": MODEL, "messages": [{"role": "user", "content": "w"}] * messages, "max_tokens": 1}
     ).encode()
+    body_file = tmp / "big-body.json"
+    body_file.write_bytes(body)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         alone = [await small_stream(s, st.url) for _ in range(7)]
@@ -211,15 +229,14 @@ async def case_big_body(st: Stack, messages: int) -> dict[str, Any]:
                 await asyncio.sleep(0.02)
 
         async def big() -> tuple[int, bytes]:
-            async with (
-                aiohttp.ClientSession(timeout=timeout) as s2,
-                s2.post(
-                    st.url + "/v1/chat/completions",
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                ) as r,
-            ):
-                return r.status, await r.read()
+            proc = await asyncio.create_subprocess_exec(
+                PY, "-c", SENDER, st.url, str(body_file), stdout=asyncio.subprocess.PIPE
+            )
+            out, _ = await proc.communicate()
+            if proc.returncode != 0 or b"\n" not in out:
+                raise BenchError(f"{st.name}: the huge body's sender failed ({proc.returncode})")
+            status, reply = out.split(b"\n", 1)
+            return int(status), reply
 
         async def probes() -> list[float]:
             seen = []
@@ -281,6 +298,33 @@ async def case_idle_bodies(st: Stack) -> dict[str, Any]:
     return {"status": status, "took_s": took}
 
 
+async def case_silent(st: Stack) -> dict[str, Any]:
+    """1,100 connections that connect and send nothing, then a normal request."""
+    host, port = st.url.removeprefix("http://").split(":")
+    conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        for _ in range(IDLE_CONNECTIONS):
+            conns.append(await asyncio.open_connection(host, int(port)))
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s,
+            s.post(st.url + "/v1/chat/completions", json=chat("hello", 2)) as r,
+        ):
+            reply = await r.read()
+            status = r.status
+        took = time.monotonic() - t0
+        if status == 200 and json.loads(reply)["usage"]["completion_tokens"] != 2:
+            raise BenchError(f"{st.name}: normal request answered {reply[:300]!r}")
+        if status not in (200, 503, 429, 408):
+            raise BenchError(f"{st.name}: normal request answered {status} {reply[:300]!r}")
+        open_now = sum(1 for rd, _ in conns if not rd.at_eof())
+    finally:
+        for _, w in conns:
+            w.close()
+    return {"status": status, "took_s": took, "held": open_now}
+
+
 async def engine_requests(s: aiohttp.ClientSession, st: Stack) -> float:
     return sum([await metric_sum(s, u, "engine_requests_total") for u, _ in st.engines])
 
@@ -340,10 +384,13 @@ async def run(args: argparse.Namespace) -> int:
             async with stack(name, tmp, first_byte_s if name == "ramjet" else None) as st:
                 if 1 in cases:
                     print(f"[{name}] case 1: {messages:,} one-word messages", flush=True)
-                    res["big_body"] = await case_big_body(st, messages)
+                    res["big_body"] = await case_big_body(st, messages, tmp)
                 if 2 in cases:
                     print(f"[{name}] case 2: {IDLE_CONNECTIONS} idle chunked bodies", flush=True)
                     res["idle"] = await case_idle_bodies(st)
+                if 4 in cases:
+                    print(f"[{name}] case 4: {IDLE_CONNECTIONS} silent connections", flush=True)
+                    res["silent"] = await case_silent(st)
                 if 3 in cases:
                     print(f"[{name}] case 3: 5 x {tokens}-token generations", flush=True)
                     res["long"] = await case_long_generations(st, tokens)
@@ -352,6 +399,7 @@ async def run(args: argparse.Namespace) -> int:
     failed: list[str] = []
     for name, res in results.items():
         b, i, g = res.get("big_body"), res.get("idle"), res.get("long")
+        q = res.get("silent")
         print(f"{name}:")
         if b is not None:
             print(
@@ -364,6 +412,12 @@ async def run(args: argparse.Namespace) -> int:
             print(
                 f"  case 2: a normal request with {IDLE_CONNECTIONS} idle bodies open: "
                 f"{i['status']} in {i['took_s']:.2f} s"
+            )
+        if q is not None:
+            print(
+                f"  case 4: a normal request with {IDLE_CONNECTIONS} silent connections "
+                f"opened: {q['status']} in {q['took_s']:.2f} s; {q['held']} of them still "
+                "open"
             )
         if g is not None:
             print(
@@ -387,6 +441,8 @@ async def run(args: argparse.Namespace) -> int:
             ]
         if i is not None:
             checks.append(("case 2 normal request 200", i["status"] == 200))
+        if q is not None:
+            checks.append(("case 4 normal request 200", q["status"] == 200))
         if g is not None:
             checks += [
                 ("case 3 all 200", g["statuses"] == [200] * 5),
@@ -409,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (about two minutes)")
     ap.add_argument("--only", default="ramjet,smg", help="comma-separated: ramjet, smg")
     ap.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
-    ap.add_argument("--cases", default="1,2,3", help="comma-separated case numbers")
+    ap.add_argument("--cases", default="1,2,3,4", help="comma-separated case numbers")
     ap.add_argument("--messages", type=int, default=0, help="case 1's message count")
     ap.add_argument("--gen-tokens", type=int, default=0, help="case 3's max_tokens")
     args = ap.parse_args(argv)

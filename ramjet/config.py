@@ -138,6 +138,16 @@ class LimitsConfig(_Frozen):
     max_messages: int = Field(default=10_000, gt=0)
     """Most chat messages in one request (400 `too_many_messages` beyond), checked
     before the body is decoded into objects."""
+    max_content_parts: int = Field(default=20_000, gt=0)
+    """Most content parts over all of a chat request's `content` arrays (400
+    `too_many_content_parts` beyond), checked as `max_messages` is."""
+    max_prompt_items: int = Field(default=1 << 20, gt=0)
+    """Most items of a completion request's `prompt` array and the arrays in it (token
+    ids; 400 `too_many_prompt_items` beyond), checked as `max_messages` is."""
+    max_json_values: int = Field(default=2_000_000, gt=0)
+    """Most JSON values (array elements, member values, containers) in a body over
+    `parse_thread_bytes`, in any field (400 `too_many_values` beyond): bounded before the
+    body is decoded, whose C decode holds the GIL for every value it makes."""
     max_json_depth: int = Field(default=64, gt=0)
     """Deepest nesting of arrays/objects in a body (400 `nesting_too_deep` beyond)."""
     max_inflight_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
@@ -147,6 +157,12 @@ class LimitsConfig(_Frozen):
     max_pending_per_client: int = Field(default=256, gt=0)
     """Connections from one client address that have not sent a whole request (head and
     body) yet; one more is refused with 429 `too_many_pending` and closed."""
+    max_silent_per_client: int = Field(default=256, gt=0)
+    """Connections from one client address that have sent no byte since they connected
+    (each also bounded by `timeouts.header_deadline_s`); past it, that client's oldest
+    silent connections are closed (0.1 s later, so that a burst of connections whose
+    requests are on their way loses none), so a new connection that brings a request
+    is never locked out by idle ones."""
     parse_threads: int = Field(default=2, gt=0)
     """Threads that parse, render and key large bodies off the event loop."""
     parse_thread_bytes: int = Field(default=256 * 1024, ge=0)

@@ -23,6 +23,9 @@ What this layer keeps itself, as aiohttp's handler does:
 - the handler task is cancelled when the client goes away (aiohttp's
   `handler_cancellation`), so the engine's request is aborted;
 - backpressure: `FastResponse` waits for the transport to drain when it has paused;
+- a body of `PIECES_BYTES` (1 MiB) or more is kept as the pieces it came in, and joined
+  on a thread (which lets go of the GIL) before the handler gets it, so a huge body costs
+  the loop no copy;
 - a head that comes in pieces is searched for its end once per piece, from where the
   last search stopped (not all of it again per packet: a 1.6 MB head in 1460-byte
   segments cost seconds of CPU that way);
@@ -34,8 +37,11 @@ What this layer keeps itself, as aiohttp's handler does:
   `ramjet.request.admission.PendingClients`, shared with the router): a connection
   counts from the first byte of a request that did not come whole until its head and
   body are in (one that arrives whole never counts); one more past the limit is refused
-  with 429 `too_many_pending`. A connection that sends nothing is bounded by the header
-  deadline alone.
+  with 429 `too_many_pending`;
+- the silent connections of each client (`limits.max_silent_per_client`,
+  `ramjet.request.admission.SilentConnections`, shared with the router): from connect to
+  the first byte; past the limit the client's oldest silent ones are closed, after a
+  short delay (each is also bounded by the header deadline).
 
 The response head and framing are aiohttp's (`ramjet.request.client`).
 """
@@ -52,7 +58,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ramjet.request.admission import BodyBudget, PendingClients, client_of
+from ramjet.request.admission import BodyBudget, PendingClients, SilentConnections, client_of
 from ramjet.request.client import FastRequest, serialize_response
 from ramjet.request.openai_errors import error_body, json_error
 
@@ -63,6 +69,10 @@ KEEPALIVE_S = 75.0
 """Idle keep-alive connections are closed after this long (aiohttp's default)."""
 BACKLOG_BYTES = 1 << 20
 """Pipelined bytes buffered while a request is answered before reading pauses."""
+PIECES_BYTES = 1 << 20
+"""A body at least this long is kept as the pieces it came in and joined on a thread
+(`bytes.join` lets go of the GIL while it copies): a 32 MB body appended to a buffer,
+then copied out of it on the loop, stalled every other stream for ~20 ms."""
 
 Handler = Callable[[FastRequest], Awaitable[web.StreamResponse]]
 
@@ -121,6 +131,7 @@ class FastServer:
         bodies: BodyBudget | None = None,
         pending: PendingClients | None = None,
         on_refused: Callable[[str], None] = lambda reason: None,
+        silent: SilentConnections | None = None,
     ) -> None:
         """`bodies`, `pending`: the router's body budget and pending-connection counts
         (none: unbounded); `on_refused(reason)` counts a refusal made here."""
@@ -134,6 +145,7 @@ class FastServer:
         self.on_body_timeout = on_body_timeout
         self.bodies = bodies if bodies is not None else BodyBudget(1 << 62)
         self.pending = pending if pending is not None else PendingClients(1 << 62)
+        self.silent = silent if silent is not None else SilentConnections(1 << 62)
         self.on_refused = on_refused
         self.head_scanned = 0
         """Bytes searched for a head's end so far (tests read it)."""
@@ -201,6 +213,13 @@ class FastProtocol(asyncio.Protocol):
         """Counted in the server's `pending` (a request not whole yet)."""
         self._held = 0
         """Body bytes charged to the server's `bodies` for the current request."""
+        self._pieces: list[bytes] | None = None
+        """The current request's body so far, as received, when it is long
+        (`PIECES_BYTES`); None otherwise (the body is read into `_buf`)."""
+        self._got = 0
+        """Bytes in `_pieces`."""
+        self._silent = False
+        """Counted in the server's `silent` (no byte since connect)."""
 
     # -- llhttp callbacks (the head only; the body is sliced by Content-Length) ---------
 
@@ -276,6 +295,13 @@ class FastProtocol(asyncio.Protocol):
         self._server.connections.add(self)
         self._client = client_of(transport)
         self._arm("head", self._server.header_deadline_s)
+        self._silent = True
+        self._server.silent.add(self._client, self, self.close)
+
+    def _unsilence(self) -> None:
+        if self._silent:
+            self._silent = False
+            self._server.silent.remove(self._client, self)
 
     def _enter_pending(self) -> bool:
         """Count this connection as its client's pending one (once); False when that is
@@ -316,6 +342,7 @@ class FastProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._closed = True
+        self._unsilence()
         self._leave_pending()
         if self.task is None:
             self._give_back()  # a body never handed to a handler (else `_run` gives it)
@@ -348,7 +375,19 @@ class FastProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
-        self._buf += data
+        if self._silent:
+            self._unsilence()
+        if self._pieces is not None and self.task is None and self._head is not None:
+            need = self._head.length - self._got
+            if len(data) > need:  # the body ends in this piece: the rest is the next request
+                self._buf += data[need:]
+                data = data[:need]
+            self._pieces.append(data)
+            self._got += len(data)
+            if self._got < self._head.length:
+                return
+        else:
+            self._buf += data
         if self.task is None:
             self._process()
         elif len(self._buf) > BACKLOG_BYTES and self.transport is not None:
@@ -362,6 +401,7 @@ class FastProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         self._stop_timer()
+        self._unsilence()
         self._leave_pending()
         if self.task is None:
             self._give_back()
@@ -374,11 +414,15 @@ class FastProtocol(asyncio.Protocol):
     def _process(self) -> None:
         """Serve what is buffered: dispatch a whole request, hand the connection over, or
         wait for more bytes (under the head or body deadline)."""
+        head = self._head
+        if self._pieces is not None and head is not None:  # a long body, read in pieces
+            if self._got >= head.length:
+                self._dispatch_pieces(head, self._pieces)
+            return
         buf = self._buf
         if not buf:
             self._arm("idle", self._server.keepalive_s)
             return
-        head = self._head
         if head is None:
             # Search only what the last search did not (less the 3 bytes an end could
             # straddle), once per piece.
@@ -413,6 +457,19 @@ class FastProtocol(asyncio.Protocol):
                 return
             self._held = head.length
             self._head = head
+            if head.length >= PIECES_BYTES:
+                end = min(len(buf), head.size + head.length)
+                first = bytes(buf[head.size : end])
+                del buf[:end]
+                self._pieces = [first] if first else []
+                self._got = len(first)
+        if self._pieces is not None:
+            if self._got < head.length:
+                if self._enter_pending():
+                    self._arm("body", self._server.body_timeout_s)
+                return
+            self._dispatch_pieces(head, self._pieces)
+            return
         need = head.size + head.length
         if len(buf) < need:
             if self._enter_pending():
@@ -432,6 +489,32 @@ class FastProtocol(asyncio.Protocol):
         req.budgeted = True  # charged here (`_held`), given back when `_run` ends
         self._server.served += 1
         self.task = self._loop.create_task(self._run(req))
+
+    def _dispatch_pieces(self, head: _Head, pieces: list[bytes]) -> None:
+        """Hand a long body's request, its body still in pieces, to the handler."""
+        self._leave_pending()
+        self._disarm()
+        self._pieces, self._got, self._head = None, 0, None
+        try:
+            for piece in pieces:  # the message ends: the parser is ready for the next
+                self._parser.feed_data(piece)
+        except httptools.HttpParserError:
+            self._parser = httptools.HttpRequestParser(self)
+        self._server.served += 1
+        self.task = self._loop.create_task(self._run_pieces(head, pieces))
+
+    async def _run_pieces(self, head: _Head, pieces: list[bytes]) -> None:
+        try:
+            # joined on a thread: `bytes.join` lets go of the GIL while it copies
+            body = await asyncio.to_thread(b"".join, pieces)
+        except asyncio.CancelledError:
+            self.task = None
+            self._give_back()
+            raise
+        del pieces[:]
+        req = FastRequest(self, head.path, head.raw, head.headers, body, head.keep_alive)
+        req.budgeted = True  # charged here (`_held`), given back when `_run` ends
+        await self._run(req)
 
     def _parse_head(self, raw: bytes) -> _Head | None:
         """The head if this server takes the request, else None (handed over)."""

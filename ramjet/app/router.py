@@ -72,7 +72,8 @@ from ramjet.request.parse import (
     ParsedRequest,
     ParseLimits,
     RequestError,
-    check_message_count,
+    check_counts,
+    count_limits,
     parse_request,
     to_request_view,
 )
@@ -83,7 +84,11 @@ from ramjet.types import EngineId
 log = logging.getLogger(__name__)
 
 PRECHECK_PROCESS_BYTES = 4 * 1024 * 1024
-"""Bodies larger than this have their messages counted in a child process, off the GIL."""
+"""Bodies larger than this have their messages, content parts and prompt items counted
+in a child process, off the GIL (`ramjet.request.precheck`)."""
+REKEY_INLINE_BYTES = 16 * 1024
+"""Bodies larger than this get their token-block keys (`KeyPools.rekey`: the pool's chat
+template and tokenizer, some microseconds per token) on the parse threads."""
 
 
 class Router:
@@ -182,6 +187,11 @@ class Router:
         await self._prober.probe_all()
         self._prober.start()
 
+    def start_counting_child(self) -> None:
+        """Start the process that counts large bodies now, off the loop, rather than on
+        the first one (`ramjet.request.precheck`; `ramjet serve` does at start)."""
+        self._prechecker.start()
+
     async def drain(self, timeout_s: float | None = None) -> None:
         """Refuse new requests; let in-flight ones finish for up to `timeout_s`, then end
         the rest (streams get an error event)."""
@@ -265,21 +275,40 @@ class Router:
             parsed = parse_request(request.path, body, request.headers, self.parse_limits)
             return parsed
         prechecked = False
-        if len(body) > PRECHECK_PROCESS_BYTES:  # its message count, in a child process
+        if len(body) > PRECHECK_PROCESS_BYTES:  # its counts, in a child process
             try:
-                n = await self._prechecker.count(body)
+                counts = await self._prechecker.count(body, count_limits(self.parse_limits))
             except Exception:  # the child failed: the parse thread counts instead
-                log.exception("message count in the child process failed")
+                log.exception("counting a body in the child process failed")
             else:
-                check_message_count(n, self.parse_limits)
+                check_counts(counts, self.parse_limits)
                 prechecked = True
+        return await self._loop().run_in_executor(
+            self._parse_threads(),
+            parse_request,
+            request.path,
+            body,
+            request.headers,
+            self.parse_limits,
+            prechecked,
+        )
+
+    def _parse_threads(self) -> ThreadPoolExecutor:
         pool = self._parse_pool
         if pool is None:
             pool = self._parse_pool = ThreadPoolExecutor(
                 self.config.limits.parse_threads, thread_name_prefix="ramjet-parse"
             )
+        return pool
+
+    async def _rekey(self, parsed: ParsedRequest, engines: list[EngineId]) -> ParsedRequest:
+        """`key_pools.rekey`: a chat template and a tokenizer cost far more per byte than
+        the parse, so any body over `REKEY_INLINE_BYTES` is keyed on the parse threads,
+        off the event loop."""
+        if len(parsed.body) <= REKEY_INLINE_BYTES:
+            return self.key_pools.rekey(parsed, engines)
         return await self._loop().run_in_executor(
-            pool, parse_request, request.path, body, request.headers, self.parse_limits, prechecked
+            self._parse_threads(), self.key_pools.rekey, parsed, engines
         )
 
     async def _admitted(
@@ -324,7 +353,7 @@ class Router:
             )
         if self.key_pools:  # token-block keys for a pool of tokenizing engines
             try:
-                parsed = self.key_pools.rekey(parsed, [v.id for v in views])
+                parsed = await self._rekey(parsed, [v.id for v in views])
             except RequestError as exc:
                 self.metrics.rejected.labels(reason=exc.code).inc()
                 return web.Response(

@@ -18,6 +18,10 @@ Connection-level protections live below the app, in a `RequestHandler` subclass:
   counts as one of its client's that have not sent a whole request (the router counts
   it again while its body is read); one too many is answered 429 `too_many_pending`
   and closed.
+- **Silent connections** (`limits.max_silent_per_client`): from connect to its first
+  byte a connection counts as one of its client's silent ones; past the limit, the
+  client's oldest are closed (after `SilentConnections`' short delay, so a burst whose
+  requests are on their way loses none; the header deadline bounds each too).
 - **Parser refusals**: aiohttp's strict parser rejects Content-Length with
   Transfer-Encoding, duplicate Content-Length, bare LF, CR/LF in header values, too many
   headers and over-long header lines. They are answered with an OpenAI error object
@@ -54,7 +58,7 @@ from ramjet.app.wiring import FastServerFactory, Wired, build, fast_server, moun
 from ramjet.config import PolicyConfig
 from ramjet.decisions.record import DecisionSink
 from ramjet.proxy.forward import Transports
-from ramjet.request.admission import PendingClients, client_of
+from ramjet.request.admission import PendingClients, SilentConnections, client_of
 from ramjet.request.client import AiohttpExchange
 from ramjet.request.openai_errors import json_error
 from ramjet.residency.tables import ResidencyTables
@@ -74,9 +78,13 @@ class _Handler(RequestHandler):
         *,
         header_deadline_s: float,
         pending: PendingClients | None = None,
+        silent: SilentConnections | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
+        self._silent = silent
+        """Counted there from connect to the first byte (None: not counted, as for a
+        connection the fast server hands over, which has sent bytes)."""
         self._deadline_s = header_deadline_s
         self._deadline: asyncio.TimerHandle | None = None
         self._pending = pending
@@ -127,12 +135,29 @@ class _Handler(RequestHandler):
         super().connection_made(transport)
         self._client = client_of(transport)
         self._arm()
+        if self._silent is not None:
+            self._silent.add(self._client, self, self._evicted)
+
+    def _unsilence(self) -> None:
+        silent, self._silent = self._silent, None
+        if silent is not None:
+            silent.remove(self._client, self)
+
+    def _evicted(self) -> None:
+        """Closed to make room for a newer silent connection of the same client."""
+        self._silent = None
+        self.force_close()
+        if self.transport is not None:
+            self.transport.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self._unsilence()
         self._disarm()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._silent is not None:
+            self._unsilence()
         idle = not self._request_in_progress and not self._messages
         super().data_received(data)
         if self._request_in_progress or self._messages:
@@ -186,17 +211,20 @@ class _Server(web.Server):
         *args: Any,
         header_deadline_s: float,
         pending: PendingClients | None,
+        silent: SilentConnections | None,
         fast: FastServerFactory | None,
         **kwargs: Any,
     ) -> None:
-        """`pending`: the router's pending connections by client; `fast`: builds the
-        completion routes' own server, in front (over `handler`, its fallback)."""
+        """`pending`, `silent`: the router's pending and silent connections by client;
+        `fast`: builds the completion routes' own server, in front (over `handler`, its
+        fallback)."""
         super().__init__(*args, **kwargs)
         self._header_deadline_s = header_deadline_s
         self.pending = pending
+        self.silent = silent
         self.fast = None if fast is None else fast(self.handler)
 
-    def handler(self) -> RequestHandler:
+    def handler(self) -> _Handler:
         """aiohttp's handler for one connection (with the header deadline)."""
         return _Handler(
             self,
@@ -211,7 +239,9 @@ class _Server(web.Server):
             # The fast server's protocol, which hands a connection to `handler()` for
             # anything it does not serve itself (`ramjet.app.fast_server`).
             return self.fast()  # type: ignore[return-value]
-        return self.handler()
+        handler = self.handler()
+        handler._silent = self.silent  # counted from connect (not when handed over)
+        return handler
 
     def pre_shutdown(self) -> None:
         super().pre_shutdown()
@@ -231,12 +261,14 @@ class _Runner(web.AppRunner):
         *,
         header_deadline_s: float,
         pending: PendingClients | None = None,
+        silent: SilentConnections | None = None,
         fast: FastServerFactory | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(app, **kwargs)
         self._header_deadline_s = header_deadline_s
         self._pending = pending
+        self._silent = silent
         self._fast = fast
         self.fast: FastServer | None = None
         """The completion routes' own server, once the server is made (with `fast`)."""
@@ -254,6 +286,7 @@ class _Runner(web.AppRunner):
             loop=loop,
             header_deadline_s=self._header_deadline_s,
             pending=self._pending,
+            silent=self._silent,
             fast=self._fast,
             **self._kwargs,
         )
@@ -381,6 +414,7 @@ class RouterServer:
             self.app,
             header_deadline_s=config.timeouts.header_deadline_s,
             pending=self.router.admission.pending,
+            silent=self.router.admission.silent,
             fast=fast_server(self.router) if self.fast_path else None,
             handler_cancellation=True,
             access_log=logging.getLogger("ramjet.access") if config.logging.access_log else None,
@@ -444,6 +478,7 @@ async def serve(
     by `ramjet.app.wiring`)."""
     server = RouterServer(config, host, port, policy_path=policy_path, ops_port=ops_port)
     await server.start()
+    server.router.start_counting_child()  # ready before the first large body
     tune_gc()  # start-up state frozen, fewer young collections (`ramjet.runtime.gc`)
     log.info("ramjet listening on %s (mode %s)", server.url, config.mode.kind)
     stop = asyncio.Event()

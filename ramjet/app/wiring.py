@@ -236,6 +236,9 @@ def _router(
             max_body_bytes=lim.max_body_bytes,
             max_depth=lim.max_json_depth,
             max_messages=lim.max_messages,
+            max_content_parts=lim.max_content_parts,
+            max_prompt_items=lim.max_prompt_items,
+            max_json_values=lim.max_json_values,
         ),
         trusted_networks=tuple(
             ipaddress.ip_network(n, strict=False) for n in lim.priority_trusted_networks
@@ -261,8 +264,8 @@ FastServerFactory = Callable[[Callable[[], asyncio.Protocol]], FastServer]
 
 def fast_server(router: Router) -> FastServerFactory:
     """The completion routes' own server (`ramjet.app.fast_server`) over `router`: its
-    handler, its limits from the policy, and the body budget and pending connections it
-    shares with the router's admission."""
+    handler, its limits from the policy, and the body budget, pending and silent
+    connections it shares with the router's admission."""
     cfg, metrics, admission = router.config, router.metrics, router.admission
 
     def make(fallback: Callable[[], asyncio.Protocol]) -> FastServer:
@@ -278,6 +281,7 @@ def fast_server(router: Router) -> FastServerFactory:
             bodies=admission.bodies,
             pending=admission.pending,
             on_refused=lambda reason: metrics.rejected.labels(reason=reason).inc(),
+            silent=admission.silent,
         )
 
     return make

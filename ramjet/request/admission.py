@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -110,6 +111,77 @@ class PendingClients:
             self.counts[client] = n
         else:
             self.counts.pop(client, None)
+
+
+SWEEP_DELAY_S = 0.1
+"""How long after a client passes `limits.max_silent_per_client` its oldest silent
+connections are closed (see `SilentConnections`)."""
+
+
+class SilentConnections:
+    """Per client address, the connections that have sent no byte yet since connect
+    (`limits.max_silent_per_client`), oldest first; on the event loop only.
+
+    Past the limit, the client's oldest silent connections are closed rather than the
+    new one refused: a connection cannot tell whether its request will come, and a client
+    (or the clients behind one address, such as an ingress) that opens a new connection
+    to send a request must not be locked out by idle ones. The closing waits
+    `SWEEP_DELAY_S` (at least one poll of the sockets): a burst of new connections is
+    accepted before any of their requests is read, and those that bring one leave the
+    count meanwhile."""
+
+    __slots__ = ("_loop", "_sweeps", "by_client", "delay_s", "evicted", "limit", "on_evict")
+
+    def __init__(
+        self,
+        limit: int,
+        on_evict: Callable[[], None] = lambda: None,
+        delay_s: float = SWEEP_DELAY_S,
+    ) -> None:
+        self.limit = limit
+        self.delay_s = delay_s
+        self.by_client: dict[str, dict[object, Callable[[], None]]] = {}
+        self.evicted = 0
+        """Silent connections closed to make room so far (tests read it)."""
+        self.on_evict = on_evict
+        """Called per eviction (the router counts it as a `too_many_silent` refusal)."""
+        self._sweeps: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, client: str, conn: object, close: Callable[[], None]) -> None:
+        """Count `conn` as silent; `close()` closes it should it be evicted."""
+        conns = self.by_client.get(client)
+        if conns is None:
+            conns = self.by_client[client] = {}
+        conns[conn] = close
+        if len(conns) > self.limit and client not in self._sweeps:
+            self._sweeps.add(client)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_later(self.delay_s, self._sweep, client)
+
+    def _sweep(self, client: str) -> None:
+        """Close `client`'s oldest silent connections while it has more than the limit."""
+        self._sweeps.discard(client)
+        conns = self.by_client.get(client)
+        while conns and len(conns) > self.limit:
+            oldest = next(iter(conns))
+            evict = conns.pop(oldest)
+            self.evicted += 1
+            self.on_evict()
+            evict()
+        if conns is not None and not conns:
+            self.by_client.pop(client, None)
+
+    def remove(self, client: str, conn: object) -> None:
+        """`conn` sent its first byte, or went away (no-op if it was not counted)."""
+        conns = self.by_client.get(client)
+        if conns is not None and conns.pop(conn, None) is not None and not conns:
+            del self.by_client[client]
+
+    def count(self, client: str) -> int:
+        return len(self.by_client.get(client, ()))
 
 
 class BodyBudget:
@@ -226,6 +298,11 @@ class Admission:
         """Every body held at once (the fast server charges the ones it reads)."""
         self.pending = PendingClients(limits.max_pending_per_client)
         """Connections that have not sent a whole request, by client (both servers)."""
+        self.silent = SilentConnections(
+            limits.max_silent_per_client,
+            lambda: metrics.rejected.labels(reason="too_many_silent").inc(),
+        )
+        """Connections that have sent nothing since connect, by client (both servers)."""
 
     def refuse_early(self, request: ClientExchange, draining: bool) -> web.Response | None:
         """The refusal for a request that must not wait for a slot (steps 1-3), or None."""

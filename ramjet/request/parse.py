@@ -46,7 +46,7 @@ from ramjet.keys.prefix import (
     render_completion,
 )
 from ramjet.policy.base import RequestView
-from ramjet.request.precheck import message_count
+from ramjet.request.precheck import BodyCounts, CountLimits, body_counts
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/v1/completions"
@@ -96,6 +96,15 @@ class ParseLimits:
     max_messages: int = 10_000
     """Most chat messages accepted (`limits.max_messages`); a large body is checked
     before it is decoded into objects."""
+    max_content_parts: int = 20_000
+    """Most content parts over all of a chat body's `content` arrays
+    (`limits.max_content_parts`), checked as `max_messages` is."""
+    max_prompt_items: int = 1 << 20
+    """Most items in a completion body's `prompt` array and the arrays in it (token ids;
+    `limits.max_prompt_items`), checked as `max_messages` is."""
+    max_json_values: int = 2_000_000
+    """Most JSON values in a large body, any field (`limits.max_json_values`): bounded
+    from above before the body is decoded (`ramjet.request.precheck.values_bound`)."""
 
     def __post_init__(self) -> None:
         if (
@@ -103,6 +112,9 @@ class ParseLimits:
             or self.max_depth <= 0
             or self.max_session_chars <= 0
             or self.max_messages <= 0
+            or self.max_content_parts <= 0
+            or self.max_prompt_items <= 0
+            or self.max_json_values <= 0
         ):
             raise ValueError("ParseLimits: limits must be positive")
         if not (self.bytes_per_token > 0 and math.isfinite(self.bytes_per_token)):
@@ -280,18 +292,72 @@ def _too_many_messages(n: int, limit: int) -> RequestError:
     )
 
 
-def _precheck(body: bytes, limits: ParseLimits) -> None:
-    """Refuse a large body with too many messages before decoding it into objects
-    (`ramjet.request.precheck.message_count`: one small object per message instead of a
-    dict and strings). A body it cannot read is left to the full decode, which names what
-    is wrong with it."""
-    check_message_count(message_count(body), limits)
+def _too_many_parts(n: int, limit: int) -> RequestError:
+    return _bad(
+        "too_many_content_parts",
+        f"'messages' have {n} content parts in all; at most {limit} are accepted",
+        "messages",
+    )
 
 
-def check_message_count(n: int, limits: ParseLimits) -> None:
-    """Raise `RequestError` (400 `too_many_messages`) when `n` messages are too many."""
-    if n > limits.max_messages:
-        raise _too_many_messages(n, limits.max_messages)
+def _too_many_prompt_items(n: int, limit: int) -> RequestError:
+    return _bad(
+        "too_many_prompt_items",
+        f"'prompt' has {n} items (token ids, or prompts and theirs); at most {limit} are accepted",
+        "prompt",
+    )
+
+
+def count_limits(limits: ParseLimits) -> CountLimits:
+    """What `ramjet.request.precheck.body_counts` checks a body against."""
+    return CountLimits(
+        limits.max_messages,
+        limits.max_content_parts,
+        limits.max_prompt_items,
+        limits.max_json_values,
+    )
+
+
+def check_counts(counts: BodyCounts, limits: ParseLimits) -> None:
+    """Raise `RequestError` (400) when a body's counts (`ramjet.request.precheck.
+    body_counts`) break a limit, or it is not JSON."""
+    if counts.error:
+        raise _bad("invalid_json", counts.error, None)
+    if counts.messages > limits.max_messages:
+        raise _too_many_messages(counts.messages, limits.max_messages)
+    if counts.parts > limits.max_content_parts:
+        raise _too_many_parts(counts.parts, limits.max_content_parts)
+    if counts.prompt_items > limits.max_prompt_items:
+        raise _too_many_prompt_items(counts.prompt_items, limits.max_prompt_items)
+    if counts.values > limits.max_json_values:
+        raise _bad(
+            "too_many_values",
+            f"request body holds more than {limits.max_json_values} JSON values (about "
+            f"{counts.values})",
+            None,
+        )
+
+
+def _check_decoded_counts(obj: Mapping[str, Any], kind: RequestKind, limits: ParseLimits) -> None:
+    """The count limits on a decoded body (a small one was not counted before)."""
+    if kind == "chat":
+        messages = obj.get("messages")
+        if isinstance(messages, list):
+            if len(messages) > limits.max_messages:
+                raise _too_many_messages(len(messages), limits.max_messages)
+            parts = 0
+            for m in messages:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list):
+                    parts += len(content)
+            if parts > limits.max_content_parts:
+                raise _too_many_parts(parts, limits.max_content_parts)
+    else:
+        prompt = obj.get("prompt")
+        if isinstance(prompt, list):
+            items = len(prompt) + sum(len(p) for p in prompt if isinstance(p, list))
+            if items > limits.max_prompt_items:
+                raise _too_many_prompt_items(items, limits.max_prompt_items)
 
 
 def _decode_body(body: bytes, limits: ParseLimits, prechecked: bool = False) -> dict[str, Any]:
@@ -306,7 +372,10 @@ def _decode_body(body: bytes, limits: ParseLimits, prechecked: bool = False) -> 
     if not body.strip():
         raise _bad("invalid_json", "request body is empty; expected a JSON object", None)
     if len(body) > _PRECHECK_ABOVE and not prechecked:
-        _precheck(body, limits)
+        # Refuse a large body with too many messages, parts or prompt items before it is
+        # decoded into objects (`body_counts`: one small object per item instead of a
+        # dict and strings; a body it cannot read is refused as invalid JSON here).
+        check_counts(body_counts(body, count_limits(limits)), limits)
     try:
         obj = _decode(body)
     except RecursionError:
@@ -369,8 +438,8 @@ def parse_request(
     prechecked: bool = False,
 ) -> ParsedRequest:
     """Parse, validate and key one request; raise `RequestError` on anything malformed.
-    `prechecked`: a large body's message count was checked already (`check_message_count`
-    on `ramjet.request.precheck`'s count)."""
+    `prechecked`: a large body's counts were checked already (`check_counts` on
+    `ramjet.request.precheck.body_counts`)."""
     route = path.split("?", 1)[0].rstrip("/")
     kind: RequestKind
     if route == CHAT_PATH:
@@ -402,8 +471,7 @@ def parse_request(
                     f"'messages' must be an array, got {_type_name(messages)}",
                     "messages",
                 )
-            if len(messages) > limits.max_messages:
-                raise _too_many_messages(len(messages), limits.max_messages)
+            _check_decoded_counts(obj, kind, limits)
             rendered = render_chat(messages, obj.get("tools"))
             max_tokens = obj.get("max_completion_tokens")
             if max_tokens is None:
@@ -412,6 +480,7 @@ def parse_request(
             _check_fields(obj, _COMPLETION_FIELDS, _COMPLETION_BY_NAME)
             if "prompt" not in obj or obj["prompt"] is None:
                 raise _bad("missing_required_parameter", "'prompt' is required", "prompt")
+            _check_decoded_counts(obj, kind, limits)
             rendered = render_completion(obj["prompt"])
             max_tokens = obj.get("max_tokens")
     except PromptError as e:

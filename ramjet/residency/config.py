@@ -123,6 +123,11 @@ class RedisSettings(BaseModel):
             raise ValueError(f"store.shared_secret_file: {exc}") from exc
         if len(raw) < 16:
             raise ValueError("store.shared_secret_file: the secret must be at least 16 bytes")
+        if raw.startswith(b"REPLACE"):
+            raise ValueError(
+                "store.shared_secret_file: still the deploy manifest's placeholder; put a "
+                "random secret in it (docs/redis.md, Authentication)"
+            )
         return raw
 
     @field_validator("url")

@@ -504,6 +504,49 @@ def test_k8s_redis_needs_a_password_from_a_secret_and_routers_send_it() -> None:
     assert "emptyDir" in vols[mounted["/run/ramjet"]]
 
 
+def test_k8s_routers_mount_the_redis_shared_secret_their_policy_reads(tmp_path: Path) -> None:
+    """The replicas' MAC key for Redis (`store.shared_secret_file`) is a file of a Secret
+    mounted read-only into the router pods, and into no other pod; the ConfigMap holds
+    only its path. A router given the manifest's placeholder refuses to start."""
+    docs = load_manifests(DEPLOY / "k8s")
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    template = cm["data"]["policy.yaml"]
+    cfg = parse_policy(yaml.safe_load(template.replace("${REDIS_PASSWORD}", "0f" * 32)))
+    path = cfg.store.shared_secret_file
+    assert path is not None and cfg.store.shared_secret is None
+    spec = _router(docs)["spec"]["template"]["spec"]
+    router = spec["containers"][0]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    mount = next(
+        m for m in router["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")
+    )
+    assert mount.get("readOnly") is True
+    secret = vols[mount["name"]]["secret"]
+    key = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+    assert key in secrets[secret["secretName"]]["stringData"]
+    mode = secret.get("defaultMode", 0o644)  # YAML reads 0440 as an octal int
+    assert isinstance(mode, int) and mode & 0o007 == 0, oct(mode)  # not world-readable
+    # no other pod (Redis, the engines) mounts it
+    for name, dep in _deployments(docs).items():
+        if name == "ramjet-router":
+            continue
+        other = [
+            v.get("secret", {}).get("secretName")
+            for v in dep["spec"]["template"]["spec"]["volumes"]
+        ]
+        assert secret["secretName"] not in other, name
+    placeholder = secrets[secret["secretName"]]["stringData"][key]
+    assert placeholder.startswith("REPLACE")
+    file = tmp_path / key
+    file.write_text(placeholder)
+    placed = cfg.store.model_copy(update={"shared_secret_file": str(file)})
+    with pytest.raises(ValueError, match="placeholder"):
+        placed.secret()
+    file.write_text("k" * 32)
+    assert placed.model_copy(update={"shared_secret_file": str(file)}).secret() == b"k" * 32
+
+
 def _selects(policy: dict[str, Any], labels: dict[str, str]) -> bool:
     sel = _get(policy, "spec.podSelector.matchLabels") or {}
     return bool(sel) and sel.items() <= labels.items()
@@ -598,6 +641,7 @@ def test_systemd_routers_and_engines_cannot_read_each_others_secrets() -> None:
     keys_dir = path.rsplit("/", 1)[0]
     assert keys_dir in router.get("Service", "InaccessiblePaths")
     assert "/etc/ramjet/policy.yaml" in engine.get("Service", "InaccessiblePaths")
+    assert "/etc/ramjet/redis-secret" in engine.get("Service", "InaccessiblePaths")
     for unit in (router, engine):
         assert unit.get("Service", "NoNewPrivileges") == "yes"
         assert unit.get("Service", "CapabilityBoundingSet") == ""

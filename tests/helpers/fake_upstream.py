@@ -120,7 +120,7 @@ class FakeUpstream:
         return [r for r in self.requests if r.path.startswith("/v1/") and r.method == "POST"]
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)  # bodies as large as engines take
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/v1/models", self._models)

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from engines import EngineProcess, start_engine
 from router_rig import Records, router_config
 
 from ramjet.app.server import RouterServer
+from ramjet.keys.tokens import ByteTokenizer
 
 MODEL = "mini-v4"
 
@@ -244,6 +246,263 @@ async def test_message_count_and_nesting_limits_refuse_with_400(
         assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 1
 
 
+async def _engine_requests(engines: list[EngineProcess]) -> float:
+    """Requests the engines have received (their `engine_requests_total`)."""
+    total = 0.0
+    async with aiohttp.ClientSession() as s:
+        for e in engines:
+            async with s.get(e.url + "/metrics") as r:
+                for line in (await r.text()).splitlines():
+                    if line.startswith("engine_requests_total"):
+                        total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _parts(n_messages: int, parts_each: int, pad: int = 1) -> dict[str, Any]:
+    part = {"type": "text", "text": "w" * pad}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [part] * parts_each}] * n_messages,
+        "max_tokens": 1,
+    }
+
+
+def _prompt(prompt: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_content_part_and_prompt_array_limits_refuse_with_400(
+    make_router: Any, engines: list[EngineProcess], fast_path: bool
+) -> None:
+    """Chat `content` arrays and completion `prompt` arrays are bounded in count and
+    nesting as messages are: a small body after its decode, a large one before it (on a
+    parse thread), one over 4 MiB in the child process. Each refusal is a 400 OpenAI
+    error naming the field, reaches no engine and holds nothing; a body at the limits
+    passes."""
+    router = await make_router(
+        fast_path=fast_path,
+        limits={
+            "max_body_bytes": 8 << 20,
+            "max_content_parts": 40,
+            "max_prompt_items": 100,
+            "max_json_depth": 8,
+        },
+    )
+    deep: Any = {"type": "image_url", "image_url": {"url": "x"}}
+    for _ in range(8):
+        deep = {"nested": deep}
+    chat = "/v1/chat/completions"
+    comp = "/v1/completions"
+    cases: list[tuple[str, dict[str, Any], str, str | None]] = [
+        (chat, _parts(1, 41), "too_many_content_parts", "messages"),  # decoded, small
+        (chat, _parts(3, 14), "too_many_content_parts", "messages"),  # summed over messages
+        (chat, _parts(1, 30_000), "too_many_content_parts", "messages"),  # over 256 KiB
+        (chat, _parts(1, 200_000), "too_many_content_parts", "messages"),  # over 4 MiB
+        (chat, _parts(1, 200_000, 0), "too_many_content_parts", "messages"),
+        (comp, _prompt(list(range(101))), "too_many_prompt_items", "prompt"),
+        (comp, _prompt([list(range(100))]), "too_many_prompt_items", "prompt"),  # nested
+        (comp, _prompt(["a"] * 101), "too_many_prompt_items", "prompt"),  # a batch of strings
+        (comp, _prompt([7] * 200_000), "too_many_prompt_items", "prompt"),  # over 256 KiB
+        (comp, _prompt([[7] * 1_500_000]), "too_many_prompt_items", "prompt"),  # over 4 MiB
+        (comp, _prompt(["ab"] * 1_000_000), "too_many_prompt_items", "prompt"),  # over 4 MiB
+        (chat, {**_parts(1, 1), "messages": [{"role": "user", "content": [deep]}]},
+         "nesting_too_deep", None),
+        (comp, _prompt([[[[[[[[[1]]]]]]]]]), "nesting_too_deep", None),
+    ]  # fmt: skip
+    before = await _engine_requests(engines)
+    async with aiohttp.ClientSession() as s:
+        for path, body, code, param in cases:
+            raw_body = json.dumps(body).encode()
+            data = io.BytesIO(raw_body) if len(raw_body) > 1 << 20 else raw_body
+            async with s.post(
+                router.url + path, data=data, headers={"Content-Type": "application/json"}
+            ) as r:
+                status, raw = r.status, await r.read()
+            assert status == 400, (path, code, raw[:300])
+            err = json.loads(raw)["error"]
+            assert (err["code"], err["param"], err["type"]) == (
+                code,
+                param,
+                "invalid_request_error",
+            ), err
+            assert router.router.admission.bodies.used == 0
+        assert await _engine_requests(engines) == before, "a refused request reached an engine"
+        for path, body in [
+            (chat, _parts(2, 20)),
+            (comp, _prompt([list(range(99))])),
+            (comp, _prompt(list(range(100)))),
+        ]:
+            async with s.post(router.url + path, json=body) as r:
+                assert r.status == 200, await r.read()
+    for code in ("too_many_content_parts", "too_many_prompt_items"):
+        assert _metric(router, "ramjet_rejected_requests_total", {"reason": code}) >= 4
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_a_large_body_with_too_many_values_in_any_field_is_refused_before_its_decode(
+    make_router: Any, engines: list[EngineProcess], fast_path: bool
+) -> None:
+    """A large body whose values are in a field no count limit names (metadata, tools,
+    stop, ...) is refused with 400 `too_many_values` before the decode that would make
+    them (on a parse thread, or over 4 MiB in the child), and reaches no engine; commas
+    in text do not count."""
+    router = await make_router(
+        fast_path=fast_path, limits={"max_body_bytes": 8 << 20, "max_json_values": 100_000}
+    )
+    one = _messages(1)
+    cases = [
+        {**one, "metadata": [7] * 300_000},  # over 256 KiB: counted on a parse thread
+        {**one, "metadata": [7] * 2_000_000},  # over 4 MiB: counted in the child
+        {**one, "stop": ["s"] * 150_000},
+        {**one, "tools": [{"type": "function"}] * 60_000},
+    ]
+    before = await _engine_requests(engines)
+    async with aiohttp.ClientSession() as s:
+        for body in cases:
+            status, raw = await _post(s, router.url, body)
+            assert status == 400, raw[:300]
+            err = json.loads(raw)["error"]
+            assert (err["code"], err["type"]) == ("too_many_values", "invalid_request_error")
+            assert router.router.admission.bodies.used == 0
+        # 200,000 commas, all in text: counted, parsed, then 404 for its model
+        prose = {**_messages(1), "model": "not-served"}
+        prose["messages"] = [{"role": "user", "content": "a, " * 200_000}]
+        status, raw = await _post(s, router.url, prose)
+        assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found", raw
+    assert await _engine_requests(engines) == before
+    assert _metric(router, "ramjet_rejected_requests_total", {"reason": "too_many_values"}) == 4
+
+
+async def test_a_huge_body_is_counted_off_the_event_loop(
+    make_router: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body over 4 MiB goes to the counting child from a worker thread: a small stream
+    is served while that exchange is held, then the body is refused for its count."""
+    from ramjet.request import precheck
+
+    held = threading.Event()
+    release = threading.Event()
+    timed_out: list[bool] = []
+    count = precheck._Child.count
+
+    def slow(
+        self: precheck._Child, body: bytes, limits: precheck.CountLimits
+    ) -> precheck.BodyCounts:
+        held.set()
+        timed_out.append(not release.wait(10))
+        return count(self, body, limits)
+
+    monkeypatch.setattr(precheck._Child, "count", slow)
+    router = await make_router(limits={"max_body_bytes": 8 << 20, "max_messages": 50})
+    big = _messages(150_000)  # over 4 MiB
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(_post(s, router.url, big))
+        for _ in range(200):
+            if held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert held.is_set()
+        try:
+            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
+                got = await r.read()
+                assert r.status == 200, got[:300]
+                assert got.rstrip().endswith(b"data: [DONE]")
+            assert not release.is_set() and not task.done()
+        finally:
+            release.set()
+        status, raw = await task
+    assert status == 400 and json.loads(raw)["error"]["code"] == "too_many_messages", raw[:300]
+    assert timed_out == [False], "the count held the event loop"
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(
+    make_router: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body over `limits.parse_thread_bytes` is decoded, rendered and keyed on a parse
+    thread: a small stream is served while that parse is held (on the event loop the
+    parse would hold the loop, and its wait would time out)."""
+    import ramjet.app.router as router_module
+
+    held = threading.Event()
+    release = threading.Event()
+    timed_out: list[bool] = []
+    parse = router_module.parse_request
+
+    def slow(path: str, body: bytes, *args: Any) -> Any:
+        if len(body) > 300_000:  # the large body only
+            held.set()
+            timed_out.append(not release.wait(10))
+        return parse(path, body, *args)
+
+    monkeypatch.setattr(router_module, "parse_request", slow)
+    router = await make_router(limits={"max_body_bytes": 1 << 20})
+    big = {**_messages(1, 400_000), "model": "not-served"}  # 404 once parsed
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(_post(s, router.url, big))
+        for _ in range(200):
+            if held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert held.is_set()
+        try:
+            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
+                got = await r.read()
+                assert r.status == 200, got[:300]
+                assert got.rstrip().endswith(b"data: [DONE]")
+            assert not release.is_set() and not task.done()
+        finally:
+            release.set()
+        status, raw = await task
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found", raw[:300]
+    assert timed_out == [False], "the parse held the event loop"
+
+
+async def test_token_keying_of_a_large_body_runs_off_the_event_loop(
+    make_router: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token-keyed pool (`key_pools`): a large body's chat template and tokenizer run
+    on a parse thread, so a small stream is served while they work. The pool's
+    tokenizer is held until the stream has ended; on the event loop it would hold the
+    loop, and its wait would time out."""
+    held = threading.Event()
+    release = threading.Event()
+    timed_out: list[bool] = []
+    encode = ByteTokenizer.encode_chat
+
+    def slow(self: ByteTokenizer, messages: Any, tools: Any) -> list[int]:
+        if len(str(messages[0].get("content"))) > 16_000:  # the large body only
+            held.set()
+            timed_out.append(not release.wait(10))
+        return encode(self, messages, tools)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_chat", slow)
+    pool = {"name": "ref", "engines": ["e0", "e1"], "keys_mode": "tokens"}
+    router = await make_router(
+        key_pools=[{**pool, "tokenizer": "bytes", "block_tokens": 256}],
+        limits={"max_body_bytes": 1 << 20},
+    )
+    big = {**_chat(1), "messages": [{"role": "user", "content": "w" * 16_500}]}
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(_post(s, router.url, big))
+        for _ in range(200):
+            if held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert held.is_set()
+        try:
+            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
+                got = await r.read()
+                assert r.status == 200, got[:300]
+                assert got.rstrip().endswith(b"data: [DONE]")
+            assert not release.is_set() and not task.done()
+        finally:
+            release.set()
+        status, raw = await task
+    assert status == 200, raw[:300]
+    assert timed_out == [False], "the tokenizer held the event loop"
+
+
 async def _open_idle_chunked(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -287,6 +546,85 @@ async def test_idle_chunked_bodies_do_not_lock_out_a_normal_request(
     finally:
         for _, writer in conns:
             writer.close()
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_connections_that_send_nothing_do_not_lock_out_a_normal_request(
+    make_router: Any, fast_path: bool
+) -> None:
+    """1,100 connections connect and send nothing: the client keeps at most
+    `max_silent_per_client` of them (past it, its oldest are closed), and a normal
+    request from the same address, on a new connection, is answered 200 at once."""
+    router = await make_router(fast_path=fast_path, timeouts={"header_deadline_s": 60.0})
+    host, port = router.url.removeprefix("http://").split(":")
+    conns = [await asyncio.open_connection(host, int(port)) for _ in range(1100)]
+    try:
+        await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession() as s:
+            status, raw = await asyncio.wait_for(_post(s, router.url, _chat(2)), 30)
+        assert status == 200, raw[:300]
+        silent = router.router.admission.silent
+        limit = silent.limit
+        assert limit == 256 and silent.count("127.0.0.1") <= limit
+        # the oldest were closed, the newest are still open (the normal request's
+        # connection, silent from its connect until its request was read, may in a
+        # slow moment have closed one more)
+        evicted = 1100 - limit
+        for reader, _ in conns[:evicted]:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        for reader, _ in conns[evicted + 1 :]:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.001)
+        closed = _metric(router, "ramjet_rejected_requests_total", {"reason": "too_many_silent"})
+        assert closed in (evicted, evicted + 1)
+    finally:
+        for _, writer in conns:
+            writer.close()
+
+
+async def test_a_burst_of_connections_that_bring_requests_is_not_cut_as_silent(
+    make_router: Any,
+) -> None:
+    """300 connections from one address connect at once, past `max_silent_per_client`
+    (100 here), and only then send their requests: every one is answered (404, a model
+    not served: the router's own answer), none is closed as silent (a burst is accepted before any request on it is read)."""
+    router = await make_router(limits={"max_silent_per_client": 100})
+    host, port = router.url.removeprefix("http://").split(":")
+    body = json.dumps({**_chat(1), "model": "not-served"}).encode()  # 404: no engine work
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    )
+    conns = await asyncio.gather(*(asyncio.open_connection(host, int(port)) for _ in range(300)))
+    try:
+        for _, writer in conns:
+            writer.write(request)
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(reader.read(), 120) for reader, _ in conns)
+        )
+    finally:
+        for _, writer in conns:
+            writer.close()
+    assert all(r.startswith(b"HTTP/1.1 404") for r in replies), [
+        r[:100] for r in replies if not r.startswith(b"HTTP/1.1 404")
+    ][:3]
+    assert router.router.admission.silent.evicted == 0
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_a_connection_that_sends_nothing_gets_408_at_the_header_deadline(
+    make_router: Any, fast_path: bool
+) -> None:
+    router = await make_router(fast_path=fast_path, timeouts={"header_deadline_s": 0.5})
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        raw = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 408"), raw[:200]
+    assert json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert router.router.admission.silent.count("127.0.0.1") == 0
 
 
 @pytest.mark.parametrize("fast_path", [True, False])

@@ -347,3 +347,39 @@ async def test_a_stream_read_in_fits_and_starts_arrives_whole_and_in_order(
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
     assert head.startswith(b"HTTP/1.1 200")  # the same connection carries the next one
     writer.close()
+
+
+async def test_long_bodies_kept_in_pieces_arrive_whole_byte_exact_and_in_order(
+    upstreams: list[FakeUpstream], make_router: RouterFactory
+) -> None:
+    """Bodies of 1 MiB or more are kept as the pieces they came in and joined off the
+    loop (`PIECES_BYTES`): one sent whole with a request pipelined behind it, and one
+    trickled in 64 KiB writes, each reach the engine byte for byte, in order, and the
+    connection serves the request after them."""
+    from ramjet.app.fast_server import PIECES_BYTES
+
+    router = await make_router(limits={"max_body_bytes": 8 << 20})
+    big = json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "x" * (3 << 19)}]}
+    ).encode()
+    assert len(big) > PIECES_BYTES
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    try:
+        writer.write(_post(big) + _post())  # one write: the next request behind the body
+        got = [await _read_response(reader) for _ in range(2)]
+        trickled = _post(big)
+        for i in range(0, len(trickled), 64 << 10):
+            writer.write(trickled[i : i + (64 << 10)])
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        got.append(await _read_response(reader))
+        writer.write(_post())
+        got.append(await _read_response(reader))
+    finally:
+        writer.close()
+    assert [s for s, _, _ in got] == [200, 200, 200, 200]
+    bodies = [r.body for u in upstreams for r in u.generation_requests()]
+    assert sorted(bodies, key=len) == [BODY, BODY, big, big]
+    fast = _fast(router)
+    assert fast.served == 4 and fast.handed_over == 0
+    assert router.router.admission.bodies.used == 0
