@@ -34,19 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from engines import start_engine  # noqa: E402
+from hostile_clients import SENDER  # noqa: E402
 from router_rig import router_config  # noqa: E402
 
 from ramjet.app.server import RouterServer  # noqa: E402
-
-SENDER = """
-import http.client, sys, urllib.parse
-url = urllib.parse.urlsplit(sys.argv[1])
-body = open(sys.argv[2], "rb").read()
-conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
-conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-r = conn.getresponse()
-sys.stdout.buffer.write(b"%d\\n" % r.status + r.read())
-"""
 
 
 async def send(url: str, path: Path) -> tuple[int, str]:

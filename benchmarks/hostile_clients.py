@@ -268,6 +268,25 @@ async def case_big_body(st: Stack, messages: int, tmp: Path) -> dict[str, Any]:
     }
 
 
+async def normal_request(st: Stack) -> tuple[int, float]:
+    """One normal chat request while the case's connections are held: its status (a
+    200 is checked for its 2 tokens; a refusal must be one a client can retry) and how
+    long it took."""
+    t0 = time.monotonic()
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s,
+        s.post(st.url + "/v1/chat/completions", json=chat("hello", 2)) as r,
+    ):
+        reply = await r.read()
+        status = r.status
+    took = time.monotonic() - t0
+    if status == 200 and json.loads(reply)["usage"]["completion_tokens"] != 2:
+        raise BenchError(f"{st.name}: normal request answered {reply[:300]!r}")
+    if status not in (200, 503, 429, 408):
+        raise BenchError(f"{st.name}: normal request answered {status} {reply[:300]!r}")
+    return status, took
+
+
 async def case_idle_bodies(st: Stack) -> dict[str, Any]:
     host, port = st.url.removeprefix("http://").split(":")
     conns: list[asyncio.StreamWriter] = []
@@ -280,18 +299,7 @@ async def case_idle_bodies(st: Stack) -> dict[str, Any]:
             )
             conns.append(w)
         await asyncio.sleep(1.0)
-        t0 = time.monotonic()
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s,
-            s.post(st.url + "/v1/chat/completions", json=chat("hello", 2)) as r,
-        ):
-            reply = await r.read()
-            status = r.status
-        took = time.monotonic() - t0
-        if status == 200 and json.loads(reply)["usage"]["completion_tokens"] != 2:
-            raise BenchError(f"{st.name}: normal request answered {reply[:300]!r}")
-        if status not in (200, 503, 429, 408):
-            raise BenchError(f"{st.name}: normal request answered {status} {reply[:300]!r}")
+        status, took = await normal_request(st)
     finally:
         for w in conns:
             w.close()
@@ -306,18 +314,7 @@ async def case_silent(st: Stack) -> dict[str, Any]:
         for _ in range(IDLE_CONNECTIONS):
             conns.append(await asyncio.open_connection(host, int(port)))
         await asyncio.sleep(1.0)
-        t0 = time.monotonic()
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s,
-            s.post(st.url + "/v1/chat/completions", json=chat("hello", 2)) as r,
-        ):
-            reply = await r.read()
-            status = r.status
-        took = time.monotonic() - t0
-        if status == 200 and json.loads(reply)["usage"]["completion_tokens"] != 2:
-            raise BenchError(f"{st.name}: normal request answered {reply[:300]!r}")
-        if status not in (200, 503, 429, 408):
-            raise BenchError(f"{st.name}: normal request answered {status} {reply[:300]!r}")
+        status, took = await normal_request(st)
         open_now = sum(1 for rd, _ in conns if not rd.at_eof())
     finally:
         for _, w in conns:

@@ -6,14 +6,19 @@ block of another model reads as a miss, SWA states expire, a full write queue dr
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from engine_stub.shared_pool import SharedKV, SharedSWA, pool_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+
+from pool_procs import run_two
+
 from kvpool import Pool
 from ramjet.types import PrefixKey
 
@@ -62,23 +67,8 @@ def _engine(root: str, seed: int, seconds: float, out: Any) -> None:
 
 
 def test_two_engine_processes_write_and_read_one_pool_at_once(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    out: Any = ctx.Queue()
-    procs = [ctx.Process(target=_engine, args=(str(tmp_path), s, 3.0, out)) for s in (1, 2)]
-    for p in procs:
-        p.start()
+    peak, results = run_two(_engine, tmp_path, CAPACITY)
     pool = Pool(tmp_path, CAPACITY)
-    peak, results = 0, []
-    deadline = time.monotonic() + 90
-    while len(results) < 2 and time.monotonic() < deadline:
-        peak = max(peak, pool.used_bytes())
-        while not out.empty():
-            results.append(out.get())
-        time.sleep(0.005)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
-    assert len(results) == 2
     for r in results:
         assert r["errors"] == [], r["errors"][:5]
         # both wrote through and both pulled blocks (their own and the other's)

@@ -82,6 +82,30 @@ async def _post(
         return r.status, await r.read()
 
 
+async def _stream_served_while_held(
+    url: str, big: dict[str, Any], held: threading.Event, release: threading.Event
+) -> tuple[int, bytes]:
+    """Send `big`; once its work is held (`held` set by the test's stand-in), a small
+    stream must be answered in full meanwhile. Then release the held work and return the
+    big request's status and body."""
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(_post(s, url, big))
+        for _ in range(200):
+            if held.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert held.is_set()
+        try:
+            async with s.post(url + "/v1/chat/completions", json=_chat(3, True)) as r:
+                got = await r.read()
+                assert r.status == 200, got[:300]
+                assert got.rstrip().endswith(b"data: [DONE]")
+            assert not release.is_set() and not task.done()
+        finally:
+            release.set()
+        return await task
+
+
 def _metric(server: RouterServer, name: str, labels: dict[str, str]) -> float:
     total = 0.0
     for metric in server.router.metrics.registry.collect():
@@ -396,22 +420,7 @@ async def test_a_huge_body_is_counted_off_the_event_loop(
     monkeypatch.setattr(precheck._Child, "count", slow)
     router = await make_router(limits={"max_body_bytes": 8 << 20, "max_messages": 50})
     big = _messages(150_000)  # over 4 MiB
-    async with aiohttp.ClientSession() as s:
-        task = asyncio.ensure_future(_post(s, router.url, big))
-        for _ in range(200):
-            if held.is_set():
-                break
-            await asyncio.sleep(0.05)
-        assert held.is_set()
-        try:
-            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
-                got = await r.read()
-                assert r.status == 200, got[:300]
-                assert got.rstrip().endswith(b"data: [DONE]")
-            assert not release.is_set() and not task.done()
-        finally:
-            release.set()
-        status, raw = await task
+    status, raw = await _stream_served_while_held(router.url, big, held, release)
     assert status == 400 and json.loads(raw)["error"]["code"] == "too_many_messages", raw[:300]
     assert timed_out == [False], "the count held the event loop"
 
@@ -438,22 +447,7 @@ async def test_a_large_body_is_parsed_off_the_event_loop(
     monkeypatch.setattr(router_module, "parse_request", slow)
     router = await make_router(limits={"max_body_bytes": 1 << 20})
     big = {**_messages(1, 400_000), "model": "not-served"}  # 404 once parsed
-    async with aiohttp.ClientSession() as s:
-        task = asyncio.ensure_future(_post(s, router.url, big))
-        for _ in range(200):
-            if held.is_set():
-                break
-            await asyncio.sleep(0.05)
-        assert held.is_set()
-        try:
-            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
-                got = await r.read()
-                assert r.status == 200, got[:300]
-                assert got.rstrip().endswith(b"data: [DONE]")
-            assert not release.is_set() and not task.done()
-        finally:
-            release.set()
-        status, raw = await task
+    status, raw = await _stream_served_while_held(router.url, big, held, release)
     assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found", raw[:300]
     assert timed_out == [False], "the parse held the event loop"
 
@@ -483,22 +477,7 @@ async def test_token_keying_of_a_large_body_runs_off_the_event_loop(
         limits={"max_body_bytes": 1 << 20},
     )
     big = {**_chat(1), "messages": [{"role": "user", "content": "w" * 16_500}]}
-    async with aiohttp.ClientSession() as s:
-        task = asyncio.ensure_future(_post(s, router.url, big))
-        for _ in range(200):
-            if held.is_set():
-                break
-            await asyncio.sleep(0.05)
-        assert held.is_set()
-        try:
-            async with s.post(router.url + "/v1/chat/completions", json=_chat(3, True)) as r:
-                got = await r.read()
-                assert r.status == 200, got[:300]
-                assert got.rstrip().endswith(b"data: [DONE]")
-            assert not release.is_set() and not task.done()
-        finally:
-            release.set()
-        status, raw = await task
+    status, raw = await _stream_served_while_held(router.url, big, held, release)
     assert status == 200, raw[:300]
     assert timed_out == [False], "the tokenizer held the event loop"
 

@@ -8,10 +8,15 @@ import hashlib
 import multiprocessing as mp
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+
+from pool_procs import run_two
 
 from kvpool import Pool, PoolError
 
@@ -216,24 +221,8 @@ def _worker(root: str, seed: int, seconds: float, out: mp.Queue) -> None:  # typ
 
 
 def test_two_processes_write_and_read_one_pool_at_once(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    procs = [ctx.Process(target=_worker, args=(str(tmp_path), s, 3.0, out)) for s in (1, 2)]
-    for p in procs:
-        p.start()
+    peak, results = run_two(_worker, tmp_path, CAPACITY)
     pool = Pool(tmp_path, CAPACITY)
-    peak = 0
-    results = []
-    deadline = time.monotonic() + 60
-    while len(results) < 2 and time.monotonic() < deadline:
-        peak = max(peak, pool.used_bytes())
-        while not out.empty():
-            results.append(out.get())
-        time.sleep(0.005)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
-    assert len(results) == 2
     for r in results:
         assert r["errors"] == [], r["errors"][:5]
         assert r["put"] > 100 and r["hit"] > 50 and r["miss"] > 10 and r["leased"] > 20, r
