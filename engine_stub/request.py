@@ -31,6 +31,8 @@ class SamplingParams:
     temperature: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    """vLLM's extension: generate past the end-of-sequence token, up to the budget."""
 
     def generator(self) -> torch.Generator | None:
         if self.temperature <= 0:

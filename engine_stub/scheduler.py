@@ -477,7 +477,7 @@ class Scheduler:
         req = seq.req
         if req.cancelled:
             return False
-        if token in self.eos_ids:
+        if token in self.eos_ids and not req.params.ignore_eos:
             req.finish("stop")
             self._release(seq, "ok")
             return False

@@ -107,7 +107,12 @@ def parse_params(body: dict[str, Any], max_gen: int) -> SamplingParams:
         raise BadRequest("n: only 1 is supported", param="n")
     if not isinstance(body.get("stream", False), bool):
         raise BadRequest("stream: must be a boolean", param="stream")
-    return SamplingParams(max_new_tokens=budget, temperature=float(temp), seed=seed, stop=stops)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos: must be a boolean", param="ignore_eos")
+    return SamplingParams(
+        max_new_tokens=budget, temperature=float(temp), seed=seed, stop=stops, ignore_eos=ignore_eos
+    )
 
 
 def parse_cache_salt(body: dict[str, Any]) -> str | None:

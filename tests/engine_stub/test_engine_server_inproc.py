@@ -189,3 +189,30 @@ async def test_cache_salt_keeps_caches_apart_in_the_routers_keys(served) -> None
     for bad in ("", 5):
         r = await client.post("/v1/chat/completions", json={"messages": msgs, "cache_salt": bad})
         assert r.status == 400 and (await r.json())["error"]["param"] == "cache_salt"
+
+
+async def test_ignore_eos_generates_the_whole_budget() -> None:
+    """vLLM's `ignore_eos`: a batch user's long generation runs to `max_tokens` past the
+    model's end-of-sequence token (hostile_clients' case 3 needs it); without it the EOS
+    ends the answer ("stop"). A non-boolean value is a 400 naming the field."""
+    prompt = "q"
+    model = StandinModel(window=16, eos_after=1 + 3)  # EOS after 3 generated tokens
+    engine = Engine(EngineSettings(engine_id="t0", profile_mode="skip", speculate=False), model)
+    engine.start()
+    client = TestClient(TestServer(build_app(engine)))
+    await client.start_server()
+    try:
+        body = {"prompt": prompt, "max_tokens": 20}
+        stopped = await (await client.post("/v1/completions", json=body)).json()
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        assert stopped["usage"]["completion_tokens"] < 20
+        full = await (
+            await client.post("/v1/completions", json={**body, "ignore_eos": True})
+        ).json()
+        assert full["choices"][0]["finish_reason"] == "length"
+        assert full["usage"]["completion_tokens"] == 20
+        bad = await client.post("/v1/completions", json={**body, "ignore_eos": "yes"})
+        assert bad.status == 400 and (await bad.json())["error"]["param"] == "ignore_eos"
+    finally:
+        await client.close()
+        engine.close()
