@@ -460,12 +460,12 @@ def start_pool_reporter(tmp: Path, ns: Path, keys: Path) -> tuple[subprocess.Pop
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
-        try:
-            with urllib.request.urlopen(url + "/ramjet/snapshot", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:  # not listening yet: poll until the deadline
-            pass
+        with (
+            contextlib.suppress(OSError),  # not listening yet: poll until the deadline
+            urllib.request.urlopen(url + "/ramjet/snapshot", timeout=2) as r,
+        ):
+            if r.status == 200:
+                return proc, url
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise BenchError(

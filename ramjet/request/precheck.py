@@ -133,15 +133,20 @@ def _with_values(c: BodyCounts, body: bytes, limits: CountLimits | None) -> Body
     return c._replace(values=values_bound(body, limits.values))
 
 
+def _typed(body: bytes) -> _Envelope | None:
+    """The body as the counted shape, or None where it has another (then decoded whole)."""
+    try:
+        return msgspec.json.decode(body, type=_Envelope)
+    except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
+        return None
+
+
 def body_counts(body: bytes, limits: CountLimits | None = None) -> BodyCounts:
     """What `body` holds (`BodyCounts`): a typed decode that skips what it does not
     count, else (a shape it refuses) a whole decode, else the JSON error. With `limits`,
     also `values_bound` (only if the other counts are within them)."""
-    try:
-        env = msgspec.json.decode(body, type=_Envelope)
-    except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
-        pass
-    else:
+    env = _typed(body)
+    if env is not None:
         msgs = env.messages or ()
         parts = sum(len(m.content) for m in msgs if isinstance(m.content, list))
         c = BodyCounts(len(msgs), parts, _prompt_items_typed(env.prompt))
