@@ -109,7 +109,11 @@ async def probe_once(
         data: Any = await resp.json(content_type=None)
         if resp.status != 200:
             text = str(data)
-            if resp.status == 400 and "context length" in text:
+            # vLLM says "context length" past its limit; at exactly the limit it clamps
+            # max_tokens to the room left (0) and names max_tokens instead
+            if resp.status == 400 and (
+                "context length" in text or "max_tokens must be at least 1" in text
+            ):
                 raise PromptTooLong(f"probe prompt too long: {text[:200]}")
             raise RuntimeError(f"probe request failed: HTTP {resp.status}: {text[:200]}")
     dt = time.perf_counter() - t0

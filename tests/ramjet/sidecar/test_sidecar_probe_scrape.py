@@ -34,6 +34,10 @@ async def _fake_engine(
         if max_len is not None and n > max_len:
             msg = f"This model's maximum context length is {max_len} tokens. However, your prompt contains at least {n} input tokens"
             return web.json_response({"error": {"message": msg}}, status=400)
+        if max_len is not None and n + max_tokens > max_len:
+            # vLLM 0.32 clamps max_tokens to the room left and then refuses it
+            msg = f"max_tokens must be at least 1, got {max_len - n}."
+            return web.json_response({"error": {"message": msg}}, status=400)
         cached = (n // 16) * 16 if prompt in seen else 0
         seen.add(prompt)
         delay = OVERHEAD + PER_TOKEN * (n - cached) + (REPLAY if cached else 0.0)
@@ -90,6 +94,18 @@ async def test_a_probe_prompt_over_the_limit_is_retried_shorter() -> None:
         await runner.cleanup()
     last = prof.prefill_curve[-1].context_tokens
     assert 0 < last < 300
+
+
+@pytest.mark.timeout(30)
+async def test_a_probe_prompt_exactly_at_the_limit_is_retried_shorter() -> None:
+    # 16 tokens over the estimate puts the longest prompt at exactly 300 tokens: vLLM
+    # leaves no room for the one token asked and refuses max_tokens instead of the prompt
+    runner, url = await _fake_engine(max_len=300, long_extra=16)
+    try:
+        prof = await probe_profile(url, "m", repeats=1, global_kv_bytes_per_token=1.0)
+    finally:
+        await runner.cleanup()
+    assert 0 < prof.prefill_curve[-1].context_tokens < 300
 
 
 async def test_probe_refuses_bad_sizes() -> None:
