@@ -9,7 +9,8 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from ramjet.sidecar.probe import probe_profile
+from ramjet.policy.profile import CurvePoint, EngineProfile
+from ramjet.sidecar.probe import fit_curve, probe_profile
 from ramjet.sidecar.scrape import LoadScraper, parse_metrics
 
 OVERHEAD, PER_TOKEN, REPLAY, DECODE = 0.05, 2e-4, 0.05, 0.004
@@ -160,3 +161,23 @@ def test_load_from_vllm_and_sglang_metrics() -> None:
     assert two.running_requests == 8 and two.kv_utilization == pytest.approx(0.6)
     empty = LoadScraper().load("# nothing\n", 1.0)
     assert empty.running_requests == 0 and empty.kv_utilization == 0.0
+
+
+def test_the_curve_is_fitted_over_all_probes_so_one_noisy_probe_cannot_bend_it() -> None:
+    b, k = 1e-4, 1.2e-8  # a per-token cost and attention's, as vLLM's tiny Llama shows
+    sizes = (252, 1014, 2030, 8176)
+    exact = [(n, b * n + k * n * n) for n in sizes]
+    noisy = [(n, t * (1.4 if n == 1014 else 1.0)) for n, t in exact]  # one slow probe
+    prof = EngineProfile(
+        prefill_curve=fit_curve(noisy), replay_floor_s=0.0, global_kv_bytes_per_token=1.0
+    )
+    rates = [prof.prefill_seconds(1, x) for x in range(0, 8176, 512)]
+    assert rates == sorted(rates)  # differencing gave 0.21, 0.08, 0.23 ms/token here
+    for n, t in exact:
+        assert prof.prefill_seconds(n) == pytest.approx(t, rel=0.2)
+    line = fit_curve([(200, 0.04), (400, 0.08), (800, 0.16)])
+    assert [(p.context_tokens, p.seconds_per_token) for p in line] == [
+        (0, pytest.approx(2e-4)),
+        (800, pytest.approx(2e-4)),
+    ]
+    assert fit_curve([]) == [CurvePoint(context_tokens=0, seconds_per_token=0.0)]
