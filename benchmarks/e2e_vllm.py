@@ -123,6 +123,11 @@ class Result:
     """Tokens the router priced as pulled from the shared pool into the engine it picked."""
     sent_s: float = 0.0
     """When the request was sent, seconds after the run's workload began."""
+    done_s: float = 0.0
+    """When its answer ended, seconds after the run's workload began."""
+    components: dict[str, Any] | None = None
+    """The decision's figures for the engine that answered (`ramjet explain`'s), kept
+    so that a model change can be weighed against the same run's requests offline."""
 
 
 @dataclass
@@ -304,7 +309,8 @@ async def workload(
             sent = time.perf_counter() - start
             ttft, answer, usage = await stream_chat(http, url, msgs, t.max_tokens, rid)
             res = Result(si, ti, ttft, usage["prompt_tokens"],
-                         usage["prompt_tokens_details"]["cached_tokens"], sent_s=sent)  # fmt: skip
+                         usage["prompt_tokens_details"]["cached_tokens"], sent_s=sent,
+                         done_s=time.perf_counter() - start)  # fmt: skip
             if records is not None:
                 rec = await wait_record(records, rid)
                 res.engine = rec.engine
@@ -319,6 +325,7 @@ async def workload(
                     res.predicted_raw_s = comp.get("ttft_raw_s")
                     res.externality_live = "externality_off" not in rec.candidate.notes
                     res.predicted_pool = int(comp.get("pool_tokens", 0))
+                    res.components = dict(comp)
             out.append(res)
             print(f"\r  {len(out)}/{total} requests", end="", flush=True)
             msgs.append({"role": "assistant", "content": answer})
