@@ -429,6 +429,7 @@ class Router:
                 exchange,
                 deadline_s,
                 res,
+                max(parsed.prompt_tokens - new_tokens, 0),
             )
             if res.engine is not None and res.status < 400:
                 self.residency.record_routed(res.engine, parsed.keys, self.clock())

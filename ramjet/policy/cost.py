@@ -23,8 +23,9 @@ For request r (n prompt tokens) on engine e, with profile P:
 - work_e = restore + replay + prefill: what the engine will spend on r's prompt.
 - wait_e = the time until e starts r: the engine's outstanding prompt tokens (reported,
   corrected by the router's in-flight, see `candidates.outstanding_prompt_tokens`)
-  priced by the profile's prefill curve from context 0 (queued prompts mix lengths; the
-  curve's start is the conservative, common case), less the time the engine has already
+  priced by the profile's prefill curve: each of the router's in-flight requests at its
+  own context (`EngineLoad.inflight_jobs`), tokens beyond them from context 0
+  (`queued_seconds`), less the time the engine has already
   spent on that work (`EngineLoad.busy_s`: the head of the queue is that far into its
   prefill), plus decode interference: a chunked
   prefill engine runs one decode step for its running batch per prefill chunk, so while
@@ -308,12 +309,14 @@ def wait_seconds(
     chunked prefill), so only tokens count. `ahead`: (prompt tokens, waiting requests)
     that run before this request on an engine that serves by key (`keyed_ahead`), in
     place of everything outstanding there (FCFS)."""
+    jobs: tuple[tuple[int, int], ...] = ()
     if ahead is None:
         queued, waiting = outstanding_prompt_tokens(engine.load), engine.load.waiting_requests
+        jobs = engine.load.inflight_jobs
     else:
         queued, waiting = ahead
     # the head of the queue is `busy_s` into its prefill already
-    wait = max(profile.prefill_seconds(queued, 0) - engine.load.busy_s, 0.0) if queued else 0.0
+    wait = max(queued_seconds(profile, queued, jobs) - engine.load.busy_s, 0.0) if queued else 0.0
     waiting = (waiting or 0) if per_job else 0
     if waiting > 0:
         wait += waiting * profile.prefill_overhead_s
@@ -323,6 +326,25 @@ def wait_seconds(
             chunks = max(chunks, waiting + (1 if queued > 0 else 0) + 1)
         wait += chunks * profile.decode_step_s
     return wait
+
+
+def queued_seconds(
+    profile: EngineProfile, queued: int, jobs: tuple[tuple[int, int], ...] = ()
+) -> float:
+    """The prefill time of `queued` outstanding prompt tokens: each of the router's `jobs`
+    (new tokens, context tokens) at its own context, and the tokens beyond theirs (another
+    router's, a reported queue's) as one prompt from context 0; one prefill overhead."""
+    if not jobs:
+        return profile.prefill_seconds(queued, 0)
+    over = profile.prefill_overhead_s
+    total, counted = over, 0
+    for n, context in jobs:
+        if n > 0:
+            total += profile.prefill_seconds(n, context) - over
+            counted += n
+    if queued > counted:
+        total += profile.prefill_seconds(queued - counted, 0) - over
+    return total
 
 
 def _decoding(load: EngineLoad) -> int:
