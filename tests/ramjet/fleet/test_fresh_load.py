@@ -7,7 +7,7 @@ took 0.11 s."""
 from __future__ import annotations
 
 import pytest
-from policy_fakes import FixedResidency
+from policy_fakes import FixedResidency, curve_profile
 from reports_fixtures import E0, frame, load_body, rig
 
 from ramjet.config import EngineConfig
@@ -15,7 +15,6 @@ from ramjet.fleet.engines import EngineState, Ticket
 from ramjet.fleet.signals import NoSignals, ReportSignals
 from ramjet.policy.base import EngineLoad, EngineView
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, wait_seconds
-from ramjet.policy.profile import CurvePoint, EngineProfile
 from ramjet.types import EngineId
 
 
@@ -102,15 +101,7 @@ def test_each_request_in_flight_is_priced_at_its_own_context() -> None:
     """Two 3,000-token turns on a 4,000-token context each are two prompts: attention runs
     over each one's own context, not over the other's tokens (`EngineLoad.inflight_jobs`,
     filled from the router's tickets)."""
-    prof = EngineProfile(
-        prefill_curve=[
-            CurvePoint(context_tokens=0, seconds_per_token=1e-4),
-            CurvePoint(context_tokens=8192, seconds_per_token=3e-4),
-        ],
-        prefill_overhead_s=0.02,
-        replay_floor_s=0.0,
-        global_kv_bytes_per_token=1.0,
-    )
+    prof = curve_profile((0, 1e-4), (8192, 3e-4), prefill_overhead_s=0.02)
     engine = _engine()
     tickets = [Ticket(engine, 3000, 0.0, context_tokens=4000) for _ in range(2)]
     load = NoSignals().load(engine, 0.0)

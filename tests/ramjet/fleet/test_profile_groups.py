@@ -6,22 +6,18 @@ cheaper of two identical engines."""
 from __future__ import annotations
 
 import pytest
+from policy_fakes import curve_profile
 from reports_fixtures import E0, E1, frame, rig
 
 from ramjet.app.wiring import profile_groups
 from ramjet.config import parse_policy
 from ramjet.fleet.signals import GroupedProfiles, ReportSignals
-from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost, mean_profile
+from ramjet.policy.profile import EngineProfile, TierCost, mean_profile
 from ramjet.reports.bodies import ProfileBody
 
 
 def _profile(rates: list[tuple[int, float]], floor: float, **extra: object) -> EngineProfile:
-    return EngineProfile(
-        prefill_curve=[CurvePoint(context_tokens=c, seconds_per_token=r) for c, r in rates],
-        replay_floor_s=floor,
-        global_kv_bytes_per_token=890.0,
-        **extra,  # type: ignore[arg-type]
-    )
+    return curve_profile(*rates, replay_floor_s=floor, global_kv_bytes_per_token=890.0, **extra)
 
 
 def test_the_mean_prices_every_prompt_at_the_mean_of_the_members() -> None:

@@ -85,23 +85,13 @@ async def test_probe_recovers_the_engines_costs() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_a_probe_prompt_over_the_limit_is_retried_shorter() -> None:
-    # sized at the limit from a short calibration, the longest prompt comes out 30 tokens
-    # over (the engine refuses it with a 400); the probe shortens it and measures it
-    runner, url = await _fake_engine(max_len=300, long_extra=30)
-    try:
-        prof = await probe_profile(url, "m", repeats=1, global_kv_bytes_per_token=1.0)
-    finally:
-        await runner.cleanup()
-    last = prof.prefill_curve[-1].context_tokens
-    assert 0 < last < 300
-
-
-@pytest.mark.timeout(30)
-async def test_a_probe_prompt_exactly_at_the_limit_is_retried_shorter() -> None:
-    # 16 tokens over the estimate puts the longest prompt at exactly 300 tokens: vLLM
-    # leaves no room for the one token asked and refuses max_tokens instead of the prompt
-    runner, url = await _fake_engine(max_len=300, long_extra=16)
+@pytest.mark.parametrize("extra", [30, 16])
+async def test_a_probe_prompt_at_or_over_the_limit_is_retried_shorter(extra: int) -> None:
+    # sized at the limit from a short calibration, the longest prompt comes out `extra`
+    # tokens long: 30 puts it over (vLLM refuses the prompt), 16 exactly at 300 (vLLM
+    # leaves no room for the one token asked and refuses max_tokens); the probe shortens
+    # it and measures it
+    runner, url = await _fake_engine(max_len=300, long_extra=extra)
     try:
         prof = await probe_profile(url, "m", repeats=1, global_kv_bytes_per_token=1.0)
     finally:
