@@ -7,6 +7,7 @@
     ... --only smg_ca,ramjet_observe                          # a subset (direct always)
     ... --opt-python /path/to/python   # also Ramjet under another CPython build (_opt columns)
     ... --base /path/to/checkout       # also Ramjet from another checkout (_base columns)
+    ... --base DIR --base DIR2         # and from a second one (_base2 columns)
 
 Set-up: two upstream engines (one process, two ports; `httptools` HTTP/1.1) that parse
 every request's JSON body (`"stream"` is read from the parsed body, so a proxy that
@@ -25,7 +26,8 @@ also started when named in `--only`). With `--opt-python PYTHON`, `ramjet_observ
 and `ramjet_enforce_opt`: the same routers under that interpreter (the same source tree),
 to price the CPython build itself. With `--base DIR`, `ramjet_observe_base` and
 `ramjet_enforce_base`: the same routers run from the checkout at DIR (its own compiled
-build, if current), interleaved with this one's: a before/after of a change in one run.
+build, if current), interleaved with this one's: a before/after of a change in one run
+(a second `--base` adds `_base2` columns, and so on).
 
 Before any timing, each target is checked with an independent client (aiohttp): a small
 request must come back 200 with the completion and the prompt size the upstream saw, a
@@ -881,8 +883,11 @@ def main() -> int:
         "--base",
         metavar="DIR",
         type=Path,
+        action="append",
+        default=[],
         help="also Ramjet observe/enforce from the checkout at DIR (e.g. a worktree of main "
-        "with its build): columns ramjet_observe_base, ramjet_enforce_base",
+        "with its build): columns ramjet_observe_base, ramjet_enforce_base; repeated: "
+        "_base2, _base3, ...",
     )
     args = ap.parse_args()
     if args.upstream:
@@ -943,9 +948,10 @@ def main() -> int:
                     targets.append(start_ramjet(name, ups, tmp, mode))
                 if args.opt_python and want(name + "_opt"):
                     targets.append(start_ramjet(name + "_opt", ups, tmp, mode, args.opt_python))
-                if args.base and want(name + "_base"):
-                    base = args.base.resolve()
-                    targets.append(start_ramjet(name + "_base", ups, tmp, mode, root=base))
+                for i, base in enumerate(args.base):
+                    col = name + "_base" + (str(i + 1) if i else "")
+                    if want(col):
+                        targets.append(start_ramjet(col, ups, tmp, mode, root=base.resolve()))
             for t in targets:
                 uvloop.run(verify(t))
             print(

@@ -43,7 +43,9 @@ What this layer keeps itself, as aiohttp's handler does:
   the first byte; past the limit the client's oldest silent ones are closed, after a
   short delay (each is also bounded by the header deadline).
 
-The response head and framing are aiohttp's (`ramjet.request.client`).
+The response head and framing are aiohttp's (`ramjet.request.client`). With
+`logging.access_log`, each request served here is logged as aiohttp logs it (its
+`AccessLogger`, default format, logger `ramjet.access`) once its answer is written.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from typing import cast
 
 import httptools
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ramjet.request.admission import BodyBudget, PendingClients, SilentConnections, client_of
@@ -113,6 +117,27 @@ class _Head:
         self.length, self.keep_alive, self.size = length, keep_alive, size
 
 
+class _Served:
+    """A request served here as aiohttp's access logger reads it (`%a`, `%r`, `%{..}i`)."""
+
+    __slots__ = ("headers", "method", "path_qs", "remote", "version")
+
+    def __init__(self, req: FastRequest, client: str) -> None:
+        self.remote = client or None
+        self.method, self.path_qs, self.headers = req.method, req.path_qs, req.headers
+        self.version = HttpVersion11  # the only version served here
+
+
+class _Answered:
+    """Its answer as the logger reads it (`%s`, `%b`: bytes written, head included, as
+    aiohttp counts them; `%{..}o`)."""
+
+    __slots__ = ("body_length", "headers", "status")
+
+    def __init__(self, status: int, sent: int, headers: CIMultiDict[str]) -> None:
+        self.status, self.body_length, self.headers = status, sent, headers
+
+
 class FastServer:
     """Builds the protocol of each connection and keeps them (for shutdown).
     `fallback()` builds aiohttp's handler for a connection handed over."""
@@ -132,9 +157,11 @@ class FastServer:
         pending: PendingClients | None = None,
         on_refused: Callable[[str], None] = lambda reason: None,
         silent: SilentConnections | None = None,
+        access_log: AbstractAccessLogger | None = None,
     ) -> None:
         """`bodies`, `pending`: the router's body budget and pending-connection counts
-        (none: unbounded); `on_refused(reason)` counts a refusal made here."""
+        (none: unbounded); `on_refused(reason)` counts a refusal made here; `access_log`:
+        aiohttp's access logger, given each request served here (`logging.access_log`)."""
         self.handler = handler
         self.fallback = fallback
         self.header_deadline_s = header_deadline_s
@@ -147,6 +174,7 @@ class FastServer:
         self.pending = pending if pending is not None else PendingClients(1 << 62)
         self.silent = silent if silent is not None else SilentConnections(1 << 62)
         self.on_refused = on_refused
+        self.access_log = access_log
         self.head_scanned = 0
         """Bytes searched for a head's end so far (tests read it)."""
         self.keepalive_s = KEEPALIVE_S
@@ -586,6 +614,7 @@ class FastProtocol(asyncio.Protocol):
 
     async def _run(self, req: FastRequest) -> None:
         resp: web.StreamResponse | None = None
+        start = self._loop.time() if self._server.access_log is not None else 0.0
         try:
             resp = await self._server.handler(req)
         except asyncio.CancelledError:
@@ -601,9 +630,9 @@ class FastProtocol(asyncio.Protocol):
             resp = None
         self.task = None
         self._give_back()
-        self._finish(req, resp)
+        self._finish(req, resp, start)
 
-    def _finish(self, req: FastRequest, resp: web.StreamResponse | None) -> None:
+    def _finish(self, req: FastRequest, resp: web.StreamResponse | None, start: float) -> None:
         transport = self.transport
         if transport is None or self._closed:
             return
@@ -613,11 +642,18 @@ class FastProtocol(asyncio.Protocol):
         if started:  # a streamed answer: the connection carries on only if it ended whole
             done = streamed is not None and resp is streamed and streamed.done
             keep = keep and done and resp is not None and resp.keep_alive is not False
+            sent = streamed.framer.sent if streamed is not None else 0
         else:
             if resp is None or resp is streamed:  # none, or a streamed one that sent nothing
                 resp = json_error(500, "Internal error.", "server_error", "http_500", close=True)
             keep = keep and resp.keep_alive is not False
-            transport.write(serialize_response(resp, keep))
+            wire = serialize_response(resp, keep)
+            sent = len(wire)
+            transport.write(wire)
+        access = self._server.access_log
+        if access is not None and resp is not None and access.enabled:
+            answer = _Answered(resp.status, sent, resp.headers)
+            access.log(_Served(req, self._client), answer, self._loop.time() - start)  # type: ignore[arg-type]
         if not keep:
             self.close()
             return

@@ -44,16 +44,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ramjet.app.modes import ModeOutcome, canary_share_of
 from ramjet.config import PriorityConfig
 from ramjet.metric_catalogue import counter, histogram
-from ramjet.policy.base import Decision, EngineView, FleetStats, KeyedQueue, RequestView
+from ramjet.policy.base import EngineView, FleetStats, KeyedQueue, RequestView
 from ramjet.policy.cost import estimate
-from ramjet.policy.fleet_stats import KeyedQueues
+from ramjet.policy.fleet_stats import KeyedQueues, decided_work
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.request.parse import ParsedRequest
 from ramjet.types import EngineId
@@ -198,26 +198,6 @@ def with_priority(body: bytes, value: int, replace: bool) -> bytes:
     return body[:i] + b'"priority":' + str(value).encode("ascii") + sep + body[i:]
 
 
-def _components_work(d: Decision | None, engine: str) -> float | None:
-    if d is None:
-        return None
-    comp: Mapping[str, float] | None = d.components.get(engine)  # type: ignore[call-overload]
-    if comp is None or "work_s" not in comp:
-        return None
-    return float(comp["work_s"])
-
-
-def decided_work(outcome: ModeOutcome, engine: str) -> float | None:
-    """Predicted prompt work on `engine` as the decisions recorded it: the live pick's
-    figure, else the candidate's, else the incumbent's; None when none recorded one (a
-    baseline policy records no work)."""
-    for d in (outcome.live, outcome.candidate, outcome.incumbent):
-        w = _components_work(d, engine)
-        if w is not None:
-            return w
-    return None
-
-
 class PriorityHints:
     """The router's hint maker for every priority pool; see the module docstring."""
 
@@ -289,7 +269,7 @@ class PriorityHints:
     ) -> float:
         """Predicted prompt work on `view`'s engine: the live pick's figure, else the
         other picks', else the cost model for that engine alone."""
-        w = decided_work(outcome, view.id)
+        w = decided_work(view.id, outcome.live, outcome.candidate, outcome.incumbent)
         return w if w is not None else estimate(rv, [view], fleet)[0].work.work_s
 
     def apply(

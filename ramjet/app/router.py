@@ -49,7 +49,7 @@ from typing import Any
 from aiohttp import web
 
 from ramjet.app.modes import ArrivalRate, ModeOutcome, ModeRunner
-from ramjet.app.priority import PriorityHint, PriorityHints, decided_work, without_priority
+from ramjet.app.priority import PriorityHint, PriorityHints, without_priority
 from ramjet.config import PolicyConfig
 from ramjet.decisions.accounting import Accounting
 from ramjet.decisions.record import DecisionRecord, DecisionSink
@@ -61,7 +61,7 @@ from ramjet.metrics import RouterMetrics
 from ramjet.policy.base import Decision, EngineView
 from ramjet.policy.calibration import Calibrations
 from ramjet.policy.candidates import uncached_prompt_tokens
-from ramjet.policy.fleet_stats import WorkRates, fleet_stats
+from ramjet.policy.fleet_stats import WorkRates, decided_work, fleet_stats
 from ramjet.proxy.exchange import Exchange, ForwardResult
 from ramjet.proxy.forward import Proxy, Transports, generation_deadline
 from ramjet.proxy.transport import EngineTransport, fetch
@@ -389,7 +389,7 @@ class Router:
         outcome = self.modes.decide(rv, views, fleet, session_key, defer=not self.priority)
         live = next((v for v in views if v.id == outcome.live.engine), None)
         new = uncached_prompt_tokens(rv, live) if live is not None else parsed.prompt_tokens
-        routed_work = decided_work(outcome, outcome.live.engine)
+        routed_work = _work(outcome, outcome.live.engine)
         if routed_work is not None:  # the packing term's ρ (`ramjet.policy.fleet_stats`)
             self.work_rates.routed(t0, outcome.live.engine, routed_work)
         if outcome.deferred is not None:  # made once the forward has yielded to the loop
@@ -470,9 +470,9 @@ class Router:
         if outcome.deferred is None:  # made already (the usual case in `_account`) or none
             return
         engine = outcome.live.engine
-        counted = decided_work(outcome, engine) is not None  # at decide time
+        counted = _work(outcome, engine) is not None  # at decide time
         self.modes.settle(outcome)
-        work = None if counted else decided_work(outcome, engine)
+        work = None if counted else _work(outcome, engine)
         if work is not None:
             self.work_rates.routed(t0, engine, work)
 
@@ -619,3 +619,8 @@ def _noted(d: Decision, notes: tuple[str, ...]) -> Decision:
     """`d` with `notes` added (`residency_capped:<engine>`: the residency table's cap
     evicted entries the engine's reports confirmed, so its match may be missing)."""
     return Decision(d.engine, d.policy, d.components, d.notes + notes)
+
+
+def _work(outcome: ModeOutcome, engine: EngineId) -> float | None:
+    """`decided_work` on `engine` from `outcome`'s decisions."""
+    return decided_work(engine, outcome.live, outcome.candidate, outcome.incumbent)

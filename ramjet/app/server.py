@@ -4,8 +4,8 @@ Plain completion requests (`POST /v1/chat/completions` and `/v1/completions` wit
 Content-Length body) are served by `ramjet.app.fast_server`, an asyncio protocol on
 httptools that every connection starts on; it hands a connection to the aiohttp handler
 below, replaying the bytes it read, for anything else (other routes, chunked bodies,
-anything malformed or over a limit). `RouterServer(fast_path=False)` (or
-`logging.access_log`) leaves everything to aiohttp.
+anything malformed or over a limit). `RouterServer(fast_path=False)` leaves everything
+to aiohttp. With `logging.access_log`, both write the same lines to `ramjet.access`.
 
 Connection-level protections live below the app, in a `RequestHandler` subclass:
 
@@ -391,9 +391,9 @@ class RouterServer:
         ops_port: int | None = None,
     ) -> None:
         """`fast_path`: serve plain completion requests from `ramjet.app.fast_server`
-        (off, or with `logging.access_log`, aiohttp serves everything)."""
+        (off: aiohttp serves everything). Both log the same access lines."""
         self.config = config
-        self.fast_path = fast_path and not config.logging.access_log
+        self.fast_path = fast_path
         self.host = host
         self.port = port
         self.app = create_app(

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
 from prometheus_client import CollectorRegistry
 
 from ramjet.app.fast_server import FastServer
@@ -291,9 +293,16 @@ def fast_server(router: Router) -> FastServerFactory:
             pending=admission.pending,
             on_refused=lambda reason: metrics.rejected.labels(reason=reason).inc(),
             silent=admission.silent,
+            access_log=access_logger() if cfg.logging.access_log else None,
         )
 
     return make
+
+
+def access_logger() -> AccessLogger:
+    """aiohttp's access logger, as its server makes it (default format) for
+    `logging.access_log`, on logger `ramjet.access`: both servers log the same lines."""
+    return AccessLogger(logging.getLogger("ramjet.access"), AccessLogger.LOG_FORMAT)
 
 
 def mount(app: web.Application, wired: Wired) -> None:

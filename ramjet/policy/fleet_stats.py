@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ramjet.policy.base import FleetStats, KeyedQueue
+from ramjet.policy.base import Decision, FleetStats, KeyedQueue
 from ramjet.policy.calibration import Calibrations
 from ramjet.types import EngineId
 
@@ -144,6 +144,21 @@ class WorkRates:
 
     def rates(self, now: float) -> dict[EngineId, float]:
         return {e: r.at(now) for e, r in self._rates.items()}
+
+
+def decided_work(
+    engine: EngineId, live: Decision, candidate: Decision | None, incumbent: Decision | None
+) -> float | None:
+    """Predicted prompt work on `engine` (`ramjet.policy.cost`'s `work_s`) as a request's
+    decisions recorded it: the live pick's figure, else the candidate's, else the
+    incumbent's; None when none recorded one (a baseline policy records no work). What
+    the request adds to `WorkRates` for its engine, and a priority hint's work."""
+    for d in (live, candidate, incumbent):
+        if d is not None:
+            comp = d.components.get(engine)
+            if comp is not None and "work_s" in comp:
+                return float(comp["work_s"])
+    return None
 
 
 def fleet_stats(

@@ -87,7 +87,7 @@ class BodyFramer:
     response sets it (`set_head`, at its first write: the keep-alive decision is made
     then); the first framed piece carries it."""
 
-    __slots__ = ("chunked", "empty", "eof_sent", "head", "left", "started")
+    __slots__ = ("chunked", "empty", "eof_sent", "head", "left", "sent", "started")
 
     def __init__(self, status: int, length: int | None) -> None:
         self.head: bytes | None = None
@@ -96,6 +96,8 @@ class BodyFramer:
         self.empty = no_body(status)
         self.started = False
         self.eof_sent = False
+        self.sent = 0
+        """Bytes framed so far, head included (the access log's `%b`)."""
 
     def set_head(self, head: bytes, chunked: bool) -> None:
         self.head, self.chunked = head, chunked
@@ -117,7 +119,9 @@ class BodyFramer:
             if len(data) > self.left:
                 data = data[: self.left]
             self.left -= len(data)
-        return out + data if out else data
+        out = out + data if out else data
+        self.sent += len(out)
+        return out
 
     def write_now(self, conn: Connection, data: bytes, high: int) -> bool:
         """Write a body piece (not the first: the head has gone) at once, if that cannot

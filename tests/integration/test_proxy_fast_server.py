@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import socket
 from typing import Any
 
@@ -229,6 +231,33 @@ async def test_answers_are_the_same_as_aiohttps(upstreams: list[FakeUpstream]) -
             await server.stop(drain_s=0.2)
     assert got[True] == got[False]
     assert [s for s, _, _ in got[True]] == [200, 200, 400, 404, 200]
+
+
+async def test_access_log_keeps_the_fast_path_and_logs_as_aiohttp_does(
+    upstreams: list[FakeUpstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`logging.access_log`: the fast server still serves, and writes aiohttp's lines
+    (time aside; a stream's byte count aside, its chunks follow the engine's pieces)."""
+    raw = _post(extra=b"User-Agent: ua/1\r\nReferer: r\r\n") + _post(STREAM_BODY) + _post(b"{")
+    lines: dict[bool, list[str]] = {}
+    for fast_path in (True, False):
+        cfg = router_config([upstreams[0].url], logging={"access_log": True})
+        server = RouterServer(cfg, fast_path=fast_path)
+        await server.start()
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.INFO, logger="ramjet.access"):
+                await _heads(server, raw)
+                await asyncio.sleep(0.05)  # aiohttp logs after its write
+            assert (server.fast.served if server.fast else 0) == (3 if fast_path else 0)
+        finally:
+            await server.stop(drain_s=0.2)
+        got = [r.getMessage() for r in caplog.records if r.name == "ramjet.access"]
+        lines[fast_path] = [re.sub(r"\[[^]]*\] ", "", line) for line in got]
+    assert len(lines[True]) == 3 and lines[True][0].endswith('"r" "ua/1"')
+    assert lines[True][1].split(" 200 ")[0] == lines[False][1].split(" 200 ")[0]
+    del lines[True][1], lines[False][1]
+    assert lines[True] == lines[False]
 
 
 async def test_openai_style_client_reuses_the_connection(

@@ -45,6 +45,17 @@ def test_values_bound_is_an_upper_bound_and_skips_text() -> None:
     assert body_counts(msgs, CountLimits(20, 20, 10, 1)).values > 20
 
 
+def test_values_bound_of_a_json_text_within_its_limit_by_length() -> None:
+    # JSON (`valid`): len + 1 bounds the count outside strings, so no pass is needed;
+    # past that, the same figure as without it (the verdict never changes)
+    body = json.dumps({"m": [[], [], {"a": "[[[, , ,"}], "n": [1] * 50}).encode()
+    assert values_bound(body, len(body) + 1, valid=True) == len(body) + 1
+    assert values_bound(body, len(body) + 1) == body.count(b",") + 2 * (body.count(b"[") + 2) + 1
+    for limit in (1, 60, len(body)):
+        assert values_bound(body, limit, valid=True) == values_bound(body, limit)
+    assert body_counts(body, CountLimits(1, 1, 1, len(body) + 1)).values == len(body) + 1
+
+
 def test_body_counts_of_every_shape() -> None:
     assert body_counts(_chat(3, 2)) == BodyCounts(3, 6, 0)
     assert body_counts(b'{"prompt": [[1, 2, 3]]}') == BodyCounts(0, 0, 4)
