@@ -525,9 +525,11 @@ class ReportProcessor:
             self._abandon_parts(engine, st, "restarted")
             st.gen += 1
             self._abandon(st)
-            mp = st.parts = PartsApply(
-                epoch, body.parts, 0, seq, self.tables.stage_snapshot(engine, now), now
-            )
+            staging = self.tables.stage_snapshot(engine, now, additive=True)
+            # sized once, for as many keys in every part as in this one (parts are full
+            # but the last): its index then fills without rehashing at every doubling
+            staging.reserve_global(body.parts * sum(len(g.keys) for g in body.residency))
+            mp = st.parts = PartsApply(epoch, body.parts, 0, seq, staging, now)
             st.snapshot_needed = False
             if body.profile is not None:
                 st.profile = body.profile
@@ -576,7 +578,10 @@ class ReportProcessor:
                     mp.staging.add_global(keys, tier, staged)
             yield len(keys)
         if last and mp is not None and st.parts is mp:
-            mp.staging.commit()
+            # in steps where the store cannot stage (Redis): the entries no part named go
+            yield from mp.staging.commit_steps()
+            if st.parts is not mp:
+                return  # abandoned meanwhile (a purge, a new snapshot)
             st.parts = None
             st.gap = False
             st.snapshot_needed = False

@@ -25,7 +25,7 @@ from ramjet.reports.bodies import (
     split_snapshot,
 )
 from ramjet.residency.store import MemoryStore, Table
-from ramjet.types import PrefixKey, Tier, TrustGrade
+from ramjet.types import EngineId, PrefixKey, Tier, TrustGrade
 
 TIERS = ("hbm", "host", "ssd")
 
@@ -238,3 +238,20 @@ def test_a_large_delta_applies_in_steps_in_order_with_later_reports() -> None:
     keys, pauses = asyncio.run(run())
     assert keys == set(range(1, 4000)) | set(range(4100, 5001))
     assert pauses >= 9
+
+
+@pytest.mark.parametrize("kind", ["memory", "dict"])
+def test_stores_list_their_exact_keys_in_batches(kind: str) -> None:
+    from ramjet.residency.store import DictStore
+
+    caps = {Table.GLOBAL: 100_000, Table.SWA: 100}
+    store = MemoryStore(caps) if kind == "memory" else DictStore(caps)
+    exact = [PrefixKey(k) for k in range(1, 9000)]
+    store.put(Table.GLOBAL, E0, exact, Tier.HOST, 0.0, 1e9, exact=True)
+    store.put(Table.GLOBAL, E0, [PrefixKey(10**6)], Tier.HBM, 0.0, 1e9, exact=False)
+    store.put(Table.SWA, E0, [PrefixKey(5)], Tier.HBM, 0.0, 1e9, exact=True)
+    batches = list(store.exact_keys(Table.GLOBAL, E0))
+    assert len(batches) > 1 and all(0 < len(b) <= 4096 for b in batches)
+    assert sorted(k for b in batches for k in b) == exact  # exact ones only
+    assert [k for b in store.exact_keys(Table.SWA, E0) for k in b] == [PrefixKey(5)]
+    assert list(store.exact_keys(Table.GLOBAL, EngineId("nobody"))) == []
