@@ -23,8 +23,8 @@ Rules the publisher keeps (the router relies on them):
   as a whole snapshot does, and parts 1.. take the next seqs and go into the ring (and
   the push queue) right behind it, all signed under one hold of the lock, so nothing
   comes between them. `GET /ramjet/snapshot` answers part 0; a puller reads the rest
-  from `GET /ramjet/reports`, so the ring must hold a whole snapshot's parts
-  (`ring_bytes`: about 10.7 bytes a key).
+  from `GET /ramjet/reports`: the ring's caps grow by the newest snapshot's later parts
+  (about 10.7 bytes a key) so that they stay in it.
 
 Snapshot consistency: `snapshot()` (the engine's callback) returns its residency and
 live SWA states. Deltas set a key's state (they never add or subtract), so a snapshot
@@ -115,6 +115,7 @@ class ReportPublisher:
         self._load_interval = load_interval_s
         self._ring: deque[tuple[int, bytes]] = deque()
         self._ring_size, self._ring_bytes_cap, self._ring_bytes = ring_size, ring_bytes, 0
+        self._ring_size_base, self._ring_bytes_base = ring_size, ring_bytes
         self._dropped_through = 0
         """Highest seq that left the ring: a cursor below it needs a snapshot."""
         self._seq = 0
@@ -185,10 +186,15 @@ class ReportPublisher:
             self._seq, list(residency), list(swa), self._profile, self.snapshot_part_keys
         )
         frames = [self._sign("snapshot", bodies[0], bodies[0].seq)]
-        for body in bodies[1:]:
-            self._seq = body.seq
-            frame = self._sign("snapshot", body, body.seq)
-            self._keep(body.seq, frame)
+        later = [(b.seq, self._sign("snapshot", b, b.seq)) for b in bodies[1:]]
+        if later:
+            # the ring holds the newest snapshot's later parts beside its own caps (a
+            # puller that fetched part 0 reads them from it): one snapshot's worth more
+            self._ring_size = self._ring_size_base + len(later)
+            self._ring_bytes_cap = self._ring_bytes_base + sum(len(f) for _, f in later)
+        for seq, frame in later:
+            self._seq = seq
+            self._keep(seq, frame)
             frames.append(frame)
         return frames
 

@@ -255,3 +255,30 @@ def test_stores_list_their_exact_keys_in_batches(kind: str) -> None:
     assert sorted(k for b in batches for k in b) == exact  # exact ones only
     assert [k for b in store.exact_keys(Table.SWA, E0) for k in b] == [PrefixKey(5)]
     assert list(store.exact_keys(Table.GLOBAL, EngineId("nobody"))) == []
+
+
+def test_the_ring_keeps_the_newest_snapshots_parts_beyond_its_caps() -> None:
+    """A puller reads parts 1.. from the ring after part 0: a ring smaller than the
+    snapshot keeps them anyway (its caps grow by one snapshot's parts, no more)."""
+    from reports_fixtures import KEYS
+
+    from ramjet.reports.publisher import ReportPublisher
+
+    keys = tuple(PrefixKey(k) for k in range(1, 101))
+    pub = ReportPublisher(
+        E0,
+        KEYS["e0-a"],
+        "e0-a",
+        epoch=3,
+        snapshot=lambda: ([TierKeys(tier="hbm", keys=keys)], []),
+        ring_size=2,
+        ring_bytes=2048,
+        snapshot_part_keys=10,
+    )
+    pub.publish_delta(stored(1))
+    frames = pub.snapshot_frames()
+    assert len(frames) == 10 and pub.seq == 10  # part 0 at seq 1, parts 1-9 at 2-10
+    assert pub.frames_after(1, limit=100) == frames[1:]
+    for _ in range(30):  # later reports push the parts out: the ring stays bounded
+        pub.publish_delta(stored(2))
+    assert len(pub.frames_after(0, limit=100)) <= 2 + 9
