@@ -1,35 +1,46 @@
-"""The Redis half of the residency-at-scale benchmark (issue 33): Redis memory per block,
-snapshot write and pull rates, and `global_match` p99 on a replica's mirror, for the
+"""The Redis half of the residency-at-scale benchmark (issue 33): N blocks of one engine
+loaded through the real report path into a router replica whose store is Redis, for the
 packed encoding against the per-key one (the encoding before issue 33) in the same run,
 on a real redis-server on loopback.
 
     .venv/bin/python benchmarks/residency_scale_redis.py [--blocks 200000] [--full]
 
-`--full` loads 20M blocks (hours of Lua and tens of GB of memory for the per-key
-encoding on a small box: that one is skipped above `--keys-max`, 2M by default).
-`measure_redis(n_blocks, encoding)` is the function `benchmarks/residency_scale.py` can
-call; it returns a dict:
+The engine signs a snapshot of 90 % of the blocks in parts of `--part-keys` keys
+(`reports.max_keys`, 524,288 by default; `SnapshotBody.part/parts`), then deltas of that
+size for the rest, then one evicting 1,000 blocks (10 come back); each report goes
+through `SharedReports.submit` (verify, claim, apply in steps) while the store's sync runs
+as it does in `ramjet serve`; the next report waits until the write queue is drained.
+Keys are made part by part and never kept, so the benchmark's memory is the mirror's.
+`--full` loads 20M blocks (tens of minutes on a small box; the per-key encoding is
+skipped above `--keys-max`, 2M by default). `measure_redis(n_blocks, encoding)` (which
+`benchmarks/residency_scale.py --redis-blocks N` calls) returns a dict:
 - `bytes_per_block`: (Redis `used_memory` after - before) / blocks, once the change log
   has aged out (steady state; trimmed by hand rather than waiting `log_max_age_s`);
-  `bytes_per_block_with_log` right after the load, the snapshot's chunks still logged;
-  `data_bytes_per_block`: `MEMORY USAGE` of the entry keys (packed: the four hashes);
-- `snapshot_write_blocks_per_s`: one engine's signed-state snapshot (`replace_exact`)
-  through the sync (MACs, chunks of `snapshot_chunk_entries`, the APPLY script), then
-  deltas; `snapshot_pull_blocks_per_s`: a fresh replica's full pull;
-- `global_match_p99_ms`: `ResidencyTables.view(...).global_match` for a 50k-token
-  prompt (782 blocks of 64 tokens, all held) on the pulled replica's mirror;
-- `max_call_ms`: the slowest single Redis call of the load (each must fit `timeout_ms`).
+  `bytes_per_block_with_log` right after the load; `data_bytes_per_block`:
+  `MEMORY USAGE` of the entry keys (packed: the four hashes);
+- `snapshot_write_blocks_per_s`: the snapshot's blocks / seconds from its first part
+  to its last part written to Redis; `report_path_blocks_per_s` the same for the whole
+  load; `router_apply_blocks_per_cpu_s`: blocks / the router loop's CPU seconds in
+  `submit`; `snapshot_pull_blocks_per_s`: a fresh replica's full pull;
+- `global_match_p99_1m_ms` and `global_match_p99_ms`: CPU p99 of a fresh view's
+  `global_match` for a 50k-token prompt (781 blocks of 64 tokens, all held) on the
+  writer's mirror at 1M blocks and at N;
+- `stall_ms` / `stall_cpu_ms`: the longest event-loop stall during the load;
+  `max_call_ms`: the slowest single Redis call (each must fit `timeout_ms`).
 
-Self-check: the pulled replica holds exactly the loaded blocks (minus the deltas'
-removals), answers `global_match` as the writer does, and both encodings give the same
-answers. Needs `redis-server` on PATH; starts one per encoding in a temp dir, stops it.
+Self-check: every report accepted, the snapshot complete, no batch dropped, the writer
+and a freshly pulled replica hold exactly the loaded blocks (minus the removals) and
+answer `global_match` alike, and both encodings give the same answers. Needs
+`redis-server` on PATH; starts one per encoding in a temp dir, stops it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import os
 import random
 import statistics
 import sys
@@ -37,23 +48,39 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 from redis_server import redis_server
 
-from ramjet.residency.config import ResidencyConfig
-from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
-from ramjet.residency.redis_scripts import KINDS, EngineKeys
-from ramjet.residency.redis_store import RedisStore
-from ramjet.residency.store import Table
-from ramjet.residency.tables import ResidencyTables
-from ramjet.types import EngineId, PrefixKey, Tier
+from ramjet.native import install_ramjet
+
+# the hot modules as `ramjet serve` runs them (ramjet/native.py): before any other
+# ramjet module is imported
+NATIVE = install_ramjet().line()
+
+from ramjet.reports.bodies import MAX_KEYS_PER_BODY, DeltaBody, SnapshotBody, TierKeys, encode_body  # noqa: E402
+from ramjet.reports.config import ReportsConfig  # noqa: E402
+from ramjet.reports.envelope import Envelope, sign  # noqa: E402
+from ramjet.reports.keys import KeyRing  # noqa: E402
+from ramjet.reports.processor import ReportProcessor  # noqa: E402
+from ramjet.reports.redis_cursors import SharedReports  # noqa: E402
+from ramjet.reports.verify import Accepted  # noqa: E402
+from ramjet.residency.config import ResidencyConfig  # noqa: E402
+from ramjet.residency.redis_link import RedisLink, RedisSettings  # noqa: E402
+from ramjet.residency.redis_scripts import KINDS, EngineKeys  # noqa: E402
+from ramjet.residency.redis_store import RedisStore  # noqa: E402
+from ramjet.residency.store import Table  # noqa: E402
+from ramjet.residency.tables import ResidencyTables  # noqa: E402
+from ramjet.types import EngineId, PrefixKey, TrustGrade  # noqa: E402
 
 ENGINE = EngineId("e0")
 BLOCK_TOKENS = 64
 PROMPT_BLOCKS = 50_000 // BLOCK_TOKENS  # a 50k-token prompt
 SECRET = "benchmark-shared-secret-0123456789"
+KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+PART_KEYS = MAX_KEYS_PER_BODY
 
 
 def _settings(url: str, encoding: str, n: int) -> RedisSettings:
@@ -90,10 +117,32 @@ async def _data_bytes(store: RedisStore, encoding: str) -> int:
     return total + int(await c.memory_usage(keys.index("gx"), samples=0) or 0)
 
 
-async def _measure(url: str, n: int, encoding: str, seed: int) -> dict[str, Any]:
+class Engine:
+    """The engine side: signs reports; its keys are made when sent, never kept (the
+    benchmark's memory stays bounded whatever N)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.seq = 0
+        self.issued = 0
+
+    def keys(self, n: int) -> list[PrefixKey]:
+        return [PrefixKey(k) for k in memoryview(self.rng.randbytes(8 * n)).cast("Q")]
+
+    def frame(self, kind: str, body: Any, seq: int) -> bytes:
+        self.issued = max(int(time.time() * 1000), self.issued + 1)
+        env = Envelope(ENGINE, "k", 1, seq, self.issued, kind, encode_body(body))  # type: ignore[arg-type]
+        return sign(env, KEY)
+
+
+async def _measure(url: str, n: int, encoding: str, seed: int, part_keys: int) -> dict[str, Any]:
     reg = CollectorRegistry()
     settings = _settings(url, encoding, n)
     writer = RedisStore(RedisLink(settings, reg), _residency(n), engines=(ENGINE,), registry=reg)
+    tables = ResidencyTables(_residency(n), writer)
+    rcfg = ReportsConfig(rate_per_s=1e9, burst=10**9, max_report_bytes=16 << 20, max_keys=part_keys)
+    proc = ReportProcessor(KeyRing({"k": (ENGINE, KEY.public_key())}), tables, rcfg, reg)
+    shared = SharedReports(proc, writer, (ENGINE,), reg)
     calls: list[float] = []
     link_call = writer.link.call
 
@@ -105,35 +154,104 @@ async def _measure(url: str, n: int, encoding: str, seed: int) -> dict[str, Any]
             calls.append(time.perf_counter() - t0)
 
     writer.link.call = timed  # type: ignore[method-assign]
+    sync = asyncio.create_task(writer.run())  # the router's background sync, as served
+    eng = Engine(seed)
+    checks: list[bool] = []
     try:
         await writer.sync_once()
         before = await _used(writer)
-        rng = random.Random(seed)
-        keys = [PrefixKey(rng.getrandbits(64)) for _ in range(n)]
-        now = writer.clock()
-        tiers = (Tier.HBM, Tier.HOST, Tier.SSD)
-        entries = [(k, tiers[i % 3], now + 72 * 3600) for i, k in enumerate(keys)]
-        timeouts = 0
-        t0 = time.perf_counter()
-        writer.replace_exact(Table.GLOBAL, ENGINE, entries, now)  # the signed snapshot
-        gone = keys[: min(1000, n // 10)]
-        writer.remove(Table.GLOBAL, ENGINE, gone)  # then deltas
-        writer.put(Table.GLOBAL, ENGINE, gone[:10], Tier.HOST, now, now + 3600, True)
-        while writer.pending:
-            try:
-                await writer.sync_once()
-            except RedisUnavailable:  # a call past timeout_ms on a loaded box: retried
-                timeouts += 1
-                await asyncio.sleep(settings.breaker_open_ms / 1000)
-        write_s = time.perf_counter() - t0
+        # the signed snapshot: 90 % of the blocks (three tiers), in parts of `part_keys`
+        # keys made one at a time; then deltas of `part_keys` keys for the rest, then one
+        # delta evicting 1,000 blocks (10 come back on host)
+        snap_n = max(1, n - n // 10)
+        parts = -(-snap_n // part_keys)
+        prompt: list[PrefixKey] = []
+        gone: list[PrefixKey] = []
+        loaded = 0
+        apply_cpu = 0.0
+        p99_1m: float | None = None
+        t_start = time.perf_counter()
+        last_note = t_start
+
+        async def drain() -> None:
+            while writer.pending:  # bounded memory: the queue drains before the next report
+                await asyncio.sleep(0.005)
+
+        async def submit(frame: bytes) -> None:
+            nonlocal apply_cpu
+            c0 = time.thread_time()
+            res = await shared.submit(frame, ENGINE)
+            apply_cpu += time.thread_time() - c0
+            checks.append(isinstance(res, Accepted))
+            await drain()
+
+        async def progress(done: int) -> None:
+            nonlocal last_note, p99_1m
+            if p99_1m is None and done >= min(n, 1_000_000) and len(prompt) == PROMPT_BLOCKS:
+                mon.paused = True  # the measurement's own 300 lookups are not a stall
+                p99_1m = _p99(tables, prompt)
+                await _unpause(mon)
+            now = time.perf_counter()
+            if now - last_note > 15 or done >= n:
+                last_note = now
+                rate = done / (now - t_start)
+                print(
+                    f"  [{encoding}] {done:,}/{n:,} blocks through signed reports "
+                    f"({rate:,.0f} blocks/s, RSS {_rss() / 2**20:,.0f} MiB)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        async with StallMonitor() as mon:
+            for part in range(parts):
+                mon.paused = True  # the engine's making of the frame is not the router's
+                size = min(part_keys, snap_n - part * part_keys)
+                keys = eng.keys(size)
+                if not prompt:
+                    prompt = keys[1000 : 1000 + PROMPT_BLOCKS]
+                    gone = keys[:1000]
+                third = -(-size // 3)
+                groups = [
+                    TierKeys(tier=t, keys=keys[i * third : (i + 1) * third])
+                    for i, t in enumerate(("hbm", "host", "ssd"))
+                    if keys[i * third : (i + 1) * third]
+                ]
+                snap = SnapshotBody(seq=part, residency=groups, part=part, parts=parts)
+                frame = eng.frame("snapshot", snap, part)
+                del keys, groups, snap
+                await _unpause(mon)
+                await submit(frame)
+                loaded += size
+                await progress(loaded)
+            eng.seq = parts - 1
+            snapshot_s = time.perf_counter() - t_start
+            while loaded < n:
+                mon.paused = True
+                size = min(part_keys, n - loaded)
+                eng.seq += 1
+                body = DeltaBody(stored=[TierKeys(tier="host", keys=eng.keys(size))])
+                frame = eng.frame("delta", body, eng.seq)
+                del body
+                await _unpause(mon)
+                await submit(frame)
+                loaded += size
+                await progress(loaded)
+            eng.seq += 1
+            back = [TierKeys(tier="host", keys=gone[:10])]
+            body = DeltaBody(evicted=gone[10:], stored=back)
+            await submit(eng.frame("delta", body, eng.seq))
+        write_s = time.perf_counter() - t_start
+        checks.append(not proc.in_parts(ENGINE) and proc.trust(ENGINE) is TrustGrade.EXACT)
+        expected = n - len(gone) + 10
+        checks.append(writer.local.size(Table.GLOBAL) == expected)
+        checks.append(_sum(reg, "ramjet_redis_dropped_batches_total") == 0)
+        p99_n = _p99(tables, prompt)
         with_log = await _used(writer) - before
         # steady state: the log's entries age out after `log_max_age_s` (120 s); trimmed
         # here by hand instead of waiting
         await writer.link.client.xtrim(EngineKeys(settings.key_prefix, ENGINE).log, maxlen=0)
         steady = await _used(writer) - before
         data = await _data_bytes(writer, encoding)
-        expected = n - len(gone) + 10
-        del entries
         gc.collect()
 
         reader = RedisStore(
@@ -144,50 +262,116 @@ async def _measure(url: str, n: int, encoding: str, seed: int) -> dict[str, Any]
             await reader.sync_once()  # a fresh replica: a full pull
             pull_s = time.perf_counter() - t0
             held = reader.local.size(Table.GLOBAL)
-            tables = ResidencyTables(_residency(n), reader)
-            wtables = ResidencyTables(_residency(n), writer)
-            prompt = keys[len(gone) : len(gone) + PROMPT_BLOCKS]
+            rtables = ResidencyTables(_residency(n), reader)
             tokens = [BLOCK_TOKENS] * len(prompt)
-            samples = []
-            for _ in range(300):
-                view = tables.view(ENGINE)
-                t = time.perf_counter()
-                match = view.global_match(prompt, tokens)
-                samples.append((time.perf_counter() - t) * 1000)
-            want = wtables.view(ENGINE).global_match(prompt, tokens)
-            partial = keys[:PROMPT_BLOCKS]  # starts with removed blocks (10 put back)
+            match = rtables.view(ENGINE).global_match(prompt, tokens)
+            want = tables.view(ENGINE).global_match(prompt, tokens)
+            partial = gone[:20] + prompt  # starts with 10 removed blocks back on host
             answers = (
                 match,
-                tables.view(ENGINE).global_match(partial, [BLOCK_TOKENS] * len(partial)),
+                rtables.view(ENGINE).global_match(partial, [BLOCK_TOKENS] * len(partial)),
             )
-            ok = held == expected and match == want and match.blocks == len(prompt)
+            checks.append(held == expected and match == want and match.blocks == len(prompt))
         finally:
             await reader.link.close()
         return {
             "encoding": encoding,
             "blocks": n,
+            "parts": parts,
             "bytes_per_block": steady / n,
             "bytes_per_block_with_log": with_log / n,
             "data_bytes_per_block": data / n,
-            "snapshot_write_blocks_per_s": n / write_s,
+            "snapshot_write_blocks_per_s": snap_n / snapshot_s,
+            "report_path_blocks_per_s": n / write_s,
+            "router_apply_blocks_per_cpu_s": n / apply_cpu if apply_cpu else 0.0,
             "snapshot_pull_blocks_per_s": n / pull_s,
-            # one name for the scale helper's table: the rate Redis took the snapshot
             "snapshot_apply_blocks_per_s": n / write_s,
-            "global_match_p99_ms": statistics.quantiles(samples, n=100)[98],
+            "global_match_p99_ms": p99_n * 1000,
+            "global_match_p99_1m_ms": (p99_1m if p99_1m is not None else p99_n) * 1000,
             "max_call_ms": max(calls) * 1000,
-            "timeouts": timeouts,
-            "ok": ok,
+            "stall_ms": mon.longest * 1000,
+            "stall_cpu_ms": mon.longest_cpu * 1000,
+            "timeouts": int(_sum(reg, "ramjet_redis_errors_total")),
+            "dropped": int(_sum(reg, "ramjet_redis_dropped_batches_total")),
+            "rss_mib": _rss() / 2**20,
+            "ok": all(checks),
             "answers": answers,
         }
     finally:
+        writer.stop()
+        sync.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sync
         await writer.link.close()
 
 
-def measure_redis(n_blocks: int, encoding: str = "packed", seed: int = 1) -> dict[str, Any]:
-    """Load `n_blocks` for one engine into a fresh redis-server in `encoding`; see the
-    module docstring for what the dict holds."""
+def _p99(tables: ResidencyTables, prompt: list[PrefixKey], rounds: int = 300) -> float:
+    """p99 CPU seconds of a fresh view's `global_match` for the 50k-token prompt."""
+    tokens = [BLOCK_TOKENS] * len(prompt)
+    samples = []
+    for _ in range(rounds):
+        t = time.thread_time()
+        tables.view(ENGINE).global_match(prompt, tokens)
+        samples.append(time.thread_time() - t)
+    return statistics.quantiles(samples, n=100)[98]
+
+
+async def _unpause(mon: StallMonitor) -> None:
+    """Let the monitor take its turn (the gap it sees is the benchmark's own work, not
+    counted), then count again."""
+    gc.collect()  # the frame's making leaves young garbage: not the router's
+    await asyncio.sleep(0)
+    mon.paused = False
+
+
+def _sum(reg: CollectorRegistry, name: str) -> float:
+    return sum(smp.value for fam in reg.collect() for smp in fam.samples if smp.name == name)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class StallMonitor:
+    """The longest gap between two turns of a coroutine that only yields (wall, and CPU
+    of the loop's thread)."""
+
+    def __init__(self) -> None:
+        self.longest = self.longest_cpu = 0.0
+        self.paused = False
+        """While True, gaps are not counted (the benchmark's own measuring)."""
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        last, last_cpu = time.perf_counter(), time.thread_time()
+        while not self._stop:
+            await asyncio.sleep(0)
+            now, cpu = time.perf_counter(), time.thread_time()
+            if not self.paused:
+                self.longest = max(self.longest, now - last)
+                self.longest_cpu = max(self.longest_cpu, cpu - last_cpu)
+            last, last_cpu = now, cpu
+
+    async def __aenter__(self) -> StallMonitor:
+        self._task = asyncio.create_task(self._run())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop = True
+        assert self._task is not None
+        await self._task
+
+
+def measure_redis(
+    n_blocks: int, encoding: str = "packed", seed: int = 1, part_keys: int = PART_KEYS
+) -> dict[str, Any]:
+    """Load `n_blocks` for one engine into a fresh redis-server in `encoding` through
+    signed reports; see the module docstring for what the dict holds."""
     with redis_server() as server:
-        return asyncio.run(_measure(server.url, n_blocks, encoding, seed))
+        return asyncio.run(_measure(server.url, n_blocks, encoding, seed, part_keys))
 
 
 def main() -> None:
@@ -202,25 +386,42 @@ def main() -> None:
         help="blocks for the per-key encoding (default: N up to --keys-max; its per-block "
         "figures stay comparable at a smaller size, which it needs: ~320 B a block)",
     )
+    ap.add_argument(
+        "--part-keys",
+        type=int,
+        default=PART_KEYS,
+        help="keys per snapshot part and per delta (reports.max_keys; at least 2,000)",
+    )
     args = ap.parse_args()
     n = 20_000_000 if args.full else args.blocks
     keys_n = args.keys_blocks if args.keys_blocks is not None else n
-    print(f"blocks: {n:,} for one engine; 50k-token prompt = {PROMPT_BLOCKS} blocks")
+    print(NATIVE)
+    print(
+        f"blocks: {n:,} for one engine through signed reports (a snapshot in parts of "
+        f"{args.part_keys:,} keys, then deltas); 50k-token prompt = {PROMPT_BLOCKS} blocks"
+    )
     t0 = time.perf_counter()
-    packed = measure_redis(n, "packed")
+    packed = measure_redis(n, "packed", part_keys=args.part_keys)
     print(f"  packed: {n:,} blocks measured in {time.perf_counter() - t0:.0f} s", flush=True)
     base = None
     if keys_n <= args.keys_max:
         t0 = time.perf_counter()
-        base = measure_redis(keys_n, "keys")
+        base = measure_redis(keys_n, "keys", part_keys=args.part_keys)
         print(f"  per-key: {keys_n:,} blocks in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = [
         ("Redis bytes per block (steady)", "bytes_per_block", "{:.1f}"),
         ("Redis bytes per block (log not yet trimmed)", "bytes_per_block_with_log", "{:.1f}"),
         ("entry data bytes per block (MEMORY USAGE)", "data_bytes_per_block", "{:.1f}"),
-        ("snapshot write to Redis, blocks/s", "snapshot_write_blocks_per_s", "{:,.0f}"),
+        ("snapshot parts", "parts", "{}"),
+        ("snapshot through reports into Redis, blocks/s", "snapshot_write_blocks_per_s", "{:,.0f}"),
+        ("whole load (snapshot + deltas), blocks/s", "report_path_blocks_per_s", "{:,.0f}"),
+        ("router apply, blocks per loop CPU-s", "router_apply_blocks_per_cpu_s", "{:,.0f}"),
+        ("longest loop stall during the load, ms", "stall_ms", "{:.1f}"),
+        ("  the same, loop CPU ms", "stall_cpu_ms", "{:.1f}"),
+        ("global_match p99 at 1M blocks (CPU ms)", "global_match_p99_1m_ms", "{:.3f}"),
         ("fresh replica pull, blocks/s", "snapshot_pull_blocks_per_s", "{:,.0f}"),
-        ("global_match p99 (50k tokens), ms", "global_match_p99_ms", "{:.3f}"),
+        ("global_match p99 at N (CPU ms)", "global_match_p99_ms", "{:.3f}"),
+        ("benchmark RSS at the end, MiB", "rss_mib", "{:,.0f}"),
         ("slowest Redis call, ms", "max_call_ms", "{:.1f}"),
         ("calls past timeout_ms (retried)", "timeouts", "{}"),
     ]

@@ -174,6 +174,10 @@ CATALOGUE: tuple[Metric, ...] = (
            "Snapshots the router fetched"),
     Metric("ramjet_reports_epoch_changes_total", COUNTER, "", ("engine",), "ramjet.reports.metrics",
            "New engine epochs seen"),
+    Metric("ramjet_reports_snapshots_abandoned_total", COUNTER, "", ("engine", "reason"),
+           "ramjet.reports.metrics",
+           "Snapshots sent in parts given up before their last part (gap, out_of_order, "
+           "restarted, interrupted); nothing the previous state vouched for was removed"),
     Metric("ramjet_reports_revoked_purges_total", COUNTER, "", ("engine",), "ramjet.reports.metrics",
            "Engine views purged because a key that signed them was revoked by a reload"),
     Metric("ramjet_reports_epoch", GAUGE, "", ("engine",), "ramjet.reports.metrics",

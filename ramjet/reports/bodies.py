@@ -28,7 +28,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Any, Literal, cast, overload
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
 from ramjet.errors import ReportError
 from ramjet.policy.profile import EngineProfile
@@ -38,6 +38,8 @@ MAX_KEYS_PER_LIST = 1 << 19
 """Hard cap on keys in any one list (524,288), checked before decoding the string."""
 MAX_KEYS_PER_BODY = 1 << 19
 """Hard cap on keys across a whole body."""
+MAX_SNAPSHOT_PARTS = 4096
+"""Most parts one snapshot may be cut into (`SnapshotBody.parts`, `split_snapshot`)."""
 _MAX_B64 = (MAX_KEYS_PER_LIST * 8 + 2) // 3 * 4
 
 TierName = Literal["hbm", "host", "ssd"]
@@ -197,6 +199,17 @@ class SnapshotBody(_Body):
     profile: EngineProfile | None = None
     """The engine's last published profile: a router that starts after the profile report
     left the ring (or after a new epoch) gets it from the snapshot."""
+    part: Annotated[int, Field(ge=0, lt=MAX_SNAPSHOT_PARTS)] = 0
+    """Which part of a snapshot cut in `parts` (`split_snapshot`): the parts are separate
+    reports of one epoch with consecutive seqs, part 0 first."""
+    parts: Annotated[int, Field(ge=1, le=MAX_SNAPSHOT_PARTS)] = 1
+    """How many parts the snapshot has; 1 (the default, left off the wire): a whole one."""
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> SnapshotBody:
+        if self.part >= self.parts:
+            raise ValueError(f"snapshot part {self.part} of {self.parts}: part must be < parts")
+        return self
 
     def key_count(self) -> int:
         return sum(len(t.keys) for t in self.residency) + sum(len(s.keys) for s in self.swa)
@@ -256,10 +269,80 @@ def parse_body(kind: str, raw: bytes, max_keys: int = MAX_KEYS_PER_BODY) -> Body
 
 
 def encode_body(body: Body) -> bytes:
-    if isinstance(body, SnapshotBody) and body.profile is None:
-        # a snapshot without a profile keeps the bytes it always had (vectors, old routers)
-        return body.model_dump_json(exclude={"profile"}).encode("utf-8")
+    if isinstance(body, SnapshotBody):
+        # a whole snapshot (one part) without a profile keeps the bytes it always had
+        # (vectors, old routers): the fields it does not use are left off
+        exclude = set() if body.parts > 1 else {"part", "parts"}
+        if body.profile is None:
+            exclude.add("profile")
+        return body.model_dump_json(exclude=exclude).encode("utf-8")
     return body.model_dump_json(exclude_defaults=False).encode("utf-8")
+
+
+def split_snapshot(
+    seq: int,
+    residency: Sequence[TierKeys],
+    swa: Sequence[SwaStates],
+    profile: EngineProfile | None = None,
+    max_keys: int = MAX_KEYS_PER_BODY,
+) -> list[SnapshotBody]:
+    """One snapshot as the bodies to send: one whole body when it carries at most
+    `max_keys` keys, else parts of at most `max_keys` keys each, with seqs `seq`,
+    `seq + 1`, ... (part 0 first; the profile rides on part 0). Every producer of
+    snapshots (`ReportPublisher`: the reference engine, `ramjet pool-reporter`, the vLLM
+    sidecar) cuts them here. Raises `BodyError` past `MAX_SNAPSHOT_PARTS` parts."""
+    if max_keys < 1:
+        raise BodyError("max_keys must be at least 1")
+    total = sum(len(g.keys) for g in residency) + sum(len(w.keys) for w in swa)
+    if total <= max_keys:
+        return [SnapshotBody(seq=seq, residency=list(residency), swa=list(swa), profile=profile)]
+    parts = -(-total // max_keys)
+    if parts > MAX_SNAPSHOT_PARTS:
+        raise BodyError(
+            f"a snapshot of {total} keys needs {parts} parts of {max_keys} keys: "
+            f"more than {MAX_SNAPSHOT_PARTS}"
+        )
+    bodies: list[SnapshotBody] = []
+    cur_res: list[TierKeys] = []
+    cur_swa: list[SwaStates] = []
+    room = max_keys
+
+    def flush() -> None:
+        nonlocal cur_res, cur_swa, room
+        part = len(bodies)
+        bodies.append(
+            SnapshotBody(
+                seq=seq + part,
+                residency=cur_res,
+                swa=cur_swa,
+                profile=profile if part == 0 else None,
+                part=part,
+                parts=parts,
+            )
+        )
+        cur_res, cur_swa, room = [], [], max_keys
+
+    for g in residency:
+        i = 0
+        while i < len(g.keys):
+            take = g.keys[i : i + room]
+            cur_res.append(TierKeys(tier=g.tier, keys=take, ttl_ms=g.ttl_ms))
+            room -= len(take)
+            i += len(take)
+            if room == 0:
+                flush()
+    for w in swa:
+        i = 0
+        while i < len(w.keys):
+            take = w.keys[i : i + room]
+            cur_swa.append(SwaStates(keys=take, ttl_ms=w.ttl_ms))
+            room -= len(take)
+            i += len(take)
+            if room == 0:
+                flush()
+    if cur_res or cur_swa:
+        flush()
+    return bodies
 
 
 def profile_body(profile: EngineProfile) -> ProfileBody:

@@ -25,6 +25,11 @@ from prometheus_client.registry import Collector
 from ramjet.metric_catalogue import counter, family
 from ramjet.reports.verify import Reason
 
+ABANDON_REASONS = ("gap", "out_of_order", "restarted", "interrupted")
+"""Why a snapshot sent in parts was abandoned (`ramjet_reports_snapshots_abandoned_total`):
+a seq gap, a part out of order (or of another cut), a new part 0 (or whole snapshot), a
+report of another kind between parts."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineFigures:
@@ -42,6 +47,7 @@ class ReportMetrics:
         self.snapshots_fetched = counter(registry, "ramjet_reports_snapshots_fetched_total")
         self.epoch_changes = counter(registry, "ramjet_reports_epoch_changes_total")
         self.revoked_purges = counter(registry, "ramjet_reports_revoked_purges_total")
+        self.snapshots_abandoned = counter(registry, "ramjet_reports_snapshots_abandoned_total")
         self._registry = registry
 
     def init_engines(self, engines: Iterable[str]) -> None:
@@ -55,6 +61,8 @@ class ReportMetrics:
                 self.snapshots_fetched.labels(engine)
                 self.epoch_changes.labels(engine)
                 self.revoked_purges.labels(engine)
+                for why in ABANDON_REASONS:
+                    self.snapshots_abandoned.labels(engine, why)
 
     def watch(self, figures: Callable[[], Iterable[EngineFigures]]) -> None:
         self._registry.register(_EngineCollector(figures))

@@ -36,6 +36,7 @@ staleness rules and sweeps expired residency; the ingest loop calls it every sec
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +52,11 @@ from ramjet.reports.verify import Accepted, Cursor, Reason, Rejected, ReportVeri
 from ramjet.residency.tables import ResidencyTables, SnapshotStaging, ViewMode
 from ramjet.types import EngineId, PrefixKey, Tier, TrustGrade
 
+log = logging.getLogger(__name__)
+
 _Piece = tuple[Sequence[PrefixKey], Tier | None, float | None]
+Steps = Iterator[int]
+"""An apply cut in steps: each step applies some keys and yields how many."""
 
 DEFAULT_SNAPSHOT_CHUNK_KEYS = 1024
 """Keys applied per event-loop turn by `submit_async`: 1-2 ms into the compact index
@@ -81,6 +86,16 @@ class EngineReportState:
     held_other: int = 0
     capacity: int = 0
     """The largest capacity the engine's reports have shown (blocks, all tiers)."""
+    parts: PartsApply | None = None
+    """A snapshot sent in parts, part 0 accepted, the last one not yet."""
+    gen: int = 0
+    """Bumped by every snapshot (or part 0) and purge: a queued apply of an older
+    generation stops (the snapshot already includes what it was setting)."""
+    lane: asyncio.Lock | None = None
+    """Orders the engine's applies cut in steps (`submit_async`): a report waits for the
+    engine's reports accepted before it."""
+    queued: int = 0
+    """Applies waiting for or holding `lane`: while any, a new report queues behind them."""
 
 
 @dataclass(slots=True)
@@ -93,6 +108,43 @@ class SnapshotApply:
     replay: list[tuple[DeltaBody, float, float]] = field(default_factory=list)
     """Deltas accepted meanwhile: (body, now, transit_s), replayed onto the staged copy."""
     abandoned: bool = False
+
+
+@dataclass(slots=True)
+class QueuedApply:
+    """A report's apply cut in steps, waiting for (or holding) the engine's lane."""
+
+    steps: Steps
+    gen: int
+
+
+Job = SnapshotApply | QueuedApply | None
+
+
+def _slices(keys: Sequence[PrefixKey], step: int) -> Iterator[Sequence[PrefixKey]]:
+    if len(keys) <= step:
+        if keys:
+            yield keys
+        return
+    for i in range(0, len(keys), step):
+        yield keys[i : i + step]
+
+
+@dataclass(slots=True)
+class PartsApply:
+    """A snapshot sent in parts (`SnapshotBody.parts` > 1): each part is applied to the
+    live tables (additive) and to a staged copy; the staged copy replaces the engine's
+    content when the last part is applied, every part having arrived in order."""
+
+    epoch: int
+    parts: int
+    next_part: int
+    next_seq: int
+    staging: SnapshotStaging
+    now: float
+    """Clock time of part 0 (the staged copy's expiries count from it)."""
+    held_hbm: int = 0
+    held_other: int = 0
 
 
 async def _yield_to_loop() -> None:
@@ -153,9 +205,24 @@ class ReportProcessor:
             self.count_rejected(outcome.reason, outcome.engine)
             return outcome
         job = self._commit(outcome, defer=self.snapshot_chunk_keys > 0)
-        if job is not None:
-            await self._apply_in_pieces(outcome.envelope.engine_id, job)
+        await self.run_job(outcome.envelope.engine_id, job)
         return outcome
+
+    def in_parts(self, engine: EngineId) -> bool:
+        """Whether a snapshot of the engine sent in parts is incomplete here."""
+        st = self._states.get(engine)
+        return st is not None and st.parts is not None
+
+    def pass_over(self, accepted: Accepted) -> None:
+        """Move the engine's cursor past an accepted report without applying it (a part
+        of a snapshot another replica applies: `SharedReports.submit`)."""
+        env = accepted.envelope
+        st = self.state(env.engine_id)
+        if st.cursor is None or st.cursor.epoch != env.epoch:
+            return  # nothing to move past: the next report starts the epoch here
+        st.cursor = Cursor(env.epoch, env.seq, max(env.issued_at_ms, st.cursor.issued_at_ms))
+        st.last_report_at = self._clock()
+        self.metrics.accepted.labels(env.engine_id, env.kind).inc()
 
     def count_rejected(self, reason: Reason, engine: EngineId | None = None) -> None:
         """Count a rejection decided before `submit` (a push body over the cap)."""
@@ -208,7 +275,8 @@ class ReportProcessor:
             return TrustGrade.APPROXIMATE
         t = self._clock() if now is None else now
         stale = t - st.last_report_at > self.config.stale_after_s
-        if st.gap or st.snapshot_needed or st.applying is not None or stale:
+        busy = st.applying is not None or st.parts is not None
+        if st.gap or st.snapshot_needed or busy or stale:
             return TrustGrade.DEGRADED
         return TrustGrade.EXACT
 
@@ -254,32 +322,45 @@ class ReportProcessor:
         st = self._states.get(engine)
         return None if st is None else st.cursor
 
-    def _commit(self, accepted: Accepted, defer: bool = False) -> SnapshotApply | None:
-        """Apply an accepted report. With `defer`, a snapshot over `snapshot_chunk_keys`
-        keys is not applied here: its bookkeeping is, and the returned job is for
-        `_apply_in_pieces`."""
+    def _commit(self, accepted: Accepted, defer: bool = False) -> Job:
+        """Apply an accepted report. With `defer`, a report over `snapshot_chunk_keys`
+        keys (or any report that modifies residency while one of the engine's is still
+        being applied) is not applied here: its bookkeeping is, and the returned job is
+        for `run_job`."""
         env, body = accepted.envelope, accepted.body
         engine = env.engine_id
         self._known.add(engine)
         st = self.state(engine)
         now = self._clock()
-        job = None
+        job: Job = None
         if st.cursor is None or env.epoch != st.cursor.epoch:
             if st.cursor is not None:
                 self.metrics.epoch_changes.labels(engine).inc()
             self._abandon(st)
+            st.parts = None  # the purge supersedes an incomplete snapshot in parts
             self.tables.purge_engine(engine)
             st.signers.clear()
             # the epoch starts empty: report 1 onwards is complete without a snapshot
             st.cursor = Cursor(env.epoch, 0, 0)
             st.snapshot_needed = False
             st.gap = False
-        if env.kind != "snapshot" and env.seq > st.cursor.seq + 1:
+        in_parts = isinstance(body, SnapshotBody) and (body.parts > 1 or body.part > 0)
+        if env.seq > st.cursor.seq + 1 and (
+            env.kind != "snapshot" or (in_parts and isinstance(body, SnapshotBody) and body.part)
+        ):
             self.metrics.gaps.labels(engine).inc()
             st.gap = True
+        if st.parts is not None and not in_parts:
+            # a report between the parts of a snapshot: they cannot be consecutive
+            self._abandon_parts(
+                engine, st, "restarted" if env.kind == "snapshot" else "interrupted"
+            )
         # seconds the report spent between signing and now: deducted from its TTLs
         transit_s = max(0.0, self._wall() - env.issued_at_ms / 1000.0)
-        if isinstance(body, SnapshotBody):
+        if isinstance(body, SnapshotBody) and in_parts:
+            job = self._commit_part(engine, st, env.epoch, env.seq, body, now, transit_s, defer)
+        elif isinstance(body, SnapshotBody):
+            st.gen += 1
             self._abandon(st)
             st.held_hbm = sum(len(g.keys) for g in body.residency if g.tier_enum is Tier.HBM)
             st.held_other = sum(len(g.keys) for g in body.residency) - st.held_hbm
@@ -293,7 +374,9 @@ class ReportProcessor:
             if body.profile is not None:
                 st.profile = body.profile
         elif isinstance(body, DeltaBody):
-            self._apply_delta(engine, body, now, transit_s)
+            job = self._steps_or_now(
+                st, body.key_count(), self._delta_steps(engine, body, now, transit_s), defer
+            )
             if st.applying is not None:
                 st.applying.replay.append((body, now, transit_s))
         elif isinstance(body, LoadBody):
@@ -326,26 +409,185 @@ class ReportProcessor:
 
     @staticmethod
     def _abandon(st: EngineReportState) -> None:
+        st.gen += 1  # queued applies of the engine stop: what replaces them includes them
         if st.applying is not None:
             st.applying.abandoned = True
             st.applying = None
 
+    def _abandon_parts(self, engine: EngineId, st: EngineReportState, reason: str) -> None:
+        """Give up an incomplete snapshot in parts: what its parts added stays (the engine
+        vouched for it), nothing else is removed; counted and logged. Unless a new
+        snapshot replaces it (`restarted`), the engine needs a snapshot again."""
+        mp = st.parts
+        if mp is None:
+            return
+        st.parts = None
+        if reason != "restarted":
+            st.snapshot_needed = True
+        self.metrics.snapshots_abandoned.labels(engine, reason).inc()
+        log.warning(
+            "snapshot of %s in %d parts abandoned after part %d (%s): its parts' keys stay, "
+            "nothing else is removed",
+            engine, mp.parts, mp.next_part - 1, reason,
+        )  # fmt: skip
+
+    def _steps_or_now(self, st: EngineReportState, keys: int, steps: Steps, defer: bool) -> Job:
+        """Apply `steps` now, or (`defer`, and large or behind another queued apply of
+        the engine) return them as a job for `run_job`."""
+        if defer and (st.queued > 0 or keys > self.snapshot_chunk_keys):
+            st.queued += 1
+            return QueuedApply(steps, st.gen)
+        for _ in steps:
+            pass
+        return None
+
+    async def run_job(self, engine: EngineId, job: Job) -> None:
+        """Finish what `_commit(defer=True)` left: a staged snapshot, or steps run in the
+        engine's order (its lane), yielding to the event loop every `snapshot_chunk_keys`
+        keys. Steps of an older generation (a snapshot or purge came since) stop."""
+        if job is None:
+            return
+        if isinstance(job, SnapshotApply):
+            await self._apply_in_pieces(engine, job)
+            return
+        st = self.state(engine)
+        if st.lane is None:
+            st.lane = asyncio.Lock()
+        chunk = max(1, self.snapshot_chunk_keys)
+        try:
+            async with st.lane:
+                done = 0
+                while job.gen == st.gen and self._states.get(engine) is st:
+                    n = next(job.steps, None)
+                    if n is None:
+                        break
+                    done += n
+                    if done >= chunk:
+                        done = 0
+                        await self.piece_pause()
+        except BaseException:
+            # cancelled mid-apply: the view misses the rest of the report
+            st.snapshot_needed = True
+            raise
+        finally:
+            st.queued -= 1
+
     def _apply_delta(self, engine: EngineId, d: DeltaBody, now: float, transit_s: float) -> None:
+        for _ in self._delta_steps(engine, d, now, transit_s):
+            pass
+
+    def _delta_steps(self, engine: EngineId, d: DeltaBody, now: float, transit_s: float) -> Steps:
+        """A delta applied in steps of at most `snapshot_chunk_keys` keys, in its order."""
         t = self.tables
+        step = self.snapshot_chunk_keys if self.snapshot_chunk_keys > 0 else 1 << 30
         for group in (*d.stored, *d.moved):
             ttl = None if group.ttl_ms is None else group.ttl_ms / 1000.0 - transit_s
-            if ttl is not None and ttl <= 0:
-                t.evict_global(engine, group.keys)
-            else:
-                t.store_global(engine, group.keys, group.tier_enum, now, ttl)
-        t.evict_global(engine, d.evicted)
+            tier = group.tier_enum
+            for keys in _slices(group.keys, step):
+                if ttl is not None and ttl <= 0:
+                    t.evict_global(engine, keys)
+                else:
+                    t.store_global(engine, keys, tier, now, ttl)
+                yield len(keys)
+        for keys in _slices(d.evicted, step):
+            t.evict_global(engine, keys)
+            yield len(keys)
         for swa in d.swa_created:
             ttl_s = swa.ttl_ms / 1000.0 - transit_s
-            if ttl_s <= 0:
-                t.expire_swa(engine, swa.keys)
+            for keys in _slices(swa.keys, step):
+                if ttl_s <= 0:
+                    t.expire_swa(engine, keys)
+                else:
+                    t.store_swa(engine, keys, now, ttl_s)
+                yield len(keys)
+        for keys in _slices(d.swa_expired, step):
+            t.expire_swa(engine, keys)
+            yield len(keys)
+
+    # -- snapshots in parts ---------------------------------------------------------------
+
+    def _commit_part(
+        self,
+        engine: EngineId,
+        st: EngineReportState,
+        epoch: int,
+        seq: int,
+        body: SnapshotBody,
+        now: float,
+        transit_s: float,
+        defer: bool,
+    ) -> Job:
+        """A part of a snapshot in parts (see `PartsApply`). Part 0 starts it (abandoning
+        an incomplete one); the next part in order continues it; any other part abandons
+        an incomplete one and is applied additively alone."""
+        mp = st.parts
+        if body.part == 0:
+            self._abandon_parts(engine, st, "restarted")
+            st.gen += 1
+            self._abandon(st)
+            staging = self.tables.stage_snapshot(engine, now, additive=True)
+            # sized once, for as many keys in every part as in this one (parts are full
+            # but the last): its index then fills without rehashing at every doubling
+            staging.reserve_global(body.parts * sum(len(g.keys) for g in body.residency))
+            mp = st.parts = PartsApply(epoch, body.parts, 0, seq, staging, now)
+            st.snapshot_needed = False
+            if body.profile is not None:
+                st.profile = body.profile
+        elif mp is not None and (
+            epoch != mp.epoch
+            or seq != mp.next_seq
+            or body.part != mp.next_part
+            or body.parts != mp.parts
+        ):
+            self._abandon_parts(engine, st, "gap" if seq > mp.next_seq else "out_of_order")
+            mp = None
+        if mp is not None:
+            mp.next_part += 1
+            mp.next_seq += 1
+            hbm = sum(len(g.keys) for g in body.residency if g.tier_enum is Tier.HBM)
+            mp.held_hbm += hbm
+            mp.held_other += sum(len(g.keys) for g in body.residency) - hbm
+        last = mp is not None and mp.next_part == mp.parts
+        steps = self._part_steps(engine, st, mp, body, now, transit_s, last)
+        return self._steps_or_now(st, body.key_count(), steps, defer)
+
+    def _part_steps(
+        self,
+        engine: EngineId,
+        st: EngineReportState,
+        mp: PartsApply | None,
+        body: SnapshotBody,
+        now: float,
+        transit_s: float,
+        last: bool,
+    ) -> Steps:
+        """The part's keys into the live tables and (when it continues a snapshot in
+        parts) its staged copy; the last part's commit replaces the engine's content."""
+        t = self.tables
+        step = self.snapshot_chunk_keys if self.snapshot_chunk_keys > 0 else 1 << 30
+        shift = 0.0 if mp is None else now - mp.now
+        for keys, tier, ttl in self._pieces(body, transit_s, step):
+            staged = None if ttl is None else ttl + shift
+            if tier is None:
+                t.store_swa(engine, keys, now, ttl)
+                if mp is not None and st.parts is mp:
+                    mp.staging.add_swa(keys, staged)
             else:
-                t.store_swa(engine, swa.keys, now, ttl_s)
-        t.expire_swa(engine, d.swa_expired)
+                t.store_global(engine, keys, tier, now, ttl)
+                if mp is not None and st.parts is mp:
+                    mp.staging.add_global(keys, tier, staged)
+            yield len(keys)
+        if last and mp is not None and st.parts is mp:
+            # in steps where the store cannot stage (Redis): the entries no part named go
+            yield from mp.staging.commit_steps()
+            if st.parts is not mp:
+                return  # abandoned meanwhile (a purge, a new snapshot)
+            st.parts = None
+            st.gap = False
+            st.snapshot_needed = False
+            st.held_hbm, st.held_other = mp.held_hbm, mp.held_other
+            self._report_capacity(engine, st)
+            yield 0
 
     @staticmethod
     def _pieces(s: SnapshotBody, transit_s: float, size: int) -> Iterator[_Piece]:

@@ -17,7 +17,14 @@ Rules the publisher keeps (the router relies on them):
   bounded ring (`ring_size` reports, `ring_bytes` bytes); a snapshot takes no number of
   its own: it carries the seq of the last report it includes;
 - issued_at_ms strictly increases within the epoch (the router uses it to refuse a
-  replayed snapshot).
+  replayed snapshot);
+- a snapshot of more than `snapshot_part_keys` keys is cut in parts
+  (`ramjet.reports.bodies.split_snapshot`): part 0 carries the seq of the last report,
+  as a whole snapshot does, and parts 1.. take the next seqs and go into the ring (and
+  the push queue) right behind it, all signed under one hold of the lock, so nothing
+  comes between them. `GET /ramjet/snapshot` answers part 0; a puller reads the rest
+  from `GET /ramjet/reports`: the ring's caps grow by the newest snapshot's later parts
+  (about 10.7 bytes a key) so that they stay in it.
 
 Snapshot consistency: `snapshot()` (the engine's callback) returns its residency and
 live SWA states. Deltas set a key's state (they never add or subtract), so a snapshot
@@ -48,11 +55,11 @@ from ramjet.reports.bodies import (
     Body,
     DeltaBody,
     LoadBody,
-    SnapshotBody,
     SwaStates,
     TierKeys,
     encode_body,
     profile_body,
+    split_snapshot,
 )
 from ramjet.reports.envelope import Envelope, ReportKind, sign
 from ramjet.runtime.tasks import cancel_and_wait
@@ -61,6 +68,9 @@ from ramjet.types import EngineId
 log = logging.getLogger(__name__)
 
 SnapshotSource = Callable[[], tuple[Sequence[TierKeys], Sequence[SwaStates]]]
+SNAPSHOT_PART_KEYS = 1 << 18
+"""Keys per snapshot part by default: the router's default `reports.max_keys` (a part of
+262,144 keys is a 2.8 MB frame, under the default `reports.max_report_bytes`)."""
 LoadSource = Callable[[], LoadBody]
 
 
@@ -83,12 +93,18 @@ class ReportPublisher:
         wall_clock: Callable[[], float] = time.time,
         pull_token: str | None = None,
         snapshot_min_interval_s: float = 0.5,
+        snapshot_part_keys: int = SNAPSHOT_PART_KEYS,
     ) -> None:
         """`pull_token`: when set, `GET /ramjet/reports` and `GET /ramjet/snapshot` need
         `Authorization: Bearer <it>` (routers send `reports.pull_token_file`), else 401.
         `snapshot_min_interval_s`: snapshots served over HTTP are signed at most once per
         this long; a request meanwhile gets the last one if nothing changed since, else
-        waits for the interval to pass (the signing holds the publisher's lock)."""
+        waits for the interval to pass (the signing holds the publisher's lock).
+        `snapshot_part_keys`: a snapshot of more keys is sent in parts of at most this
+        many (set it to the routers' `reports.max_keys` or less)."""
+        if snapshot_part_keys < 1:
+            raise ValueError("snapshot_part_keys must be at least 1")
+        self.snapshot_part_keys = snapshot_part_keys
         self.engine_id = engine_id
         self.key_id = key_id
         self._key = private_key
@@ -99,6 +115,7 @@ class ReportPublisher:
         self._load_interval = load_interval_s
         self._ring: deque[tuple[int, bytes]] = deque()
         self._ring_size, self._ring_bytes_cap, self._ring_bytes = ring_size, ring_bytes, 0
+        self._ring_size_base, self._ring_bytes_base = ring_size, ring_bytes
         self._dropped_through = 0
         """Highest seq that left the ring: a cursor below it needs a snapshot."""
         self._seq = 0
@@ -139,21 +156,47 @@ class ReportPublisher:
         )
         return sign(env, self._key)
 
+    def _keep(self, seq: int, frame: bytes) -> None:
+        # caller holds the lock
+        self._ring.append((seq, frame))
+        self._ring_bytes += len(frame)
+        while len(self._ring) > self._ring_size or self._ring_bytes > self._ring_bytes_cap:
+            old_seq, old = self._ring.popleft()
+            self._ring_bytes -= len(old)
+            self._dropped_through = old_seq
+
     def _publish(self, kind: ReportKind, body: Body) -> int:
         with self._lock:
             self._seq += 1
             frame = self._sign(kind, body, self._seq)
-            self._ring.append((self._seq, frame))
-            self._ring_bytes += len(frame)
-            while len(self._ring) > self._ring_size or self._ring_bytes > self._ring_bytes_cap:
-                old_seq, old = self._ring.popleft()
-                self._ring_bytes -= len(old)
-                self._dropped_through = old_seq
+            self._keep(self._seq, frame)
             seq = self._seq
             if self._push_url is not None:
                 self._push_q.append(frame)
         self._wake()
         return seq
+
+    def _sign_snapshot(self) -> list[bytes]:
+        """The engine's state now as signed snapshot frames, part 0 first (caller holds
+        the lock): one frame, or parts whose later ones take the next seqs and go into
+        the ring (not the push queue: the caller queues every part)."""
+        assert self._snapshot is not None
+        residency, swa = self._snapshot()
+        bodies = split_snapshot(
+            self._seq, list(residency), list(swa), self._profile, self.snapshot_part_keys
+        )
+        frames = [self._sign("snapshot", bodies[0], bodies[0].seq)]
+        later = [(b.seq, self._sign("snapshot", b, b.seq)) for b in bodies[1:]]
+        if later:
+            # the ring holds the newest snapshot's later parts beside its own caps (a
+            # puller that fetched part 0 reads them from it): one snapshot's worth more
+            self._ring_size = self._ring_size_base + len(later)
+            self._ring_bytes_cap = self._ring_bytes_base + sum(len(f) for _, f in later)
+        for seq, frame in later:
+            self._seq = seq
+            self._keep(seq, frame)
+            frames.append(frame)
+        return frames
 
     def publish_delta(self, body: DeltaBody) -> int:
         """Sign and keep a delta; returns its seq."""
@@ -179,27 +222,27 @@ class ReportPublisher:
             self._dropped_through = 0
             self._push_q.clear()
             if self._push_url is not None and self._snapshot is not None:
-                residency, swa = self._snapshot()
-                body = SnapshotBody(
-                    seq=0, residency=list(residency), swa=list(swa), profile=self._profile
-                )
-                self._push_q.append(self._sign("snapshot", body, 0))
+                self._push_q.extend(self._sign_snapshot())
             epoch_now = self.epoch
         self._wake()
         if self._profile is not None:  # the new epoch's report 1: a measured profile again
             self.publish_profile(self._profile)
         return epoch_now
 
-    def snapshot_frame(self) -> bytes:
-        """A signed snapshot of the engine's state now, at the current seq."""
+    def snapshot_frames(self) -> list[bytes]:
+        """A signed snapshot of the engine's state now, at the current seq: one frame, or
+        its parts (the later ones also kept in the ring; see the module docstring)."""
         if self._snapshot is None:
             raise RuntimeError("this publisher has no snapshot source")
         with self._lock:
-            residency, swa = self._snapshot()
-            body = SnapshotBody(
-                seq=self._seq, residency=list(residency), swa=list(swa), profile=self._profile
-            )
-            return self._sign("snapshot", body, self._seq)
+            frames = self._sign_snapshot()
+        if len(frames) > 1:
+            self._wake()  # long-polls wait for the parts in the ring
+        return frames
+
+    def snapshot_frame(self) -> bytes:
+        """`snapshot_frames`' first frame: the whole snapshot, or its part 0."""
+        return self.snapshot_frames()[0]
 
     def frames_after(self, after: int, limit: int = 512, max_bytes: int = 16 << 20) -> list[bytes]:
         with self._lock:
@@ -321,10 +364,11 @@ class ReportPublisher:
                     await asyncio.sleep(wait)
             with self._lock:
                 epoch, seq = self.epoch, self._seq
-            frame = self.snapshot_frame()
+            frames = self.snapshot_frames()
             self.snapshots_signed += 1
-            self._served = (time.monotonic(), epoch, seq, frame)
-            return frame
+            # a snapshot in parts is never served again: its part 0 is older than its parts
+            self._served = (time.monotonic(), epoch, seq, frames[0]) if len(frames) == 1 else None
+            return frames[0]
 
     # -- background: load reports, push --------------------------------------------------------
 
@@ -363,7 +407,7 @@ class ReportPublisher:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 if self._snapshot is not None and time.monotonic() >= next_snapshot:
-                    self._push_q.append(self.snapshot_frame())
+                    self._push_q.extend(self.snapshot_frames())
                     next_snapshot = time.monotonic() + self._push_snapshot_interval
                 if not self._push_q:
                     event = self._bind_loop()

@@ -26,6 +26,11 @@ the store is Redis:
    that yield to the event loop, as `ReportProcessor.submit_async` does: the per-engine
    lock that orders claim-and-commit is released first, so the engine's deltas accepted
    meanwhile apply at once and are replayed onto the staged copy before the swap.
+   A snapshot in parts (`SnapshotBody.parts`) is claimed and applied part by part by
+   the replica that applied its part 0 (the one that fetched it); a replica that did
+   not start it passes its later parts over (`ReportProcessor.pass_over`: its cursor
+   moves, the residency comes from Redis), so the parts are never split between
+   replicas.
 
 The pulled and pushed frames of the router's report runtime go through `submit` when
 the store is Redis (`ramjet.reports.runtime.ReportsRuntime.build`), and the runtime runs
@@ -215,6 +220,13 @@ class SharedReports:
                 if isinstance(outcome, Rejected):
                     self._count_rejected(outcome)
                     return outcome
+            body = outcome.body
+            if isinstance(body, SnapshotBody) and body.part > 0 and not p.in_parts(engine):
+                # a later part of a snapshot this replica did not start (another replica
+                # fetched its part 0; the rest reach every replica through the engine's
+                # ring): that replica claims and applies it, this one only moves on
+                p.pass_over(outcome)
+                return outcome
             claimed = await self._claim(outcome)
             if isinstance(claimed, Rejected):
                 return claimed
@@ -229,11 +241,12 @@ class SharedReports:
             else:
                 with self.store.report(engine, env.epoch, env.seq):
                     job = p._commit(outcome, defer=defer)  # the processor's commit step
-        if job is not None:
-            # outside the lock, so this engine's deltas accepted meanwhile apply at once
-            # (and are replayed onto the staged copy); the swap reaches Redis as an
-            # unsequenced replace, after the snapshot's own (claimed) batch
-            await p._apply_in_pieces(engine, job)
+        # outside the lock, so this engine's deltas accepted meanwhile apply at once
+        # (and are replayed onto the staged copy); the swap reaches Redis as an
+        # unsequenced replace, after the snapshot's own (claimed) batch. A large delta or
+        # part goes in steps, in the engine's order (`ReportProcessor.run_job`): the
+        # steps after the first reach Redis as unsequenced batches
+        await p.run_job(engine, job)
         return outcome
 
     async def _claim(self, outcome: Accepted) -> Accepted | Rejected:

@@ -410,6 +410,18 @@ class BlockIndex:
             for item in skipped:
                 heapq.heappush(self._order, item)
 
+    def shard_keys(self, s: int) -> list[int]:
+        """The keys held in shard `s` (a copy)."""
+        sh = self.shards[s]
+        if sh is None:
+            return []
+        keys, words = sh.keys, sh.words
+        return [keys[j] for j in range(len(words)) if words[j] > _TOMB]
+
+    def missing(self, keys: Sequence[int]) -> list[int]:
+        """The keys of `keys` this index does not hold (expired or not)."""
+        return [k for k in keys if not self.lookup(k)]
+
     def items(self) -> list[tuple[int, int]]:
         """(key, word) of every held block, by shard (for inspection and tests)."""
         out: list[tuple[int, int]] = []

@@ -121,6 +121,10 @@ class RedisStore:
         chunks of `snapshot_chunk_entries`, each one script call)."""
         return None
 
+    def exact_keys(self, table: Table, engine: EngineId) -> Iterator[list[PrefixKey]]:
+        """The mirror's (what this replica's writes and the log made it)."""
+        return self.local.exact_keys(table, engine)
+
     def shared(self) -> RedisStore:
         """Shared with the other replicas: report cursors live beside the residency."""
         return self

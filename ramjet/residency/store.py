@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from itertools import repeat
 from operator import attrgetter
@@ -144,6 +144,12 @@ class ResidencyStore(Protocol):
         """Entries held in `table`, live or not yet swept."""
         ...
 
+    def exact_keys(self, table: Table, engine: EngineId) -> Iterator[list[PrefixKey]]:
+        """The engine's exact keys of `table` (live or not yet swept) in batches of a few
+        thousand at most, each a copy: the caller may remove keys between batches (a
+        snapshot in parts drops what it did not vouch for, in bounded steps)."""
+        ...
+
     def stage_exact(self, table: Table, engine: EngineId, now: float) -> ExactStager | None:
         """Capability: build the engine's next exact content of `table` in pieces off to
         the side, then swap it in at once (see the module docstring). None: this store
@@ -183,6 +189,7 @@ class SharedStore(Protocol):
 
 
 _Map = OrderedDict[PrefixKey, Entry]
+_KEY_BATCH = 4096
 _EXPIRES = attrgetter("expires_at")
 _INF = float("inf")
 
@@ -339,6 +346,12 @@ class DictStore:
         """Build the engine's new exact content of `table` off to the side; see the
         module docstring."""
         return ExactStaging(self, table, engine, now)
+
+    def exact_keys(self, table: Table, engine: EngineId) -> Iterator[list[PrefixKey]]:
+        m = self._maps[table][True].get(engine)
+        keys = list(m) if m else []
+        for i in range(0, len(keys), _KEY_BATCH):
+            yield keys[i : i + _KEY_BATCH]
 
     def shared(self) -> None:
         """In this process only."""
@@ -659,6 +672,19 @@ class MemoryStore:
         if table is not Table.GLOBAL:
             return self._rest.stage_exact(table, engine, now)
         return IndexStaging(self, engine, now)
+
+    def exact_keys(self, table: Table, engine: EngineId) -> Iterator[list[PrefixKey]]:
+        """By shard of the engine's index (about 5k keys a shard at 20M blocks)."""
+        if table is not Table.GLOBAL:
+            yield from self._rest.exact_keys(table, engine)
+            return
+        for s in range(SHARDS):
+            ix = self._exact.get(engine)
+            if ix is None:
+                return
+            keys = ix.shard_keys(s)
+            if keys:
+                yield keys  # type: ignore[misc]
 
     def _swap_index(self, engine: EngineId, new: BlockIndex, now: float) -> None:
         old = self._exact.pop(engine, None)

@@ -57,6 +57,7 @@ from ramjet.keys.prefix import PrefixKeys, longest_prefix
 from ramjet.metric_catalogue import counter, family
 from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.residency.config import ResidencyConfig
+from ramjet.residency.index import BlockIndex
 from ramjet.residency.pending import PendingOverlay, PendingTicket
 from ramjet.residency.store import Entry, ExactStager, MemoryStore, ResidencyStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
@@ -66,6 +67,7 @@ EXPIRE_STEP_S = 0.005
 """CPU seconds one `expire_step` sweeps for, at most about (a step ends after a shard)."""
 _TIER = itemgetter(0)  # Entry.tier
 _KEY = itemgetter(1)  # the key of a (offset, key) boundary
+_INF = float("inf")
 
 
 class ViewMode(enum.Enum):
@@ -339,11 +341,19 @@ class ResidencyTables:
             staging.add_swa((k,), ttl)
         staging.commit()
 
-    def stage_snapshot(self, engine: EngineId, now: float) -> SnapshotStaging:
+    def stage_snapshot(
+        self, engine: EngineId, now: float, additive: bool = False
+    ) -> SnapshotStaging:
         """A snapshot applied in pieces: `add_global`/`add_swa` key groups (the caller may
         yield to the event loop between them; reads keep seeing the old content), then
-        `commit()` makes them the engine's whole exact content of both tables at once."""
-        return SnapshotStaging(self, engine, now)
+        `commit()` makes them the engine's whole exact content of both tables at once.
+
+        `additive`: the caller also writes every piece to the live tables as it goes (a
+        snapshot in parts). Over a store that cannot stage (Redis) the pieces are then
+        only marked (a compact key set), and the commit drops, in steps
+        (`commit_steps`), the engine's exact entries no piece named, instead of sending
+        the whole content again."""
+        return SnapshotStaging(self, engine, now, additive)
 
     def purge_engine(self, engine: EngineId) -> None:
         """Forget all the engine's residency (it restarted: a new epoch)."""
@@ -407,7 +417,9 @@ class SnapshotStaging:
     at once; over any other the pieces are collected and handed to `replace_exact` at
     commit."""
 
-    def __init__(self, tables: ResidencyTables, engine: EngineId, now: float) -> None:
+    def __init__(
+        self, tables: ResidencyTables, engine: EngineId, now: float, additive: bool = False
+    ) -> None:
         self._tables = tables
         self._engine = engine
         self._now = now
@@ -420,13 +432,25 @@ class SnapshotStaging:
                 break
             staged[t] = stager
         self._staged = staged if len(staged) == len(Table) else None
+        self._marks: BlockIndex | None = None
+        """Additive over a store that cannot stage: the global keys named so far."""
+        self._swa_marks: set[PrefixKey] = set()
+        self._mark_run = 0
+        if self._staged is None and additive:
+            self._marks = BlockIndex()
+            self._mark_run = self._marks.new_run(now, _INF)
         self._expiry: dict[tuple[Table, float | None], float] = {}
         self.keys = 0
         """Keys added so far."""
 
     def _add(self, table: Table, keys: Sequence[PrefixKey], tier: Tier, expires: float) -> None:
         self.keys += len(keys)
-        if self._staged is not None:
+        if self._marks is not None:
+            if table is Table.GLOBAL:
+                self._marks.put_many(keys, self._mark_run, 0)
+            else:
+                self._swa_marks.update(keys)
+        elif self._staged is not None:
             self._staged[table].add(keys, tier, expires)
         else:
             self._collected[table].extend(zip(keys, repeat(tier), repeat(expires)))
@@ -446,6 +470,8 @@ class SnapshotStaging:
         sizes its staged copy once instead of growing it piece by piece)."""
         if self._staged is not None:
             self._staged[Table.GLOBAL].reserve(keys)
+        elif self._marks is not None:
+            self._marks.reserve(keys)
 
     def add_global(self, keys: Sequence[PrefixKey], tier: Tier, ttl_s: float | None) -> None:
         self._add(Table.GLOBAL, keys, tier, self._expires(Table.GLOBAL, ttl_s))
@@ -453,7 +479,35 @@ class SnapshotStaging:
     def add_swa(self, keys: Sequence[PrefixKey], ttl_s: float | None) -> None:
         self._add(Table.SWA, keys, Tier.HBM, self._expires(Table.SWA, ttl_s))
 
+    def commit_steps(self) -> Iterator[int]:
+        """`commit` in bounded steps (yields the keys each step looked at): one step but
+        for an additive staging over a store that cannot stage, whose drop of the
+        entries no piece named goes a batch of the store's keys at a time."""
+        marks = self._marks
+        if marks is None:
+            self.commit()
+            yield 0
+            return
+        store, engine = self._tables.store, self._engine
+        for keys in store.exact_keys(Table.GLOBAL, engine):
+            gone = marks.missing(keys)
+            if gone:
+                store.remove(Table.GLOBAL, engine, gone)  # type: ignore[arg-type]
+            yield len(keys)
+        vouched = self._swa_marks
+        for keys in store.exact_keys(Table.SWA, engine):
+            unvouched = [k for k in keys if k not in vouched]
+            if unvouched:
+                store.remove(Table.SWA, engine, unvouched)
+            yield len(keys)
+        self._marks = None
+        self._confirm_pending()
+
     def commit(self) -> None:
+        if self._marks is not None:
+            for _ in self.commit_steps():
+                pass
+            return
         tables, engine, now = self._tables, self._engine, self._now
         if self._staged is not None:
             for staging in self._staged.values():
@@ -461,6 +515,10 @@ class SnapshotStaging:
         else:
             for table, entries in self._collected.items():
                 tables.store.replace_exact(table, engine, entries, now)
+        self._confirm_pending()
+
+    def _confirm_pending(self) -> None:
+        tables, engine, now = self._tables, self._engine, self._now
         # holds on keys the snapshot lists are confirmed; the others wait for a delta
         get = tables.store.get
         tables.pending.confirm_present(

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "helpers"))
 from redis_server import RedisProcess, redis_server
 
-from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body
+from ramjet.reports.bodies import DeltaBody, SnapshotBody, TierKeys, encode_body, split_snapshot
 from ramjet.reports.envelope import Envelope, sign
 from ramjet.reports.keys import KeyRing
 from ramjet.reports.processor import ReportProcessor
@@ -131,3 +131,50 @@ async def test_a_snapshot_is_applied_once_and_reaches_the_other_replica(
     assert all(held(sb, k) for k in SNAP) and held(sb, 7) and not held(sb, 1)
     assert pb.cursor(E0) == pa.cursor(E0)
     assert pb.trust(E0) is TrustGrade.EXACT
+
+
+def parts(seq: int, keys: list[PrefixKey], max_keys: int) -> list[bytes]:
+    """A snapshot of `keys` cut in parts, each signed at its seq, issue times rising."""
+    out = []
+    for b in split_snapshot(seq, [TierKeys(tier="host", keys=keys)], [], max_keys=max_keys):
+        out.append(signed(b.seq, "snapshot", encode_body(b)))
+        time.sleep(0.002)
+    return out
+
+
+async def test_a_snapshot_in_parts_replaces_once_complete_and_an_abandoned_one_removes_nothing(
+    server: RedisProcess, links: list[RedisStore]
+) -> None:
+    sa, pa, a = replica(server, 16)
+    sb, pb, b = replica(server, 16)
+    links += [sa, sb]
+    old = [PrefixKey(1 + i) for i in range(20)]
+    new = [PrefixKey(500 + i) for i in range(90)]
+
+    async def sync() -> None:
+        for _ in range(3):
+            for s in (sa, sb):
+                await s.sync_once()
+            await b.sync_once()
+
+    assert isinstance(await a.submit(delta(1, old), E0), Accepted)
+    # an incomplete snapshot: part 0 (40 keys) then a gap (part 2 comes without part 1)
+    cut = parts(1, new, 40)
+    assert isinstance(await a.submit(cut[0], E0), Accepted)
+    assert isinstance(await a.submit(cut[2], E0), Accepted)
+    await sync()
+    for store in (sa, sb):  # the old state stays whole; the parts' keys are added
+        assert all(held(store, k) for k in old) and held(store, new[0]) and held(store, new[-1])
+    assert pa.snapshot_needed(E0)
+    # a complete one, its later parts also pulled by the other replica (which passes them
+    # over: the replica that applied part 0 applies them all)
+    cut = parts(3, new, 40)
+    assert isinstance(await a.submit(cut[0], E0), Accepted)
+    for f in cut[1:]:
+        assert isinstance(await b.submit(f, E0), Accepted)  # passed over, cursor moves
+        assert isinstance(await a.submit(f, E0), Accepted)
+    assert pa.trust(E0) is TrustGrade.EXACT
+    await sync()
+    for store in (sa, sb):
+        assert not any(held(store, k) for k in old) and all(held(store, k) for k in new)
+    assert pb.cursor(E0) == pa.cursor(E0)

@@ -20,6 +20,7 @@ from ramjet.reports.config import PollConfig, PushConfig, ReportsConfig
 from ramjet.reports.ingest import ReportIngest
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.publisher import ReportPublisher
+from ramjet.residency.store import MemoryStore, Table
 from ramjet.residency.tables import ResidencyTables
 from ramjet.types import PrefixKey, Tier, TrustGrade
 
@@ -44,7 +45,13 @@ class FakeCaches:
 
 
 class Engine:
-    def __init__(self, epoch: int, ring_size: int = 4096, push_url: str | None = None) -> None:
+    def __init__(
+        self,
+        epoch: int,
+        ring_size: int = 4096,
+        push_url: str | None = None,
+        part_keys: int = 1 << 18,
+    ) -> None:
         self.caches = FakeCaches()
         self.pub = ReportPublisher(
             E0,
@@ -55,6 +62,7 @@ class Engine:
             ring_size=ring_size,
             push_url=push_url,
             push_snapshot_interval_s=3600,
+            snapshot_part_keys=part_keys,
         )
         self.drop_seq: int | None = None
         self.app = web.Application(middlewares=[self._lossy])
@@ -107,12 +115,15 @@ class Engine:
             await self.runner.cleanup()
 
 
-def router(push: PushConfig | None = None) -> tuple[ResidencyTables, ReportProcessor]:
+def router(
+    push: PushConfig | None = None, max_keys: int = 1 << 18
+) -> tuple[ResidencyTables, ReportProcessor]:
     reg = CollectorRegistry()
     tables = ResidencyTables(registry=reg)
     cfg = ReportsConfig(
         poll=PollConfig(wait_s=0.5, timeout_s=3, backoff_min_s=0.05, backoff_max_s=0.2),
         push=push or PushConfig(),
+        max_keys=max_keys,
     )
     return tables, ReportProcessor(keyring(), tables, cfg, reg)
 
@@ -167,6 +178,56 @@ async def test_pull_heals_loss_by_snapshot_and_purges_on_restart(engines: list[E
         assert proc.metrics.epoch_changes.labels(E0)._value.get() == 1
     finally:
         await ingest.stop()
+
+
+def exact(tables: ResidencyTables) -> dict[PrefixKey, Tier]:
+    store = tables.store
+    assert isinstance(store, MemoryStore)
+    return {k: e.tier for k, e in store.entries(Table.GLOBAL, E0, exact=True)}
+
+
+async def test_snapshots_over_max_keys_travel_in_parts_pulled_and_pushed(
+    engines: list[Engine],
+) -> None:
+    """A router whose `max_keys` (8) is below the engine's residency heals a lost report
+    by a snapshot in parts (part 0 from GET /ramjet/snapshot, the rest from the ring),
+    and takes a pushed one; neither is abandoned, and the evicted keys are dropped."""
+    eng = Engine(epoch=11, part_keys=8)
+    engines.append(eng)
+    url = await eng.start()
+    tables, proc = router(max_keys=8)
+    ingest = ReportIngest(proc, {E0: url})
+    await ingest.start()
+    try:
+        eng.store(K[:6])
+        await until(lambda: len(exact(tables)) == 6)
+        eng.drop_seq = eng.pub.seq + 1
+        eng.evict(K[:2])  # lost in transit: only the snapshot says K[0], K[1] are gone
+        for i in range(6, 30, 6):
+            eng.store(K[i : i + 6], Tier.SSD)
+        want = {k: Tier.HBM for k in K[2:6]} | {k: Tier.SSD for k in K[6:30]}
+        await until(lambda: exact(tables) == want and proc.trust(E0) is TrustGrade.EXACT)
+        assert proc.metrics.snapshots_fetched.labels(E0)._value.get() == 2  # start, gap
+        assert proc.metrics.gaps.labels(E0)._value.get() == 1
+        assert eng.pub.seq == 6 + 3  # 28 keys: part 0 at seq 6, three more parts in the ring
+    finally:
+        await ingest.stop()
+    # pushed: a router with a push listener takes the engine's snapshot in parts
+    tables2, proc2 = router(PushConfig(port=0), max_keys=8)
+    push_in = ReportIngest(proc2, {})
+    await push_in.start()
+    pusher = Engine(epoch=12, push_url=push_in.push_url, part_keys=8)
+    engines.append(pusher)
+    pusher.caches.blocks = {k: Tier.HOST for k in K[:20]}
+    await pusher.start()  # its push loop sends a snapshot first: 20 keys, 3 parts
+    try:
+        await until(lambda: exact(tables2) == pusher.caches.blocks)
+        assert proc2.trust(E0) is TrustGrade.EXACT
+        for p in (proc, proc2):
+            for why in ("gap", "out_of_order", "restarted", "interrupted"):
+                assert p.metrics.snapshots_abandoned.labels(E0, why)._value.get() == 0
+    finally:
+        await push_in.stop()
 
 
 async def test_ring_overrun_asks_for_a_snapshot(engines: list[Engine]) -> None:
