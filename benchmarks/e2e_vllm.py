@@ -8,7 +8,10 @@ token from a published block, bandwidth and latency from 1k and 4k-token pulls),
 sidecars give the same bytes per token, and the pool's holdings reach the router as
 the pool's signed reports from `ramjet pool-reporter --key-map vllm` (after the run the
 router's pool residency must equal the pool directory's blocks, else the run stops).
-`smg_cache_aware_pool` is SMG in front of engines that share the pool.
+`smg_cache_aware_pool` is SMG in front of engines that share the pool. Two oracles: the
+simulator's, one cache shared by both engines (`oracle_pool`: engines that share the
+pool, routed least-loaded), and a floor no router can pass (`oracle_floor`: one engine,
+one request at a time, everything sent before cached).
 
     .venv/bin/python benchmarks/e2e_vllm.py                 # agent and moving shapes
     .venv/bin/python benchmarks/e2e_vllm.py --sessions 4 --turns 3 --only ramjet_enforce
@@ -123,6 +126,11 @@ class Result:
     """Tokens the router priced as pulled from the shared pool into the engine it picked."""
     sent_s: float = 0.0
     """When the request was sent, seconds after the run's workload began."""
+    done_s: float = 0.0
+    """When its answer ended, seconds after the run's workload began."""
+    components: dict[str, Any] | None = None
+    """The decision's figures for the engine that answered (`ramjet explain`'s), kept
+    so that a model change can be weighed against the same run's requests offline."""
 
 
 @dataclass
@@ -304,7 +312,8 @@ async def workload(
             sent = time.perf_counter() - start
             ttft, answer, usage = await stream_chat(http, url, msgs, t.max_tokens, rid)
             res = Result(si, ti, ttft, usage["prompt_tokens"],
-                         usage["prompt_tokens_details"]["cached_tokens"], sent_s=sent)  # fmt: skip
+                         usage["prompt_tokens_details"]["cached_tokens"], sent_s=sent,
+                         done_s=time.perf_counter() - start)  # fmt: skip
             if records is not None:
                 rec = await wait_record(records, rid)
                 res.engine = rec.engine
@@ -319,6 +328,7 @@ async def workload(
                     res.predicted_raw_s = comp.get("ttft_raw_s")
                     res.externality_live = "externality_off" not in rec.candidate.notes
                     res.predicted_pool = int(comp.get("pool_tokens", 0))
+                    res.components = dict(comp)
             out.append(res)
             print(f"\r  {len(out)}/{total} requests", end="", flush=True)
             msgs.append({"role": "assistant", "content": answer})
@@ -555,10 +565,15 @@ async def run_ramjet(
     measure: bool,
     candidate_params: dict[str, object] | None = None,
     pool: bool = False,
+    incumbent: str = "prefix_affinity",
+    name: str | None = None,
 ) -> tuple[Run, float | None]:
+    """Ramjet in `mode` before two fresh engines (sharing a pool with `pool`); the run is
+    `name`d (default ramjet_<mode>[_pool])."""
     from ramjet.reports.keys import write_keypair
 
-    tag = f"ramjet-{mode}" + ("-pool" if pool else "")
+    name = name or f"ramjet_{mode}" + ("_pool" if pool else "")
+    tag = name.replace("_", "-")
     pool_dir = Path(tempfile.mkdtemp(prefix="e2e-vllm-pool-", dir="/dev/shm")) if pool else None
     engines = await asyncio.to_thread(start_engines, tmp, tag, pool_dir)
     st = Stack(vllm_env(), tmp / tag, engines)
@@ -598,7 +613,6 @@ async def run_ramjet(
             for ns in pool_dir.iterdir():
                 Pool(ns, 1).evict_to(0)
             loaded0 = pool_loaded(engines)
-        incumbent = "prefix_affinity"
         server, records = await st.router(
             tmp, mode=mode, incumbent=incumbent, candidate_params=candidate_params, pool=decl
         )
@@ -606,7 +620,6 @@ async def run_ramjet(
         t0, load0, began = time.monotonic(), os.getloadavg()[0], time.time()
         results = await workload(server.url, sessions, system, bt, records)
         load = (load0, os.getloadavg()[0])
-        name = f"ramjet_{mode}" + ("_pool" if pool else "")
         run = Run(name, results, time.monotonic() - t0, load=load, began_at=began)
         if pool_dir is not None:
             run.pool_loaded = pool_loaded(engines) - loaded0
@@ -804,6 +817,17 @@ def verdict(shape: str, runs: list[Run]) -> list[str]:
             f"{'ok  ' if ok else 'MISS'} {shape}: ramjet_enforce / smg_cache_aware mean {m:.2f}x, "
             f"p99 {p:.2f}x (<= 0.70x each, same run)"
         )
+    shared = pooled_runs.get("oracle_pool")
+    if base is not None and shared is not None:
+        for stat in ("mean", "p99"):
+            f = shared[stat] / base[stat]
+            lines.append(
+                f"info {shape}: oracle_pool (one cache for both engines, least-loaded) / "
+                f"smg_cache_aware {stat} {f:.2f}x: a 0.70x bar is "
+                f"{'BEYOND' if f > 0.70 else 'within'} it, the pool's 0.60x bar "
+                f"{'BEYOND' if f > 0.60 else 'within'} it ({shared[stat]:.3f} s, SMG "
+                f"{base[stat]:.3f} s)"
+            )
     floor = pooled_runs.get("oracle_floor")
     if base is not None and floor is not None:
         for stat in ("mean", "p99"):
@@ -840,8 +864,10 @@ async def main() -> int:
         "pool), ramjet_observe, ramjet_enforce and ramjet_enforce_pool "
         "(enforce on engines that share KV through connectors/vllm_pool, the router pricing "
         "pulls from it: fabric.pools, the pool's signed reports from `ramjet pool-reporter`), "
-        "and oracle_floor (one engine, one request at a time, everything sent before cached: "
-        "no router does better)",
+        "oracle_floor (one engine, one request at a time, everything sent before cached: "
+        "no router does better) and oracle_pool (the oracle of the simulator's tables, one "
+        "cache shared by both engines: engines that share the pool, routed least-loaded by "
+        "Ramjet's incumbent in observe mode)",
     )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     ap.add_argument(
@@ -924,6 +950,11 @@ async def run_shape(
                                         pool=name.endswith("_pool"))  # fmt: skip
                 elif name == "oracle_floor":
                     run = await run_floor(tmp, sessions, system, args.block_tokens)
+                elif name == "oracle_pool":  # one cache for both engines, load balanced
+                    run, _ = await run_ramjet(tmp, "observe", sessions, system,
+                                              args.block_tokens, args.probe_sizes, False,
+                                              pool=True, incumbent="least_loaded",
+                                              name="oracle_pool")  # fmt: skip
                 elif name.startswith("ramjet_"):
                     mode = name.removeprefix("ramjet_").removesuffix("_pool")
                     run, cold = await run_ramjet(tmp, mode, sessions,

@@ -45,11 +45,15 @@ class EngineConfig(_Frozen):
     models: tuple[str, ...] = ()
     """Models served; empty means "ask the engine" (its /v1/models)."""
     weight: float = Field(default=1.0, gt=0)
+    profile_group: str | None = None
+    """Engines of one kind (same model, parallelism, hardware): priced with one profile,
+    the mean of the group's probed profiles (`ramjet.fleet.signals.GroupedProfiles`).
+    None: the engine's own."""
 
-    @field_validator("id")
+    @field_validator("id", "profile_group")
     @classmethod
-    def _check_id(cls, v: str) -> str:
-        if not _ENGINE_ID.match(v):
+    def _check_id(cls, v: str | None) -> str | None:
+        if v is not None and not _ENGINE_ID.match(v):
             raise ValueError("must be 1-64 characters of letters, digits, '_', '.', '-'")
         return v
 

@@ -311,6 +311,37 @@ class Router:
             self._parse_threads(), self.key_pools.rekey, parsed, engines
         )
 
+    def _views(self, model: str, now: float) -> tuple[list[EngineView], web.StreamResponse | None]:
+        """The engines' views for `model` at `now`, or the refusal when none serves it or
+        every one is backing off."""
+        views, serving, retry_after = engine_views(
+            self.fleet, self.signals, self.residency, model, now, self.pools
+        )
+        if not serving:
+            return views, reject(
+                self.metrics,
+                "model_not_found",
+                json_error(
+                    404,
+                    f"The model {model!r} is not served here.",
+                    "invalid_request_error",
+                    "model_not_found",
+                ),
+            )
+        if not any(v.healthy for v in views):
+            return views, reject(
+                self.metrics,
+                "no_engine",
+                json_error(
+                    503,
+                    "Every engine is backing off; retry later.",
+                    "server_error",
+                    "engines_unavailable",
+                    retry_after_s=max(retry_after, 1.0),
+                ),
+            )
+        return views, None
+
     async def _admitted(
         self, request: ClientExchange, t0: float, body: bytes
     ) -> web.StreamResponse:
@@ -325,33 +356,12 @@ class Router:
         if "priority" in parsed.json and not self._priority_trusted(request):
             parsed = untrusted_priority_removed(parsed)
         request_id = request.headers.get("X-Request-Id", "")[:64] or self._new_id()
-        views, serving, retry_after = engine_views(
-            self.fleet, self.signals, self.residency, parsed.model, t0, self.pools
-        )
-        if not serving:
-            return reject(
-                self.metrics,
-                "model_not_found",
-                json_error(
-                    404,
-                    f"The model {parsed.model!r} is not served here.",
-                    "invalid_request_error",
-                    "model_not_found",
-                ),
-            )
-        if not any(v.healthy for v in views):
-            return reject(
-                self.metrics,
-                "no_engine",
-                json_error(
-                    503,
-                    "Every engine is backing off; retry later.",
-                    "server_error",
-                    "engines_unavailable",
-                    retry_after_s=max(retry_after, 1.0),
-                ),
-            )
+        views, refused = self._views(parsed.model, t0)
+        if refused is not None:
+            return refused
+        now = t0
         if self.key_pools:  # token-block keys for a pool of tokenizing engines
+            off_loop = len(parsed.body) > REKEY_INLINE_BYTES
             try:
                 parsed = await self._rekey(parsed, [v.id for v in views])
             except RequestError as exc:
@@ -359,6 +369,11 @@ class Router:
                 return web.Response(
                     status=exc.status, body=exc.to_openai_json(), content_type="application/json"
                 )
+            if off_loop:  # requests routed while it was keyed are in flight now: look again
+                now = self.clock()
+                views, refused = self._views(parsed.model, now)
+                if refused is not None:
+                    return refused
         rv = to_request_view(parsed, request_id)
         session_key = parsed.session or (
             str(parsed.keys.boundaries[0][1]) if parsed.keys.boundaries else request_id
@@ -366,7 +381,7 @@ class Router:
         # engines that serve by the hint's key (`ramjet.app.priority`), where any pool does
         keyed = self.priority.keyed(views, session_key) if self.priority.queues else None
         fleet = fleet_stats(
-            t0, self.arrivals, self.accounting.waits, self.work_rates, keyed, self.calibration,
+            now, self.arrivals, self.accounting.waits, self.work_rates, keyed, self.calibration,
             self.config.fleet_stats.calibrated_decisions,
         )  # fmt: skip
         # The accounting-only pick is deferred (`ramjet.app.modes`) unless a priority pool
@@ -429,6 +444,7 @@ class Router:
                 exchange,
                 deadline_s,
                 res,
+                max(parsed.prompt_tokens - new_tokens, 0),
             )
             if res.engine is not None and res.status < 400:
                 self.residency.record_routed(res.engine, parsed.keys, self.clock())

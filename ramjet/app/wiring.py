@@ -53,7 +53,13 @@ from ramjet.config import PolicyConfig
 from ramjet.decisions.accounting import Accounting
 from ramjet.decisions.record import DecisionSink
 from ramjet.fleet.engines import EngineState, Fleet
-from ramjet.fleet.signals import REPORTS_KEY, EngineSignals, NoSignals, ReportSignals
+from ramjet.fleet.signals import (
+    REPORTS_KEY,
+    EngineSignals,
+    GroupedProfiles,
+    NoSignals,
+    ReportSignals,
+)
 from ramjet.fleet.views import PoolSpec
 from ramjet.keys.pools import KeyPools
 from ramjet.metrics import RouterMetrics
@@ -172,6 +178,9 @@ def build(
             base_dir=base_dir,
         )
         signals = ReportSignals(reports.processor)
+    groups = profile_groups(config)
+    if groups:
+        signals = GroupedProfiles(signals, groups)
     source: ResidencySource = tables if tables is not None else NoResidency()
     router = _router(config, metrics, source, signals, sink, clock, transports)
     return Wired(router, reports, runtime)
@@ -308,3 +317,17 @@ def mount(app: web.Application, wired: Wired) -> None:
             await runtime.stop()
 
     app.cleanup_ctx.append(run)
+
+
+def profile_groups(config: PolicyConfig) -> dict[EngineId, tuple[EngineId, ...]]:
+    """Each engine of a profile group (`EngineConfig.profile_group`) -> the group's
+    engines, in configuration order; ungrouped engines are absent."""
+    groups: dict[str, tuple[EngineId, ...]] = {}
+    for e in config.engines:
+        if e.profile_group is not None:
+            groups[e.profile_group] = (*groups.get(e.profile_group, ()), EngineId(e.id))
+    return {
+        EngineId(e.id): groups[e.profile_group]
+        for e in config.engines
+        if e.profile_group is not None
+    }

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -74,6 +75,10 @@ class EngineState:
     backoff_until: float = 0.0
     inflight_requests: int = 0
     inflight_prompt_tokens: int = 0
+    inflight_jobs: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """(new tokens, context tokens) of each request counted in `inflight_prompt_tokens`,
+    in send order, by ticket: the wait prices each at its own context
+    (`EngineLoad.inflight_jobs`)."""
     started_at: float = float("-inf")
     """When (the fleet's clock) a request here last got its first byte: a load report
     received before then may still count work that has since started
@@ -121,12 +126,23 @@ class Routable:
         object.__setattr__(self, "retry_after_s", retry_after_s)
 
 
+_JOBS = itertools.count(1)
+"""Ticket numbers: the keys of `EngineState.inflight_jobs`."""
+
+
 class Ticket:
-    """One request's share of an engine's in-flight counters; release is idempotent."""
+    """One request's share of an engine's in-flight counters; release is idempotent.
+    `context_tokens`: the cached prefix its `prompt_tokens` are prefilled on."""
 
-    __slots__ = ("_engine", "_open", "_tokens")
+    __slots__ = ("_engine", "_job", "_open", "_tokens")
 
-    def __init__(self, engine: EngineState, prompt_tokens: int, now: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineState,
+        prompt_tokens: int,
+        now: float | None = None,
+        context_tokens: int = 0,
+    ) -> None:
         self._engine = engine
         self._tokens = prompt_tokens
         self._open = True
@@ -134,6 +150,9 @@ class Ticket:
             engine.busy_since = now  # the engine starts on this one now
         engine.inflight_requests += 1
         engine.inflight_prompt_tokens += prompt_tokens
+        self._job = next(_JOBS)
+        if prompt_tokens > 0:
+            engine.inflight_jobs[self._job] = (prompt_tokens, max(context_tokens, 0))
 
     def first_byte(self, now: float | None = None) -> None:
         """The engine has started answering (at `now`, the fleet's clock; None: the
@@ -143,6 +162,7 @@ class Ticket:
             self._engine.busy_since = now  # and goes on to the next
         if self._tokens:
             self._engine.inflight_prompt_tokens -= self._tokens
+            self._engine.inflight_jobs.pop(self._job, None)
             self._tokens = 0
 
     def close(self) -> None:

@@ -33,8 +33,13 @@ every engine, reporting or not, the blocks of requests the router has sent and n
 has confirmed yet read as pending HBM residency (`ramjet.residency.pending`), beneath
 the exact entries.
 
+Profile groups: engines of one kind (`EngineConfig.profile_group`) are priced with one
+profile, the mean of the group's signed profiles (`GroupedProfiles`,
+`ramjet.policy.profile.mean_profile`), so the noise of each engine's own probe cannot
+make one of two identical engines look cheaper and take every request.
+
 Wiring: `ramjet.app.wiring` builds the report runtime and hands the router its
-`ReportSignals`.
+`ReportSignals` (wrapped in `GroupedProfiles` where the policy groups engines).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from aiohttp import web
 
 from ramjet.fleet.engines import EngineState
 from ramjet.policy.base import EngineLoad
-from ramjet.policy.profile import EngineProfile
+from ramjet.policy.profile import EngineProfile, mean_profile
 from ramjet.reports.keys import KeyRing
 from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.runtime import ReportsRuntime
@@ -89,6 +94,7 @@ class NoSignals:
             inflight_requests=engine.inflight_requests,
             inflight_prompt_tokens=engine.inflight_prompt_tokens,
             busy_s=busy_seconds(engine, now),
+            inflight_jobs=tuple(engine.inflight_jobs.values()),
         )
 
 
@@ -114,6 +120,7 @@ class ReportSignals:
                 inflight_requests=engine.inflight_requests,
                 inflight_prompt_tokens=engine.inflight_prompt_tokens,
                 busy_s=busy_seconds(engine, now),
+                inflight_jobs=tuple(engine.inflight_jobs.values()),
             )
         received = self.processor.load_received_at(engine.id)
         if received is not None and received < engine.started_at:
@@ -124,6 +131,7 @@ class ReportSignals:
                 running_requests=reported.running_requests,
                 kv_utilization=reported.kv_utilization,
                 busy_s=busy_seconds(engine, now),
+                inflight_jobs=tuple(engine.inflight_jobs.values()),
             )
         queued = reported.queued_prompt_tokens
         # the reported queue is what was left when the report came: progress since then
@@ -136,6 +144,7 @@ class ReportSignals:
             kv_utilization=reported.kv_utilization,
             waiting_requests=reported.waiting_requests,
             busy_s=busy_seconds(engine, now, since),
+            inflight_jobs=tuple(engine.inflight_jobs.values()),
         )
 
 
@@ -153,3 +162,41 @@ def busy_seconds(engine: EngineState, now: float | None, since: float | None = N
     elif engine.inflight_prompt_tokens > 0:
         since = max(since, engine.busy_since)
     return max(now - since, 0.0) if math.isfinite(since) else 0.0
+
+
+class GroupedProfiles:
+    """`EngineSignals` whose profile of an engine in a profile group is the mean of the
+    group members' profiles (those that have one); everything else is `inner`'s. The mean
+    is made again only when a member's profile changes."""
+
+    def __init__(self, inner: EngineSignals, groups: dict[EngineId, tuple[EngineId, ...]]):
+        self.inner = inner
+        self._groups = groups
+        """Each grouped engine's group, itself included."""
+        self._made: dict[tuple[EngineId, ...], tuple[tuple[EngineProfile, ...], EngineProfile]]
+        self._made = {}
+
+    def trust(self, engine: EngineId) -> TrustGrade:
+        return self.inner.trust(engine)
+
+    def load(self, engine: EngineState, now: float | None = None) -> EngineLoad:
+        return self.inner.load(engine, now)
+
+    def replace_keys(self, ring: KeyRing) -> dict[str, list[str]] | None:
+        return self.inner.replace_keys(ring)
+
+    def profile(self, engine: EngineId) -> EngineProfile | None:
+        members = self._groups.get(engine)
+        if members is None:
+            return self.inner.profile(engine)
+        got = tuple(p for m in members if (p := self.inner.profile(m)) is not None)
+        if not got:
+            return None
+        made = self._made.get(members)
+        if (
+            made is None
+            or len(made[0]) != len(got)
+            or any(a is not b for a, b in zip(made[0], got, strict=True))
+        ):
+            made = self._made[members] = (got, mean_profile(got))
+        return made[1]

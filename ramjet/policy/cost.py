@@ -23,8 +23,9 @@ For request r (n prompt tokens) on engine e, with profile P:
 - work_e = restore + replay + prefill: what the engine will spend on r's prompt.
 - wait_e = the time until e starts r: the engine's outstanding prompt tokens (reported,
   corrected by the router's in-flight, see `candidates.outstanding_prompt_tokens`)
-  priced by the profile's prefill curve from context 0 (queued prompts mix lengths; the
-  curve's start is the conservative, common case), less the time the engine has already
+  priced by the profile's prefill curve: each of the router's in-flight requests at its
+  own context (`EngineLoad.inflight_jobs`), tokens beyond them from context 0
+  (`queued_seconds`), less the time the engine has already
   spent on that work (`EngineLoad.busy_s`: the head of the queue is that far into its
   prefill), plus decode interference: a chunked
   prefill engine runs one decode step for its running batch per prefill chunk, so while
@@ -37,8 +38,10 @@ For request r (n prompt tokens) on engine e, with profile P:
   also puts the prompts that arrive while this one waits into this one's step, so its
   first token waits for their prefill too. Expected extra ≈ ρ_e · (wait_e + work_e),
   ρ_e the predicted prompt work routed to the engine per second (`FleetStats.work_rate`,
-  an EWMA, capped at 1). On real vLLM it took the median predicted-TTFT error from −29%
-  to within ±20% (docs/real-engines.md). 0 for a one-job-per-step engine.
+  an EWMA, capped at 1), and at most the prefill of the room its last step has left:
+  the engine schedules the prompts it has started first, so a later arrival only fills
+  the step budget (`chunk_tokens`) that this one's final chunk leaves free
+  (`packing_room`). 0 for a one-job-per-step engine.
 - Priority: on an engine that serves by the priority hint's key (`FleetStats.keyed`: a
   pool in mode `on`, docs/priority.md), wait_e counts only the queued work whose key is
   lower than this request's key on e (min(work_e, aging·horizon) + aging·now), a started
@@ -308,12 +311,14 @@ def wait_seconds(
     chunked prefill), so only tokens count. `ahead`: (prompt tokens, waiting requests)
     that run before this request on an engine that serves by key (`keyed_ahead`), in
     place of everything outstanding there (FCFS)."""
+    jobs: tuple[tuple[int, int], ...] = ()
     if ahead is None:
         queued, waiting = outstanding_prompt_tokens(engine.load), engine.load.waiting_requests
+        jobs = engine.load.inflight_jobs
     else:
         queued, waiting = ahead
     # the head of the queue is `busy_s` into its prefill already
-    wait = max(profile.prefill_seconds(queued, 0) - engine.load.busy_s, 0.0) if queued else 0.0
+    wait = max(queued_seconds(profile, queued, jobs) - engine.load.busy_s, 0.0) if queued else 0.0
     waiting = (waiting or 0) if per_job else 0
     if waiting > 0:
         wait += waiting * profile.prefill_overhead_s
@@ -323,6 +328,39 @@ def wait_seconds(
             chunks = max(chunks, waiting + (1 if queued > 0 else 0) + 1)
         wait += chunks * profile.decode_step_s
     return wait
+
+
+def queued_seconds(
+    profile: EngineProfile, queued: int, jobs: tuple[tuple[int, int], ...] = ()
+) -> float:
+    """The prefill time of `queued` outstanding prompt tokens: each of the router's `jobs`
+    (new tokens, context tokens) at its own context, and the tokens beyond theirs (another
+    router's, a reported queue's) as one prompt from context 0; one prefill overhead."""
+    if not jobs:
+        return profile.prefill_seconds(queued, 0)
+    over = profile.prefill_overhead_s
+    total, counted = over, 0
+    for n, context in jobs:
+        if n > 0:
+            total += profile.prefill_seconds(n, context) - over
+            counted += n
+    if queued > counted:
+        total += profile.prefill_seconds(queued - counted, 0) - over
+    return total
+
+
+def packing_room(
+    profile: EngineProfile, load: EngineLoad, new_tokens: int, chunk_tokens: int
+) -> float:
+    """The most that prompts arriving later can add to a request's first token on a
+    packing engine: the prefill of the step budget its final chunk leaves free (the
+    outstanding tokens and its own fill whole steps first; running prompts are scheduled
+    before waiting ones)."""
+    if chunk_tokens <= 0:
+        return 0.0
+    used = (outstanding_prompt_tokens(load) + max(new_tokens, 0)) % chunk_tokens
+    room = chunk_tokens - used if used else 0
+    return profile.prefill_seconds(room, 0) - profile.prefill_overhead_s if room else 0.0
 
 
 def _decoding(load: EngineLoad) -> int:
@@ -665,7 +703,10 @@ def estimate(
             jump = jump_seconds(*args, externality_scale)
         raw_packing = 0.0
         if not per_job:  # later arrivals join this request's step (vLLM's packing)
-            raw_packing = _work_rate(fleet, e.id) * (raw_wait + raw_work.work_s)
+            raw_packing = min(
+                _work_rate(fleet, e.id) * (raw_wait + raw_work.work_s),
+                packing_room(profile, e.load, new_tokens, chunk_tokens),
+            )
         w = fleet.calibration.get(e.id, PROFILE) if fleet.calibration else PROFILE
         # the context feature: prefill at context 0 scaled by the context it runs on
         context = profile.prefill_seconds(new_tokens, 0) * raw_work.resume_tokens / CONTEXT_SCALE

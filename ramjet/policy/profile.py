@@ -151,3 +151,46 @@ class EngineProfile(BaseModel):
                     raise KeyError(f"profile has no restore cost for tier {tier.label!r}")
                 total += cost.restore_seconds(n * self.global_kv_bytes_per_token)
         return total
+
+
+def mean_profile(profiles: Sequence[EngineProfile]) -> EngineProfile:
+    """One profile for engines of one kind (`EngineConfig.profile_group`): the mean of
+    theirs. The rate at every context is the mean of their rates (a curve through the
+    union of their points: exact, each rate being linear between its points, up to the
+    longest probe); every other figure is the mean, a tier's cost the mean over the
+    profiles that have it. Identical engines probed at different moments differ by the
+    noise of each probe (1.4-1.8x on a loaded host); priced apart, the one whose probe
+    ran luckier takes every request it can."""
+    if not profiles:
+        raise ValueError("no profiles to average")
+    if len(profiles) == 1:
+        return profiles[0]
+    k = len(profiles)
+    xs = sorted({p.context_tokens for prof in profiles for p in prof.prefill_curve})
+    curve = [
+        CurvePoint(context_tokens=x, seconds_per_token=sum(p._rate(x) for p in profiles) / k)
+        for x in xs
+    ]
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(values) / len(values)
+
+    tiers: dict[str, TierCost] = {}
+    for label in sorted({t for p in profiles for t in p.tiers}):
+        have = [p.tiers[label] for p in profiles if label in p.tiers]
+        tiers[label] = TierCost(
+            bandwidth_bytes_per_s=mean([t.bandwidth_bytes_per_s for t in have]),
+            latency_s=mean([t.latency_s for t in have]),
+        )
+    return EngineProfile(
+        prefill_curve=curve,
+        prefill_overhead_s=mean([p.prefill_overhead_s for p in profiles]),
+        replay_floor_s=mean([p.replay_floor_s for p in profiles]),
+        replay_window_tokens=max(p.replay_window_tokens for p in profiles),
+        global_kv_bytes_per_token=mean([p.global_kv_bytes_per_token for p in profiles]),
+        swa_bytes_per_sequence=mean([p.swa_bytes_per_sequence for p in profiles]),
+        tiers=tiers,
+        decode_step_s=mean([p.decode_step_s for p in profiles]),
+        spec_acceptance=mean([p.spec_acceptance for p in profiles]),
+        spec_tokens_per_step=mean([p.spec_tokens_per_step for p in profiles]),
+    )

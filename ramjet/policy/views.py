@@ -109,6 +109,11 @@ class EngineLoad:
     (since the later of the last first byte the router saw from it, the oldest such
     request's send and, for a reported queue, the report's arrival): the head of the
     queue is that far through its prefill (`cost.wait_seconds`). 0: unknown."""
+    inflight_jobs: tuple[tuple[int, int], ...] = ()
+    """(new tokens, context tokens) of each of the router's requests counted in
+    `inflight_prompt_tokens`, oldest first: each is priced at its own context, as the
+    engine prefills it (the tokens of two prompts do not attend to each other). Empty:
+    not known (the wait prices the tokens as one prompt)."""
 
     def __init__(
         self,
@@ -120,6 +125,7 @@ class EngineLoad:
         waiting_requests: int | None = None,
         decode_tokens: int | None = None,
         busy_s: float = 0.0,
+        inflight_jobs: tuple[tuple[int, int], ...] = (),
     ) -> None:
         object.__setattr__(self, "inflight_requests", inflight_requests)
         object.__setattr__(self, "inflight_prompt_tokens", inflight_prompt_tokens)
@@ -129,6 +135,7 @@ class EngineLoad:
         object.__setattr__(self, "waiting_requests", waiting_requests)
         object.__setattr__(self, "decode_tokens", decode_tokens)
         object.__setattr__(self, "busy_s", busy_s)
+        object.__setattr__(self, "inflight_jobs", inflight_jobs)
 
 
 @dataclass(init=False, frozen=True, slots=True)

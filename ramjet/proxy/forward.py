@@ -171,11 +171,13 @@ class Proxy:
         exchange: Exchange,
         deadline_s: float | None = None,
         res: ForwardResult | None = None,
+        context_tokens: int = 0,
     ) -> tuple[web.StreamResponse, ForwardResult]:
         """`deadline_s`: the first-byte deadline when not `timeouts.first_byte_s` (a
         non-stream request's, `generation_deadline`). `res`: the caller's record of the
         outcome, filled as the exchange goes, so that a caller cancelled mid-exchange (the
-        client left) still knows the engine, status and TTFT reached."""
+        client left) still knows the engine, status and TTFT reached. `prompt_tokens` are
+        counted in flight until the first byte, as prefilled on `context_tokens`."""
         res = ForwardResult() if res is None else res
         headers = upstream_request_headers(request.headers, request_id)
         t0 = time.monotonic()
@@ -193,6 +195,7 @@ class Proxy:
                 exchange,
                 res,
                 deadline_s,
+                context_tokens,
             )
             if opened is None:
                 return self._give_up(res), res
@@ -224,6 +227,7 @@ class Proxy:
         exchange: Exchange,
         res: ForwardResult,
         deadline_s: float | None = None,
+        context_tokens: int = 0,
     ) -> Opened | None:
         """Attempts, from `first`, until one gets its first body byte: that one
         (`finish` it when done), or None when every attempt failed (`res.attempts` says
@@ -235,7 +239,7 @@ class Proxy:
             tried.add(engine.id)
             attempt = Attempt(engine.id)
             res.attempts.append(attempt)
-            ticket = Ticket(engine, prompt_tokens, self._fleet.clock())
+            ticket = Ticket(engine, prompt_tokens, self._fleet.clock(), context_tokens)
             more = len(res.attempts) < self._cfg.retry.max_attempts
             nxt = _NextEngine(choose_next, tried, more)
             got = None

@@ -12,10 +12,9 @@ whenever an operator asks (`--profile probe`):
    (`max_model_len` of `/v1/models`, as vLLM serves it) and the default sizes end at
    that limit, so the curve covers every length the engine can be sent and the cost
    model never extrapolates within it (`EngineProfile` extrapolates no faster than the
-   measured trend past the last point). With T_k its latency minus
-   the overhead and n_k the engine's own `usage.prompt_tokens`, the marginal cost on
-   [n_{k-1}, n_k) is (T_k - T_{k-1}) / (n_k - n_{k-1}) seconds per token (n_0 = T_0 = 0):
-   one curve point at context n_{k-1} per size.
+   measured trend past the last point). With T_k its latency minus the overhead and
+   n_k the engine's own `usage.prompt_tokens`, the curve is the fit of
+   T(n) = b·n + k·n² over all sizes (`fit_curve`): rate b + 2k·x at context x.
 3. **Replay floor**: the same prompt again, warm. The engine says how much it found in
    cache (`usage.prompt_tokens_details.cached_tokens`: vLLM with
    `--enable-prompt-tokens-details`, SGLang with `--enable-cache-report`). Whatever the
@@ -100,6 +99,42 @@ def plan_sizes(sizes: Sequence[int] | None, limit: int | None) -> list[int]:
     return out
 
 
+def fit_curve(samples: Sequence[tuple[int, float]]) -> list[CurvePoint]:
+    """The prefill curve from cold probes (n tokens, seconds beyond the overhead): the
+    least-squares fit of T(n) = b·n + k·n² (b, k >= 0: a per-token cost and one that grows
+    with the context, attention's), in relative error (each probe weighted by 1/T²), as
+    the curve's rate b + 2k·x at context x: two points, (0, b) and (n_max, b + 2k·n_max)
+    (n_max the longest probe: a prediction past it is flagged as beyond the probes).
+
+    Differencing successive probes (the rate on [n_{i-1}, n_i) from two timings) gave
+    curves that fell and rose by 3x between neighbours on real vLLM: one noisy timing
+    set a segment. The fit spreads each probe's noise over the whole curve, and its
+    shape is the one prefill has."""
+    pts = [(float(n), t) for n, t in samples if n > 0 and t > 0]
+    if not pts:
+        return [CurvePoint(context_tokens=0, seconds_per_token=0.0)]
+    # normal equations of sum(((t - b n - k n^2) / t)^2): in u = n/t, v = n^2/t, target 1
+    suu = sum((n / t) ** 2 for n, t in pts)
+    suv = sum((n / t) * (n * n / t) for n, t in pts)
+    svv = sum((n * n / t) ** 2 for n, t in pts)
+    su = sum(n / t for n, t in pts)
+    sv = sum(n * n / t for n, t in pts)
+    det = suu * svv - suv * suv
+    b = k = -1.0
+    if len({n for n, _ in pts}) > 1 and det > 1e-12 * suu * svv:
+        b, k = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
+    if b < 0 or k < 0:  # the constrained optimum lies on an edge: the better of the two
+        b_only, k_only = su / suu, sv / svv
+        loss_b = sum((1 - b_only * n / t) ** 2 for n, t in pts)
+        loss_k = sum((1 - k_only * n * n / t) ** 2 for n, t in pts)
+        b, k = (b_only, 0.0) if loss_b <= loss_k else (0.0, k_only)
+    top = max(n for n, _ in pts)  # the last point also says how far the probes reached
+    return [
+        CurvePoint(context_tokens=0, seconds_per_token=b),
+        CurvePoint(context_tokens=int(top), seconds_per_token=b + 2 * k * int(top)),
+    ]
+
+
 async def probe_once(
     session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int = 1
 ) -> ProbeResult:
@@ -180,20 +215,9 @@ async def probe_profile(
         measured: list[tuple[ProbeResult, ProbeResult]] = [await best(words_for(n)) for n in plan]
         gen, _ = await best(4, max_tokens=16)
 
-    points: list[CurvePoint] = []
-    prev_n, prev_t = 0, 0.0
-    for cold, _warm in measured:
-        n, t = cold.prompt_tokens, max(0.0, cold.seconds - overhead)
-        if n <= prev_n:
-            continue
-        points.append(
-            CurvePoint(
-                context_tokens=prev_n, seconds_per_token=max(0.0, (t - prev_t) / (n - prev_n))
-            )
-        )
-        prev_n, prev_t = n, max(t, prev_t)
-    if not points:
-        points = [CurvePoint(context_tokens=0, seconds_per_token=0.0)]
+    points = fit_curve(
+        [(cold.prompt_tokens, max(0.0, cold.seconds - overhead)) for cold, _ in measured]
+    )
     shape = EngineProfile(prefill_curve=points, replay_floor_s=0.0, global_kv_bytes_per_token=1.0)
     floors = []
     for _cold, warm in measured:

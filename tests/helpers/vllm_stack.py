@@ -143,7 +143,7 @@ class Stack:
         pool: PoolDecl | None = None,
     ) -> str:
         eng = "\n".join(
-            f'  - {{id: {e.engine_id}, url: "{e.url}", models: [{MODEL}]}}'
+            f'  - {{id: {e.engine_id}, url: "{e.url}", models: [{MODEL}], profile_group: cpu}}'
             for e in self.engines.values()
         )
         pulls = "\n".join(f'    {eid}: "{sc.url}"' for eid, sc in self.sidecars.items())

@@ -78,3 +78,14 @@ def request(
         boundary_keys=[(b, PrefixKey(10_000 + b)) for b in boundaries],
         session=session,
     )
+
+
+def curve_profile(*rates: tuple[int, float], **extra: object) -> EngineProfile:
+    """A profile whose prefill curve is `rates` ((context tokens, seconds per token), ...);
+    `extra`: any other field (a replay floor of 0 and 1 KV byte per token unless given)."""
+    fields: dict[str, object] = {"replay_floor_s": 0.0, "global_kv_bytes_per_token": 1.0}
+    fields.update(extra)
+    return EngineProfile.model_validate(
+        {"prefill_curve": [{"context_tokens": c, "seconds_per_token": r} for c, r in rates]}
+        | fields
+    )

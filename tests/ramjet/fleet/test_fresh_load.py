@@ -6,12 +6,13 @@ took 0.11 s."""
 
 from __future__ import annotations
 
-from policy_fakes import FixedResidency
+import pytest
+from policy_fakes import FixedResidency, curve_profile
 from reports_fixtures import E0, frame, load_body, rig
 
 from ramjet.config import EngineConfig
 from ramjet.fleet.engines import EngineState, Ticket
-from ramjet.fleet.signals import ReportSignals
+from ramjet.fleet.signals import NoSignals, ReportSignals
 from ramjet.policy.base import EngineLoad, EngineView
 from ramjet.policy.cost import V41_FLASH_TP4_ESTIMATE, wait_seconds
 from ramjet.types import EngineId
@@ -94,3 +95,23 @@ def test_the_wait_counts_only_what_is_left_of_the_head() -> None:
     assert abs(wait(0.0) - full) < 1e-9
     assert abs(wait(0.4 * full) - 0.6 * full) < 1e-9
     assert wait(2 * full) == 0.0  # the head is late: nothing is left, never negative
+
+
+def test_each_request_in_flight_is_priced_at_its_own_context() -> None:
+    """Two 3,000-token turns on a 4,000-token context each are two prompts: attention runs
+    over each one's own context, not over the other's tokens (`EngineLoad.inflight_jobs`,
+    filled from the router's tickets)."""
+    prof = curve_profile((0, 1e-4), (8192, 3e-4), prefill_overhead_s=0.02)
+    engine = _engine()
+    tickets = [Ticket(engine, 3000, 0.0, context_tokens=4000) for _ in range(2)]
+    load = NoSignals().load(engine, 0.0)
+    assert load.inflight_jobs == ((3000, 4000), (3000, 4000))
+    view = EngineView(EngineId("e0"), True, load, FixedResidency(), prof)
+    each = prof.prefill_seconds(3000, 4000) - prof.prefill_overhead_s
+    assert wait_seconds(prof, view, 100, 512) == pytest.approx(prof.prefill_overhead_s + 2 * each)
+    assert wait_seconds(prof, view, 100, 512) != pytest.approx(prof.prefill_seconds(6000, 0))
+    tickets[0].first_byte(0.5)  # the first has started answering: only the second is left
+    assert NoSignals().load(engine, 0.5).inflight_jobs == ((3000, 4000),)
+    for t in tickets:
+        t.close()
+    assert engine.inflight_jobs == {} and engine.inflight_prompt_tokens == 0

@@ -10,11 +10,12 @@ from dataclasses import replace
 import pytest
 from policy_fakes import engine, request
 
-from ramjet.policy.base import EngineView, FleetStats, KeyedQueue
+from ramjet.policy.base import EngineLoad, EngineView, FleetStats, KeyedQueue
 from ramjet.policy.cost import (
     estimate,
     keyed_ahead,
     keyed_jumped,
+    packing_room,
     service_seconds,
     wait_seconds,
 )
@@ -108,7 +109,10 @@ def test_later_arrivals_with_a_lower_key_add_to_the_wait_within_the_window() -> 
     # a packing engine: the packing term counts those arrivals instead
     [packed] = estimate(request(N), [e], fleet, default_profile=P, per_job=False)
     assert packed.wait_s == pytest.approx(1.0)
-    assert packed.packing_s == pytest.approx(0.5 * (1.0 + h))
+    # at most what the room left in its last step (chunk_tokens 8,192) holds
+    room = packing_room(P, e.load, N, 8192)
+    assert 0 < room < 0.5 * (1.0 + h)
+    assert packed.packing_s == pytest.approx(min(0.5 * (1.0 + h), room))
 
 
 def test_router_queues_drop_the_lowest_keys_as_first_bytes_come() -> None:
@@ -220,3 +224,13 @@ def test_an_engine_of_no_keyed_pool_is_priced_as_before_with_charged_queues_else
     )
     assert plain == other
     assert all(s.jump_s is None and "jump_s" not in s.components() for s in plain)
+
+
+def test_packing_adds_at_most_the_room_left_in_the_last_step() -> None:
+    """vLLM schedules the prompts it has started before waiting ones: an arrival only
+    fills what this request's final chunk leaves of the step budget."""
+    load = EngineLoad(inflight_prompt_tokens=1000)
+    assert packing_room(P, load, 1048, 2048) == 0.0  # 2,048 tokens: the step is full
+    room = P.prefill_seconds(1000, 0) - P.prefill_overhead_s
+    assert packing_room(P, load, 48, 2048) == pytest.approx(room)  # 1,048 used: 1,000 free
+    assert packing_room(P, load, 2096, 2048) == pytest.approx(room)  # the same, a step on
