@@ -7,7 +7,10 @@ pull from the pool on a miss whatever SMG knows), in one run.
 
 Each arm gets fresh processes (`tests/helpers/pool_fleet.py`): two reference engines
 (window 128, startup profile `fast`, so the router prices them as measured), the pools'
-reporters and the router, all on loopback.
+reporters and the router, all on loopback. The two engines are identical, so Ramjet's
+policy names them one `profile_group` (`--profile-group`, default `ref`): each probes
+itself at startup, and on a loaded host two probes differ by 2-5x; priced apart, the
+luckier engine draws the sessions.
 
 Workloads (closed loop, the same prompts in every arm): `--sessions` agent sessions
 share a `--system-tokens` system prompt; `--concurrency` of them run at once, a slot
@@ -32,7 +35,9 @@ Checked (`self-check:`): every response 200, streamed content, `[DONE]`, usage w
 arm pulls nothing from a pool; the pool arms' moved sessions pull. Printed per arm: mean,
 p50, p99 TTFT (request sent to first content chunk), prompt tokens prefilled (prompt -
 cached), tokens pulled from the pool, tokens replayed, session moves; then the ratios of
-Ramjet with the pool to each other arm, per round (each round runs every arm once,
+Ramjet with the pool to each other arm (and per round each engine's startup profile's
+prefill of 1,024 tokens: the router prices on it, so engines whose profiles disagree
+are not priced alike), per round (each round runs every arm once,
 alternating, so the arms of one round share the machine's load) and their mean over the
 `--rounds` rounds; the pooled table sums every round's requests.
 """
@@ -58,7 +63,10 @@ sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from pool_fleet import pool_fleet  # noqa: E402
 
+from ramjet.policy.profile import EngineProfile  # noqa: E402
+
 MODEL = "mini-v4"
+PROFILE_PROBE_TOKENS = 1024
 ARMS = ("ramjet_enforce_pool", "ramjet_enforce", "smg_cache_aware_pool")
 
 
@@ -87,6 +95,10 @@ class Run:
     results: list[Result] = field(default_factory=list)
     wall_s: float = 0.0
     round_wall_s: dict[int, float] = field(default_factory=dict)
+    profiled_s: dict[str, float] = field(default_factory=dict)
+    """Per engine: its startup profile's prefill of `PROFILE_PROBE_TOKENS` tokens (the
+    router prices on it; engines that disagree here are not priced alike)."""
+    round_profiled_s: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def moves(self) -> tuple[int, int]:
         """(turns sent to another engine than the session's previous turn, those of them
@@ -112,7 +124,8 @@ class Run:
 
     def round_of(self, rnd: int) -> Run:
         rs = [r for r in self.results if r.round == rnd]
-        return Run(self.name, rs, self.round_wall_s.get(rnd, 0.0))
+        return Run(self.name, rs, self.round_wall_s.get(rnd, 0.0),
+                   profiled_s=self.round_profiled_s.get(rnd, {}))  # fmt: skip
 
 
 def tool_output(session: int, turn: int, tokens: int) -> str:
@@ -219,12 +232,21 @@ async def run_arm(name: str, tmp: Path, sizes: list[list[int]], args: argparse.N
     pools = name.endswith("_pool")
     router = "smg" if name.startswith("smg") else "ramjet"
     flags = {"window": 128, "profile": "fast", "max_gen": args.max_tokens, "threads": 1}
-    with pool_fleet(tmp / name, pools=pools, router=router, engine_flags=flags) as f:
+    group = args.profile_group or None
+    with pool_fleet(
+        tmp / name, pools=pools, router=router, engine_flags=flags, profile_group=group
+    ) as f:
         assert f.router_url is not None
         await asyncio.sleep(1.0)  # the router's first pulls of reports and profiles
         t0 = time.monotonic()
         results = await workload(f.router_url, sizes, args)
-        return Run(name, results, time.monotonic() - t0)
+        run = Run(name, results, time.monotonic() - t0)
+        async with aiohttp.ClientSession() as http:
+            for eid, eng in sorted(f.engines.items()):
+                async with http.get(eng.url + "/profile") as r:
+                    prof = EngineProfile.model_validate(await r.json())
+                run.profiled_s[eid] = prof.prefill_seconds(PROFILE_PROBE_TOKENS)
+        return run
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -269,8 +291,8 @@ def check(runs: list[Run], workload: str = "mixed") -> list[str]:
 
 def print_table(runs: list[Run]) -> None:
     print("| arm | requests | mean TTFT s | p50 s | p99 s | prefilled tokens | pool-loaded tokens "
-          "| replayed | moves (load-driven) | per engine | wall s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| replayed | moves (load-driven) | per engine | wall s | profiled prefill 1k s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         f = figures(r)
         per: dict[str, int] = {}
@@ -279,7 +301,8 @@ def print_table(runs: list[Run]) -> None:
         print(f"| {r.name} | {len(r.results)} | {f['mean']:.3f} | {f['p50']:.3f} | {f['p99']:.3f} "
               f"| {f['prefilled']:.0f} | {f['pool']:.0f} | {f['replayed']:.0f} "
               f"| {f['moves']:.0f} ({f['load_moves']:.0f}) "
-              f"| {' '.join(f'{k}:{v}' for k, v in sorted(per.items()))} | {r.wall_s:.1f} |")  # fmt: skip
+              f"| {' '.join(f'{k}:{v}' for k, v in sorted(per.items()))} | {r.wall_s:.1f} "
+              f"| {' '.join(f'{k}:{v:.3f}' for k, v in sorted(r.profiled_s.items())) or '-'} |")  # fmt: skip
 
 
 def print_ratios(runs: list[Run], rounds: int) -> None:
@@ -337,6 +360,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 total.results += run.results
                 total.wall_s += run.wall_s
                 total.round_wall_s[rnd] = run.wall_s
+                total.round_profiled_s[rnd] = run.profiled_s
     runs = list(by_name.values())
     print()
     for rnd in range(args.rounds):
@@ -377,6 +401,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=30)
     p.add_argument("--only", default=",".join(ARMS), help=f"arms, of {', '.join(ARMS)}")
+    p.add_argument(
+        "--profile-group",
+        default="ref",
+        help="the two engines' profile_group in Ramjet's policy (identical engines: priced "
+        "with their probed profiles' mean); '' for none, each priced on its own probe",
+    )
     p.add_argument("--rounds", type=int, default=2, help="rounds of every arm, alternating")
     p.add_argument("--dump", default=None, help="write every request's figures here (JSONL)")
     p.add_argument(
