@@ -8,7 +8,9 @@ each run's `results.csv` under `docs/results/fabric/<config>_<fabric>_s<seed>/` 
 whose CSV exists is skipped, so an interrupted grid resumes). Every run is checked as
 `simulations run` checks it: no policy below the oracle or a strict bound (exit 3).
 `table` reads those CSVs and prints, per configuration and load, means over the seeds
-present: tier_aware's mean TTFT over the oracle's, its mean and p99 over the best peer's
+present: tier_aware's mean TTFT over the oracle's (the best of every routing run or
+replayed on one cache) and over its own routing on one cache (`oracle:tier_aware`), its
+mean and p99 over the best peer's
 on the same fabric (the best of every peer row, exact and real modes together), the same
 on islands, and tier_aware on the shared fabric over the best peer on islands; then the
 issue's bars (within 5% of the oracle where utilisation >= 40%; mean <= 1.02x and p99
@@ -163,12 +165,13 @@ def best(cell: Cell, k: int) -> tuple[str, float]:
 
 def cmd_table(a: argparse.Namespace) -> int:
     lines = [
-        "| run | policy | load | util | seeds | TA/oracle | TA/best peer mean (peer) | TA/best p99 | "
+        "| run | policy | load | util | seeds | TA/oracle | TA/own routing on one cache "
+        "| TA/best peer mean (peer) | TA/best p99 | "
         "oracle/best peer | islands: TA/oracle | islands: TA/best mean | islands: TA/best p99 "
         "| TA shared / best peer islands | bars |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    missing = failed_total = 0
+    missing = failed_total = same = 0
     for c in configs(a.sessions_swe, a.sessions_tau):
         shared, n_sh, f_sh = load_grid(c.name, "shared")
         islands, n_is, f_is = load_grid(c.name, "islands")
@@ -180,10 +183,19 @@ def cmd_table(a: argparse.Namespace) -> int:
             if cand not in sh or "oracle" not in sh:
                 continue
             ta_m, ta_p, util = sh[cand]
+            if (
+                cand == UNCAL
+                and (isl or {}).get(cand) == (isl or {}).get("tier_aware")
+                and (sh[cand] == sh.get("tier_aware"))
+            ):
+                same += 1  # the calibration only fits, it does not decide: the same row
+                continue
             oracle = sh["oracle"][0]
             peer_m, bm = best(sh, 0)
             _, bp = best(sh, 1)
             r_or, r_m, r_p = ta_m / oracle, ta_m / bm, ta_p / bp
+            own = sh.get("oracle:tier_aware")
+            r_own = f"{ta_m / own[0]:.3f}" if own is not None else "-"
             bars = []
             if util >= 0.4:
                 bars.append("oracle ok" if r_or <= 1.05 else "oracle MISSED")
@@ -200,10 +212,12 @@ def cmd_table(a: argparse.Namespace) -> int:
             else:
                 islands_cols = "- | - | - | -"
             lines.append(
-                f"| {c.name} | {'uncal.' if cand == UNCAL else 'default'} | {load:g} | {util:.0%} | {n_sh} | {r_or:.3f} | {r_m:.3f} ({peer_m}) "
+                f"| {c.name} | {'uncal.' if cand == UNCAL else 'default'} | {load:g} | {util:.0%} | {n_sh} | {r_or:.3f} | {r_own} | {r_m:.3f} ({peer_m}) "
                 f"| {r_p:.3f} | {oracle / bm:.3f} | {islands_cols} | {', '.join(bars)} |"
             )
     print("\n".join(lines))
+    if same:
+        print(f"\n({same} uncal. rows equal to their default row on both fabrics: not shown)")
     beaten = mean_violations(a.sessions_swe, a.sessions_tau)
     for b in beaten:
         print(f"below the oracle on the seeds' mean: {b}")

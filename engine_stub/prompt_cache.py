@@ -80,7 +80,7 @@ class PromptCache:
         own = len(tiers)
         pulled: list[bytes] = []
         if self.shared_kv is not None and own < cap:
-            got = self.shared_kv.read_prefix(keys.blocks[own:cap])
+            got = self.shared_kv.read_prefix(keys.blocks[own:cap], first_depth=own)
             pulled = got.blobs
             if pulled:
                 self._pool_read(work, self.shared_kv.pool_id, 0, got.nbytes, got.seconds)
@@ -158,8 +158,8 @@ class PromptCache:
                 blob = self.model.export_global(state, i * self.block, (i + 1) * self.block)
                 items.append((key, blob))
         self.kv.put_many(items)
-        if self.shared_kv is not None and items:
-            self.shared_kv.publish(items)
+        if self.shared_kv is not None and keys.blocks:  # a use of the chain, new or not
+            self.shared_kv.publish(items, chain=keys.blocks)
         if keys.boundaries:
             off, bkey = keys.boundaries[-1]
             if off == len(ids):

@@ -13,6 +13,20 @@ miss, never as state.
 Writes. Every block the engine computes, and every SWA state it pools, is written
 through at once (`publish`), by one background thread per pool from a bounded queue: a
 full queue drops the write (counted in `dropped`), it never blocks the scheduler.
+
+Chains. A prefix is usable only from its start, so every use of a prompt's chain (the
+blocks it read from the pool, and at `publish` the whole chain: blocks computed now,
+and the earlier ones the engine served from its own tiers) is stamped as one use, the
+deepest block least recent (`kvpool.chain_stamp`): the pool's LRU then evicts a chain's
+tail before its start, not the start of a prefix whose later blocks it keeps (short of
+a reader holding the tail, or a dropped write).
+
+Chains. A prefix is usable only from its start, so every use of a prompt's chain (the
+blocks it read from the pool, and at `publish` the whole chain: blocks computed now,
+and the earlier ones the engine served from its own tiers) is stamped as one use, the
+deepest block least recent (`kvpool.chain_stamp`): the pool's LRU then evicts a chain's
+tail before its start, never the start of a prefix whose later blocks it keeps (that a
+reader holds, or a late stamp, aside).
 `kvpool.Pool.put` publishes atomically (a reader sees no block or the whole block), fsyncs
 when the pool is durable (an SSD pool), and evicts least-recently-used blocks under the
 pool's byte capacity, never one another engine is reading.
@@ -35,7 +49,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool import Pool
+from kvpool import Pool, chain_stamp
 from ramjet.types import PrefixKey
 
 log = logging.getLogger("engine_stub.pool")
@@ -59,12 +73,17 @@ class Pulled:
     seconds: float
 
 
+_Item = tuple[str, bytes | None, int | None]
+"""(pool key, payload to publish or None to only stamp a use, the use's stamp or None)."""
+
+
 class _Writer:
-    """One background thread publishing (key, payload) pairs from a bounded queue."""
+    """One background thread publishing blocks (and stamping uses of blocks already
+    there) from a bounded queue."""
 
     def __init__(self, pool: Pool, name: str, queue_items: int) -> None:
         self.pool = pool
-        self._q: queue.Queue[tuple[str, bytes] | None] = queue.Queue(maxsize=queue_items)
+        self._q: queue.Queue[_Item | None] = queue.Queue(maxsize=queue_items)
         self.written = 0
         """Writes that left the pool holding the item (published, or already there)."""
         self.refused = 0
@@ -74,9 +93,9 @@ class _Writer:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, key: str, payload: bytes) -> None:
+    def submit(self, key: str, payload: bytes | None, used_ns: int | None = None) -> None:
         try:
-            self._q.put_nowait((key, payload))
+            self._q.put_nowait((key, payload, used_ns))
         except queue.Full:
             self.dropped += 1
 
@@ -86,8 +105,12 @@ class _Writer:
             try:
                 if item is None:
                     return
+                key, payload, used_ns = item
                 try:
-                    ok = self.pool.put(*item)
+                    if payload is None:
+                        self.pool.touch(key, used_ns=used_ns)  # gone: nothing to keep
+                        continue
+                    ok = self.pool.put(key, payload, used_ns=used_ns)
                 except OSError:
                     log.exception("pool write failed")
                     ok = False
@@ -131,21 +154,36 @@ class SharedKV:
         self.read_errors = 0
         """Reads that failed with an I/O error (taken as a miss, and logged)."""
 
-    def publish(self, items: Sequence[tuple[PrefixKey, bytes]]) -> None:
-        """Write blocks through to the pool in the background (module docstring)."""
-        for key, blob in items:
+    def publish(
+        self, items: Sequence[tuple[PrefixKey, bytes]], chain: Sequence[PrefixKey] | None = None
+    ) -> None:
+        """Write blocks through to the pool in the background, and stamp the use of
+        `chain` (the prompt's block keys from its start; `items` are its blocks computed
+        now, the rest are stamped where the pool holds them): module docstring. Without
+        `chain`, `items` are taken as the chain."""
+        now = time.time_ns()
+        blobs = dict(items)
+        for depth, key in enumerate([k for k, _ in items] if chain is None else chain):
+            stamp = chain_stamp(now, depth)
+            blob = blobs.get(key)
+            if blob is None:
+                self.writer.submit(pool_key(key), None, stamp)
+                continue
             head = _HEAD.pack(_MAGIC_KV, self._fp, int(key), self.block_tokens)
-            self.writer.submit(pool_key(key), head + blob)
+            self.writer.submit(pool_key(key), head + blob, stamp)
 
-    def read_prefix(self, keys: Sequence[PrefixKey]) -> Pulled:
+    def read_prefix(self, keys: Sequence[PrefixKey], first_depth: int = 0) -> Pulled:
         """The blocks of the longest prefix of `keys` the pool holds (stops at the first
-        miss, or at a block of another model or key)."""
+        miss, or at a block of another model or key). `keys[0]` is block `first_depth` of
+        its chain (the engine holds the blocks before it): the read is stamped as one use
+        of the chain (module docstring)."""
         t0 = time.perf_counter()
+        now = time.time_ns()
         blobs: list[bytes] = []
         nbytes = 0
-        for key in keys:
+        for depth, key in enumerate(keys, first_depth):
             try:
-                data = self.pool.read(pool_key(key))
+                data = self.pool.read(pool_key(key), used_ns=chain_stamp(now, depth))
             except OSError:
                 log.exception("pool read failed")
                 self.read_errors += 1

@@ -32,7 +32,7 @@ Protocol:
   lease is a hard link `leases/<key>.<pid>.<ns>` made under that shared flock; it keeps
   the block's inode alive and, while it exists, marks the block as in use.
 - Evict (under the pool lock). The evictor walks blocks oldest `mtime` first (a read or
-  a re-publish touches `mtime`: LRU), opens each, takes an exclusive flock without
+  a re-publish touches `mtime`: LRU; see "Chains" below), opens each, takes an exclusive flock without
   waiting and unlinks the block only if it got the flock (no reader is reading it) and
   `st_nlink == 1` (no lease). A lease can only be made under the shared flock, so
   none appears between the check and the unlink. Eviction therefore never removes a
@@ -40,6 +40,17 @@ Protocol:
 - Leases end by `release` (unlink of the lease name). Leases of dead processes, and
   leases older than `lease_ttl_s`, are removed by `sweep_leases` (run by every evictor),
   so a crashed reader cannot pin a block forever.
+
+Chains: a prefix's blocks are usable only from its start, so a pool that evicted a
+chain's first block and kept its later ones would hold bytes nobody can use. A caller
+that uses a chain of blocks at once (reads a prefix, or publishes the blocks it computed
+for one) passes one `used_ns` for the whole use and the depth of each block (block 0 is
+the chain's start): the block's last use is stamped `used_ns - depth` nanoseconds
+(`chain_stamp`). Of one use, the deepest block is therefore the least recent, and the
+evictor (oldest `mtime_ns` first) takes a chain's tail before its start; across uses
+plain LRU order holds (a depth shifts a stamp by nanoseconds). A stamp never moves a
+block's last use back (a late writer does not age a block another use touched since).
+Without `used_ns` a use is stamped now, as before.
 
 Capacity: the bytes under `blocks/` never exceed `capacity_bytes` (metadata is not
 counted: it is meant to be a few hundred bytes a block). A publisher does not list the
@@ -130,20 +141,27 @@ class Pool:
     # -- publish ---------------------------------------------------------------------------
 
     def put(
-        self, key: str, data: bytes | bytearray | memoryview, meta: bytes | None = None
+        self,
+        key: str,
+        data: bytes | bytearray | memoryview,
+        meta: bytes | None = None,
+        *,
+        used_ns: int | None = None,
     ) -> bool:
         """Publish `data` as block `key`, with `meta` as its metadata (`meta`). True when
         the pool holds the block afterwards (published now or already there; an existing
         block is touched, not replaced, nor its metadata), False when it cannot fit under
-        the capacity."""
+        the capacity. `used_ns`: the block's last use to record (`chain_stamp`; default
+        now)."""
         check_key(key)
         if meta is not None and not isinstance(meta, bytes):
             raise PoolError(f"meta must be bytes, got {type(meta).__name__}")
+        _check_stamp(used_ns)
         size = len(data)
         if size > self.capacity_bytes:
             return False
         dst = self.blocks / key
-        if self._touch(dst):
+        if self._touch(dst, used_ns):
             return True
         tmp = self.tmp / f"{key}.{os.getpid()}.{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -152,11 +170,13 @@ class Pool:
                 out.write(data)
             if self.durable:
                 os.fsync(fd)
+            if used_ns is not None:
+                os.utime(fd, ns=(used_ns, used_ns))
         finally:
             os.close(fd)
         try:
             with self._pool_lock():
-                if self._touch(dst):
+                if self._touch(dst, used_ns):
                     return True
                 if not self._make_room(size):
                     return False
@@ -183,14 +203,16 @@ class Pool:
     def contains(self, key: str) -> bool:
         return (self.blocks / check_key(key)).exists()
 
-    def read(self, key: str) -> bytearray | None:
+    def read(self, key: str, *, used_ns: int | None = None) -> bytearray | None:
         """The block's bytes, or None if the pool does not hold it. The block is read
-        under a shared flock, so it is not evicted while it is read."""
+        under a shared flock, so it is not evicted while it is read. A read is a use,
+        stamped `used_ns` (`chain_stamp`; default now)."""
+        _check_stamp(used_ns)
         fd = self._open_linked(check_key(key))
         if fd is None:
             return None
         try:
-            os.utime(fd)  # LRU: a read is a use
+            _stamp(fd, used_ns)  # LRU: a read is a use
             buf = bytearray(os.fstat(fd).st_size)
             _read_into(fd, memoryview(buf))
             return buf
@@ -209,6 +231,12 @@ class Pool:
             return Lease(key, str(path))
         finally:
             os.close(fd)
+
+    def touch(self, key: str, *, used_ns: int | None = None) -> bool:
+        """Record a use of block `key` without reading it (an engine that used its own
+        copy of a pooled chain): False if the pool does not hold it."""
+        _check_stamp(used_ns)
+        return self._touch(self.blocks / check_key(key), used_ns)
 
     @staticmethod
     def read_lease(lease: Lease) -> bytearray | None:
@@ -249,14 +277,15 @@ class Pool:
     # -- what the pool holds ---------------------------------------------------------------
 
     def listing(self) -> list[BlockInfo]:
-        """Every published block, oldest use first."""
+        """Every published block, oldest use first (by the nanosecond stamp: a chain's
+        tail before its start, module docstring)."""
         out = []
         for entry in self._scan(self.blocks):
             with contextlib.suppress(FileNotFoundError):  # evicted while listing
                 st = entry.stat()
-                out.append(BlockInfo(entry.name, st.st_size, st.st_mtime))
-        out.sort(key=lambda b: (b.last_used, b.key))
-        return out
+                out.append((st.st_mtime_ns, BlockInfo(entry.name, st.st_size, st.st_mtime)))
+        out.sort(key=lambda nb: (nb[0], nb[1].key))
+        return [b for _, b in out]
 
     def held_keys(self) -> set[str]:
         return {e.name for e in self._scan(self.blocks)}
@@ -378,9 +407,12 @@ class Pool:
         tmp.write_bytes(meta)
         os.replace(tmp, self.metas / key)
 
-    def _touch(self, path: Path) -> bool:
+    def _touch(self, path: Path, used_ns: int | None = None) -> bool:
         try:
-            os.utime(path)
+            if used_ns is None:
+                os.utime(path)
+            elif os.stat(path).st_mtime_ns < used_ns:  # never back (module docstring)
+                os.utime(path, ns=(used_ns, used_ns))
             return True
         except FileNotFoundError:
             return False
@@ -406,6 +438,26 @@ class Pool:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def chain_stamp(used_ns: int, depth: int) -> int:
+    """The last use to record for the block at `depth` (0: the chain's start) of a chain
+    used at `used_ns`: deeper blocks are older, so eviction takes a chain's tail first."""
+    if depth < 0:
+        raise PoolError(f"depth must be >= 0, got {depth!r}")
+    return used_ns - depth
+
+
+def _check_stamp(used_ns: int | None) -> None:
+    if used_ns is not None and (type(used_ns) is not int or used_ns <= 0):
+        raise PoolError(f"used_ns must be a positive int (ns since the epoch), got {used_ns!r}")
+
+
+def _stamp(fd: int, used_ns: int | None) -> None:
+    if used_ns is None:
+        os.utime(fd)
+    elif os.fstat(fd).st_mtime_ns < used_ns:
+        os.utime(fd, ns=(used_ns, used_ns))
 
 
 def _read_into(fd: int, view: memoryview) -> None:

@@ -85,6 +85,36 @@ def test_two_engine_processes_write_and_read_one_pool_at_once(tmp_path: Path) ->
         kv.close()
 
 
+def test_the_pool_evicts_a_chain_from_its_tail_not_its_start(tmp_path: Path) -> None:
+    """A prefix is usable only from its start: a full pool must give up a chain's deepest
+    blocks, whether the chain was written in one go or grew over two turns while its start
+    was used from the engine's own tiers."""
+    pool = Pool(tmp_path, 8 * (BLOB + 24))  # 8 blocks and their headers
+    a = SharedKV(pool, "host0", FP, BLOCK_TOKENS)
+    b = SharedKV(pool, "host0", FP, BLOCK_TOKENS)
+    x, y, z = chain(0), chain(1), chain(2)
+    a.publish([(k, blob(k)) for k in x[:4]])  # turn 1 of session x, computed on a
+    a.writer.flush()
+    assert len(b.read_prefix(x).blobs) == 4  # b resumed x from the pool
+    time.sleep(0.002)
+    # turn 2 on a: blocks 0-3 from a's own tiers, 4-5 computed and written through
+    a.publish([(k, blob(k)) for k in x[4:]], chain=x)
+    a.writer.flush()
+    b.publish([(k, blob(k)) for k in y[:4]])  # 10 blocks: two must go
+    b.writer.flush()
+    assert len(b.read_prefix(x).blobs) == 4, sorted(pool.held_keys())
+    assert len(a.read_prefix(y).blobs) == 4
+    a.publish([(k, blob(k)) for k in z])  # 6 more: x's four go, tail first, then y's tail
+    a.writer.flush()
+    held = {int(k, 16) for k in pool.held_keys()}
+    for c in (x, y, z):  # what each chain keeps is a prefix of it
+        kept = [k in held for k in c]
+        assert kept == sorted(kept, reverse=True), (c, kept)
+    assert len(b.read_prefix(z).blobs) == 6
+    a.close()
+    b.close()
+
+
 def test_a_block_of_another_model_or_key_reads_as_a_miss(tmp_path: Path) -> None:
     pool = Pool(tmp_path, 1 << 20)
     ours = SharedKV(pool, "host0", FP, BLOCK_TOKENS)

@@ -10,7 +10,8 @@ and benchmarks/pool_e2e.py.
   (`ramjet pool-reporter`, its own key) and the policy declares both under
   `fabric.pools` and pulls them (`reports.engines`).
 - `router="ramjet"`: `ramjet serve` on a policy with every engine's and pool's key
-  (`mode`, `candidate`: tier_aware; `policy` entries merged over the top level);
+  (`mode`, `candidate`: tier_aware; `policy` entries merged over the top level;
+  `profile_group` names both engines' `profile_group`: priced with their profiles' mean);
   `router="smg"`: `smg launch --policy cache_aware`; `router=None`: engines only.
 """
 
@@ -94,6 +95,7 @@ def pool_fleet(
     mode: str = "enforce",
     engine_flags: dict[str, Any] | None = None,
     policy: dict[str, Any] | None = None,
+    profile_group: str | None = None,
     pool_bytes: int = 64 << 20,
     swa_pool_bytes: int = 32 << 20,
     swa_ttl_s: float = 60.0,
@@ -139,7 +141,11 @@ def pool_fleet(
         if router == "ramjet":
             f.decisions = tmp / "decisions.jsonl"
             doc: dict[str, Any] = {
-                "engines": [{"id": e, "url": urls[e]} for e in ("e0", "e1")],
+                "engines": [
+                    {"id": e, "url": urls[e]}
+                    | ({} if profile_group is None else {"profile_group": profile_group})
+                    for e in ("e0", "e1")
+                ],
                 "mode": mode,
                 "incumbent": {"name": "prefix_affinity"},
                 "candidate": {"name": "tier_aware"},

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 
 from pool_procs import run_two
 
-from kvpool import Pool, PoolError
+from kvpool import Pool, PoolError, chain_stamp
 
 BLOCK = 4096
 
@@ -114,6 +114,28 @@ def test_capacity_evicts_the_least_recently_used(tmp_path: Path) -> None:
     assert pool.held_keys() == {key(0), key(2), key(3)}
     assert pool.used_bytes() == 3 * BLOCK
     assert not pool.put(key(9), payload(key(9), 4 * BLOCK))  # larger than the pool
+
+
+def test_a_chain_used_at_once_is_evicted_tail_first_and_a_bad_stamp_is_refused(
+    tmp_path: Path,
+) -> None:
+    pool = Pool(tmp_path, 4 * BLOCK)
+    t = time.time_ns()
+    for d in range(3):  # one use of a chain of 3 blocks, its start put first
+        assert pool.put(key(d), payload(key(d)), used_ns=chain_stamp(t, d))
+    assert pool.put(key(9), payload(key(9)))  # a later use of another block
+    assert pool.put(key(10), payload(key(10)))  # full: the chain's deepest block goes
+    assert pool.held_keys() == {key(0), key(1), key(9), key(10)}
+    assert pool.touch(key(1), used_ns=chain_stamp(t, 1) - 5)  # never moves a use back
+    assert pool.put(key(11), payload(key(11)))
+    assert pool.held_keys() == {key(0), key(9), key(10), key(11)}
+    assert not pool.touch(key(1))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(PoolError, match="used_ns"):
+            pool.read(key(0), used_ns=bad)  # type: ignore[arg-type]
+    with pytest.raises(PoolError, match="depth"):
+        chain_stamp(t, -1)
+    assert pool.held_keys() == {key(0), key(9), key(10), key(11)}
 
 
 def test_a_leased_block_is_never_evicted_and_a_full_pool_refuses(tmp_path: Path) -> None:
