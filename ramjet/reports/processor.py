@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -437,8 +438,7 @@ class ReportProcessor:
         if defer and (st.queued > 0 or keys > self.snapshot_chunk_keys):
             st.queued += 1
             return QueuedApply(steps, st.gen)
-        for _ in steps:
-            pass
+        deque(steps, maxlen=0)  # every step, now
         return None
 
     async def run_job(self, engine: EngineId, job: Job) -> None:
@@ -473,8 +473,7 @@ class ReportProcessor:
             st.queued -= 1
 
     def _apply_delta(self, engine: EngineId, d: DeltaBody, now: float, transit_s: float) -> None:
-        for _ in self._delta_steps(engine, d, now, transit_s):
-            pass
+        deque(self._delta_steps(engine, d, now, transit_s), maxlen=0)  # every step, now
 
     def _delta_steps(self, engine: EngineId, d: DeltaBody, now: float, transit_s: float) -> Steps:
         """A delta applied in steps of at most `snapshot_chunk_keys` keys, in its order."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import eq, gt, is_, is_not, itemgetter, not_, or_
@@ -505,8 +506,7 @@ class SnapshotStaging:
 
     def commit(self) -> None:
         if self._marks is not None:
-            for _ in self.commit_steps():
-                pass
+            deque(self.commit_steps(), maxlen=0)  # every step, now
             return
         tables, engine, now = self._tables, self._engine, self._now
         if self._staged is not None:
