@@ -932,7 +932,37 @@ async def main() -> int:
     print(f"self-check: every response of {checked} runs was 200 with content, usage and [DONE]")
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))
+        print(f"plot: {plot_predictions(results, args.out.with_suffix('.png'))}")
     return 0
+
+
+def plot_predictions(results: dict[str, Any], path: Path) -> Path:
+    """Predicted (calibrated) against realised TTFT for every Ramjet request, one panel per
+    shape, a colour per router, with the y = x line and the +-15% band of the goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(results)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        top = 0.0
+        for run in results[shape]["runs"]:
+            pts = [(q["ttft_s"], q["predicted_ttft_s"]) for q in run["requests"]
+                   if q.get("predicted_ttft_s")]  # fmt: skip
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), s=10, alpha=0.7, label=run["name"])
+                top = max(top, *(max(p) for p in pts))
+        line = [0.0, top * 1.05]
+        ax.plot(line, line, "k-", lw=0.8)
+        ax.fill_between(line, [0.85 * x for x in line], [1.15 * x for x in line], alpha=0.1)
+        ax.set(title=shape, xlabel="realised TTFT (s)", ylabel="predicted TTFT (s)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 async def run_shape(
