@@ -435,6 +435,38 @@ class BlockIndex:
                     out.append((keys[j], w))
         return out
 
+    def mark(self) -> int:
+        """The seq the next run will have: the runs made from now on are at or after it
+        (`drop_before`)."""
+        return self._next_seq
+
+    def drop_before(self, mark: int, start: int, shards: int) -> tuple[int, int, int]:
+        """Tombstone the blocks of shards `start` .. `start + shards - 1` whose run was
+        made before `mark` (`mark()`): those no put named since; returns (blocks dropped,
+        slots looked at, the next shard: SHARDS when done)."""
+        dropped = looked = 0
+        end = min(SHARDS, start + shards)
+        seq = self.seq
+        for s in range(start, end):
+            sh = self.shards[s]
+            if sh is None:
+                continue
+            words = sh.words
+            n = len(words)
+            looked += n
+            before = dropped
+            for j in range(n):
+                w = words[j]
+                if w > _TOMB and seq[w >> 2] < mark:
+                    words[j] = _TOMB
+                    sh.used -= 1
+                    self._release(w >> 2)
+                    dropped += 1
+            if dropped > before and ((sh.used * 8 < n and n > _MIN_SLOTS) or sh.used == 0):
+                self._rehash(s, sh)
+        self.count -= dropped
+        return dropped, looked, end
+
     def sweep(self, now: float, start: int, shards: int) -> tuple[int, int]:
         """Tombstone the expired blocks of shards `start` .. `start + shards - 1`;
         returns (blocks dropped, the next shard to sweep, SHARDS when done)."""

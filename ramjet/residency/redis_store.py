@@ -129,6 +129,10 @@ class RedisStore:
         """Shared with the other replicas: report cursors live beside the residency."""
         return self
 
+    def mark_exact(self, table: Table, engine: EngineId) -> None:
+        """Cannot mark: the caller keeps its own marks (`SnapshotStaging`)."""
+        return None
+
     def put(
         self,
         table: Table,

@@ -59,7 +59,14 @@ from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.index import BlockIndex
 from ramjet.residency.pending import PendingOverlay, PendingTicket
-from ramjet.residency.store import Entry, ExactStager, MemoryStore, ResidencyStore, Table
+from ramjet.residency.store import (
+    Entry,
+    ExactMark,
+    ExactStager,
+    MemoryStore,
+    ResidencyStore,
+    Table,
+)
 from ramjet.types import EngineId, PrefixKey, Tier
 
 Clock = Callable[[], float]
@@ -425,13 +432,19 @@ class SnapshotStaging:
         self._now = now
         store = tables.store
         self._collected: dict[Table, list[tuple[PrefixKey, Tier, float]]] = {t: [] for t in Table}
+        # additive over a store that can mark its live global table: no staged copy of
+        # it (the live writes are the new content), the unnamed entries dropped at commit
+        self._mark: ExactMark | None = store.mark_exact(Table.GLOBAL, engine) if additive else None
+        to_stage = [t for t in Table if t is not Table.GLOBAL or self._mark is None]
         staged: dict[Table, ExactStager] = {}
-        for t in Table:
+        for t in to_stage:
             stager = store.stage_exact(t, engine, now)
             if stager is None:  # the store cannot stage: collect for replace_exact
                 break
             staged[t] = stager
-        self._staged = staged if len(staged) == len(Table) else None
+        self._staged = staged if len(staged) == len(to_stage) else None
+        if self._staged is None:
+            self._mark = None
         self._marks: BlockIndex | None = None
         """Additive over a store that cannot stage: the global keys named so far."""
         self._swa_marks: set[PrefixKey] = set()
@@ -445,6 +458,8 @@ class SnapshotStaging:
 
     def _add(self, table: Table, keys: Sequence[PrefixKey], tier: Tier, expires: float) -> None:
         self.keys += len(keys)
+        if table is Table.GLOBAL and self._mark is not None:
+            return  # the live write is the new content
         if self._marks is not None:
             if table is Table.GLOBAL:
                 self._marks.put_many(keys, self._mark_run, 0)
@@ -468,7 +483,9 @@ class SnapshotStaging:
     def reserve_global(self, keys: int) -> None:
         """A size hint: about `keys` global keys will be added (a store that stages
         sizes its staged copy once instead of growing it piece by piece)."""
-        if self._staged is not None:
+        if self._mark is not None:
+            self._mark.reserve(keys)
+        elif self._staged is not None:
             self._staged[Table.GLOBAL].reserve(keys)
         elif self._marks is not None:
             self._marks.reserve(keys)
@@ -483,6 +500,13 @@ class SnapshotStaging:
         """`commit` in bounded steps (yields the keys each step looked at): one step but
         for an additive staging over a store that cannot stage, whose drop of the
         entries no piece named goes a batch of the store's keys at a time."""
+        mark = self._mark
+        if mark is not None:
+            self._mark = None
+            yield from mark.drop_steps()
+            self.commit()  # the staged SWA content
+            yield 0
+            return
         marks = self._marks
         if marks is None:
             self.commit()
@@ -504,7 +528,7 @@ class SnapshotStaging:
         self._confirm_pending()
 
     def commit(self) -> None:
-        if self._marks is not None:
+        if self._marks is not None or self._mark is not None:
             for _ in self.commit_steps():
                 pass
             return
