@@ -30,7 +30,8 @@ returns None, and it is driven through `replace_exact` instead
 (`ramjet.residency.tables.SnapshotStaging`).
 
 Capabilities are on the contract, never found out by the store's type: `stage_exact`
-(None: no staging) and `shared()` (the `SharedStore` face of a store several router
+(None: no staging), `mark_exact` (a snapshot in parts written to the live table, the
+entries no part named dropped at the end in steps; None: cannot mark) and `shared()` (the `SharedStore` face of a store several router
 replicas share, None for a store of this process only).
 """
 

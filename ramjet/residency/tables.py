@@ -356,10 +356,13 @@ class ResidencyTables:
         `commit()` makes them the engine's whole exact content of both tables at once.
 
         `additive`: the caller also writes every piece to the live tables as it goes (a
-        snapshot in parts). Over a store that cannot stage (Redis) the pieces are then
-        only marked (a compact key set), and the commit drops, in steps
-        (`commit_steps`), the engine's exact entries no piece named, instead of sending
-        the whole content again."""
+        snapshot in parts). Over a store that can mark its live global table
+        (`ResidencyStore.mark_exact`: the `MemoryStore`) the global pieces are not
+        copied: the commit drops, in steps (`commit_steps`), the engine's exact global
+        entries written before the staging and not since (SWA is staged). Over a store
+        that cannot stage (Redis) the pieces are only marked (a compact key set), and
+        the commit drops, in steps, the engine's exact entries no piece named, instead
+        of sending the whole content again."""
         return SnapshotStaging(self, engine, now, additive)
 
     def purge_engine(self, engine: EngineId) -> None:
@@ -498,8 +501,8 @@ class SnapshotStaging:
 
     def commit_steps(self) -> Iterator[int]:
         """`commit` in bounded steps (yields the keys each step looked at): one step but
-        for an additive staging over a store that cannot stage, whose drop of the
-        entries no piece named goes a batch of the store's keys at a time."""
+        for an additive staging, whose drop of the entries no piece named goes a few
+        index shards (a store that marks) or a batch of the store's keys at a time."""
         mark = self._mark
         if mark is not None:
             self._mark = None
