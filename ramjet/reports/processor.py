@@ -134,8 +134,11 @@ def _slices(keys: Sequence[PrefixKey], step: int) -> Iterator[Sequence[PrefixKey
 @dataclass(slots=True)
 class PartsApply:
     """A snapshot sent in parts (`SnapshotBody.parts` > 1): each part is applied to the
-    live tables (additive) and to a staged copy; the staged copy replaces the engine's
-    content when the last part is applied, every part having arrived in order."""
+    live tables (additive) and to its `staging` (`ResidencyTables.stage_snapshot`); when
+    the last part is applied, every part having arrived in order, the staging's commit
+    makes the parts the engine's whole content (in process: the live global index was
+    marked at part 0 and the blocks no part named are dropped in steps; SWA is staged
+    and swapped in)."""
 
     epoch: int
     parts: int
@@ -561,7 +564,8 @@ class ReportProcessor:
         last: bool,
     ) -> Steps:
         """The part's keys into the live tables and (when it continues a snapshot in
-        parts) its staged copy; the last part's commit replaces the engine's content."""
+        parts) its staging; the last part's commit replaces the engine's content, in
+        steps."""
         t = self.tables
         step = self.snapshot_chunk_keys if self.snapshot_chunk_keys > 0 else 1 << 30
         shift = 0.0 if mp is None else now - mp.now

@@ -4,7 +4,7 @@ What it keeps per block: the 8-byte key, and a 4-byte word holding a tier (2 bit
 a run id (30 bits). A run is the group of blocks one report (one `put` call, one
 snapshot group) confirmed together: its confirmation time and expiry are kept once per
 run, not once per block ("coarse expiry per run"). About 20-30 bytes per block in all
-(the table's slots at 50-75 % load, 12 bytes each, plus 8 bytes in its run's key list).
+(the table's slots at 50-80 % load, 12 bytes each, plus 8 bytes in its run's key list).
 
 Layout. The keys are spread over `SHARDS` shards by their low 12 bits, and a key's home
 slot in its shard is the bits above modulo the shard's size (prefix keys are xxhash
@@ -46,15 +46,19 @@ def _slots(used: int) -> int:
 
 
 class _Shard:
-    __slots__ = ("filled", "keys", "used", "words")
+    __slots__ = ("filled", "keys", "limit", "used", "words")
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, s: int) -> None:
         self.keys: array[int] = array("Q", bytes(8 * slots))
         self.words: array[int] = array("I", bytes(4 * slots))
         self.used = 0
         """Live blocks."""
         self.filled = 0
         """Live blocks and tombstones."""
+        self.limit = slots * (160 + 3 * (s & 15)) >> 8
+        """The most `filled` before the shard grows: 62-80 % load by shard number `s`,
+        so shards filled alike (uniform keys) do not all grow in the same few puts (a
+        loop stall of hundreds of rehashes); each grows at its own point."""
 
 
 class BlockIndex:
@@ -177,7 +181,7 @@ class BlockIndex:
         s = key & _SHARD_MASK
         sh = self.shards[s]
         if sh is None:
-            sh = self.shards[s] = _Shard(_MIN_SLOTS)
+            sh = self.shards[s] = _Shard(_MIN_SLOTS, s)
         keys, words = sh.keys, sh.words
         n = len(words)
         i = (key >> SHARD_BITS) % n
@@ -215,7 +219,7 @@ class BlockIndex:
         lst = self.run_keys[run]
         assert lst is not None
         lst.append(key)
-        if sh.filled * 4 > n * 3:
+        if sh.filled > sh.limit:
             self._rehash(s, sh)
         return True
 
@@ -229,7 +233,7 @@ class BlockIndex:
         if blocks < SHARDS * _MIN_SLOTS:
             self.grow_slots = _MIN_SLOTS
         else:
-            self.grow_slots = blocks * 8 // (5 * SHARDS)  # ~62 % load when all are in
+            self.grow_slots = blocks * 9 // (5 * SHARDS)  # ~56 % load when all are in
 
     def put_many(self, keys: Sequence[int], run: int, tier: int) -> int:
         """`put` of each key (one call for a report's group); returns how many were new.
@@ -250,7 +254,7 @@ class BlockIndex:
             s = key & _SHARD_MASK
             sh = shards[s]
             if sh is None:
-                sh = _Shard(_MIN_SLOTS)
+                sh = _Shard(_MIN_SLOTS, s)
                 shards[s] = sh
             words = sh.words
             n = len(words)
@@ -262,7 +266,7 @@ class BlockIndex:
                 sh.filled += 1
                 sh.used += 1
                 new += 1
-                if sh.filled * 4 > n * 3:
+                if sh.filled > sh.limit:
                     self._rehash(s, sh)
                 continue
             skeys = sh.keys
@@ -300,7 +304,7 @@ class BlockIndex:
             words[i] = word
             sh.used += 1
             new += 1
-            if sh.filled * 4 > n * 3:
+            if sh.filled > sh.limit:
                 self._rehash(s, sh)
         if held is None:
             lst.extend(keys)
@@ -366,7 +370,7 @@ class BlockIndex:
         if old.used == 0:
             self.shards[s] = None
             return
-        sh = _Shard(max(_slots(old.used), self.grow_slots))
+        sh = _Shard(max(_slots(old.used), self.grow_slots), s)
         keys, words = sh.keys, sh.words
         n = len(words)
         okeys, owords = old.keys, old.words
@@ -434,6 +438,38 @@ class BlockIndex:
                 if w > _TOMB:
                     out.append((keys[j], w))
         return out
+
+    def mark(self) -> int:
+        """The seq the next run will have: the runs made from now on are at or after it
+        (`drop_before`)."""
+        return self._next_seq
+
+    def drop_before(self, mark: int, start: int, shards: int) -> tuple[int, int, int]:
+        """Tombstone the blocks of shards `start` .. `start + shards - 1` whose run was
+        made before `mark` (`mark()`): those no put named since; returns (blocks dropped,
+        slots looked at, the next shard: SHARDS when done)."""
+        dropped = looked = 0
+        end = min(SHARDS, start + shards)
+        seq = self.seq
+        for s in range(start, end):
+            sh = self.shards[s]
+            if sh is None:
+                continue
+            words = sh.words
+            n = len(words)
+            looked += n
+            before = dropped
+            for j in range(n):
+                w = words[j]
+                if w > _TOMB and seq[w >> 2] < mark:
+                    words[j] = _TOMB
+                    sh.used -= 1
+                    self._release(w >> 2)
+                    dropped += 1
+            if dropped > before and ((sh.used * 8 < n and n > _MIN_SLOTS) or sh.used == 0):
+                self._rehash(s, sh)
+        self.count -= dropped
+        return dropped, looked, end
 
     def sweep(self, now: float, start: int, shards: int) -> tuple[int, int]:
         """Tombstone the expired blocks of shards `start` .. `start + shards - 1`;

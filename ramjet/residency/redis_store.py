@@ -129,6 +129,10 @@ class RedisStore:
         """Shared with the other replicas: report cursors live beside the residency."""
         return self
 
+    def mark_exact(self, table: Table, engine: EngineId) -> None:
+        """Cannot mark: the caller keeps its own marks (`SnapshotStaging`)."""
+        return None
+
     def put(
         self,
         table: Table,
@@ -140,6 +144,13 @@ class RedisStore:
         exact: bool,
     ) -> None:
         keys = list(keys)
+        if not exact:
+            # never override what a signed report says, here as the mirror does: a key
+            # with a live exact entry is left out of the logged put too, so replaying the
+            # batch on a mirror already past it (a later replace dropped the exact entry)
+            # cannot store the guess after all
+            get = self.local.get
+            keys = [k for k in keys if get(table, engine, k, now, False) is None]
         self.local.put(table, engine, keys, tier, now, expires_at, exact)
         self._op(engine, put_op(self._clocks, table, exact, tier, now, expires_at, keys))
 

@@ -30,7 +30,8 @@ returns None, and it is driven through `replace_exact` instead
 (`ramjet.residency.tables.SnapshotStaging`).
 
 Capabilities are on the contract, never found out by the store's type: `stage_exact`
-(None: no staging) and `shared()` (the `SharedStore` face of a store several router
+(None: no staging), `mark_exact` (a snapshot in parts written to the live table, the
+entries no part named dropped at the end in steps; None: cannot mark) and `shared()` (the `SharedStore` face of a store several router
 replicas share, None for a store of this process only).
 """
 
@@ -159,6 +160,27 @@ class ResidencyStore(Protocol):
     def shared(self) -> SharedStore | None:
         """Capability: the store is shared by several router replicas; what they share
         beyond residency (report cursors). None: this process's store only."""
+        ...
+
+    def mark_exact(self, table: Table, engine: EngineId) -> ExactMark | None:
+        """Capability: mark the engine's exact content of `table` now, for a snapshot in
+        parts written to the live table as the parts come; the mark's `drop_steps()`
+        later removes, in bounded steps, the entries written before the mark and not
+        since. None: this store cannot mark (the caller stages or keeps its own marks)."""
+        ...
+
+
+class ExactMark(Protocol):
+    """See `ResidencyStore.mark_exact`."""
+
+    def reserve(self, keys: int) -> None:
+        """A size hint: about `keys` keys will be written after the mark."""
+        ...
+
+    def drop_steps(self) -> Iterator[int]:
+        """Remove the entries no put named since the mark, in steps (each yields how many
+        entries or slots it looked at); the last evicts by the store's rule if over the
+        cap."""
         ...
 
 
@@ -355,6 +377,10 @@ class DictStore:
 
     def shared(self) -> None:
         """In this process only."""
+        return None
+
+    def mark_exact(self, table: Table, engine: EngineId) -> None:
+        """Cannot mark: it stages (`stage_exact`)."""
         return None
 
     def entries(self, table: Table, engine: EngineId, exact: bool) -> list[tuple[PrefixKey, Entry]]:
@@ -706,6 +732,13 @@ class MemoryStore:
         """In this process only."""
         return None
 
+    def mark_exact(self, table: Table, engine: EngineId) -> IndexMark | None:
+        """The global table: the engine's index marks by run (`BlockIndex.mark`). The
+        SWA table cannot mark (it stages)."""
+        if table is not Table.GLOBAL:
+            return None
+        return IndexMark(self, engine, self._index(engine))
+
     def entries(self, table: Table, engine: EngineId, exact: bool) -> list[tuple[PrefixKey, Entry]]:
         """The engine's entries of one kind in `table`, live or not yet swept (for
         inspection and tests; a copy; exact global ones in the index's order)."""
@@ -813,3 +846,39 @@ class IndexStaging:
             self._index.close_run(run)
         self._index.reserve(0)  # later shards grow from the smallest again
         self._store._swap_index(self._engine, self._index, self._now)
+
+
+class IndexMark:
+    """`MemoryStore.mark_exact` of the global table: the runs of the engine's index made
+    from now on are what a snapshot in parts named; `drop_steps` drops the blocks of
+    older runs, `MemoryStore.sweep_shards` shards a step."""
+
+    __slots__ = ("_before", "_engine", "_index", "_mark", "_store")
+
+    def __init__(self, store: MemoryStore, engine: EngineId, ix: BlockIndex) -> None:
+        self._store = store
+        self._engine = engine
+        self._index = ix
+        self._mark = ix.mark()
+        self._before = store.cap_evictions.get(engine, 0)
+
+    def reserve(self, keys: int) -> None:
+        """Size the index's shards for its content and `keys` more (`BlockIndex.reserve`):
+        they grow once, not at every doubling all together (a loop stall)."""
+        self._index.reserve(self._index.count + keys)
+
+    def drop_steps(self) -> Iterator[int]:
+        store, engine, ix = self._store, self._engine, self._index
+        shard = 0
+        while shard < SHARDS:
+            if store._exact.get(engine) is not ix:
+                return  # purged or replaced meanwhile: nothing of the mark is left
+            n, looked, shard = ix.drop_before(self._mark, shard, store.sweep_shards)
+            store._exact_count -= n
+            yield looked
+        ix.reserve(0)  # later shards grow from the smallest again
+        for _ in range(store._global_size() - store._cap):
+            store._evict_one(0.0)  # the rule reads no clock
+        if store.cap_evictions.get(engine, 0) == self._before:
+            store.capped.discard(engine)
+        yield 0

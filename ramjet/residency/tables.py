@@ -60,7 +60,14 @@ from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.index import BlockIndex
 from ramjet.residency.pending import PendingOverlay, PendingTicket
-from ramjet.residency.store import Entry, ExactStager, MemoryStore, ResidencyStore, Table
+from ramjet.residency.store import (
+    Entry,
+    ExactMark,
+    ExactStager,
+    MemoryStore,
+    ResidencyStore,
+    Table,
+)
 from ramjet.types import EngineId, PrefixKey, Tier
 
 Clock = Callable[[], float]
@@ -350,10 +357,13 @@ class ResidencyTables:
         `commit()` makes them the engine's whole exact content of both tables at once.
 
         `additive`: the caller also writes every piece to the live tables as it goes (a
-        snapshot in parts). Over a store that cannot stage (Redis) the pieces are then
-        only marked (a compact key set), and the commit drops, in steps
-        (`commit_steps`), the engine's exact entries no piece named, instead of sending
-        the whole content again."""
+        snapshot in parts). Over a store that can mark its live global table
+        (`ResidencyStore.mark_exact`: the `MemoryStore`) the global pieces are not
+        copied: the commit drops, in steps (`commit_steps`), the engine's exact global
+        entries written before the staging and not since (SWA is staged). Over a store
+        that cannot stage (Redis) the pieces are only marked (a compact key set), and
+        the commit drops, in steps, the engine's exact entries no piece named, instead
+        of sending the whole content again."""
         return SnapshotStaging(self, engine, now, additive)
 
     def purge_engine(self, engine: EngineId) -> None:
@@ -426,13 +436,19 @@ class SnapshotStaging:
         self._now = now
         store = tables.store
         self._collected: dict[Table, list[tuple[PrefixKey, Tier, float]]] = {t: [] for t in Table}
+        # additive over a store that can mark its live global table: no staged copy of
+        # it (the live writes are the new content), the unnamed entries dropped at commit
+        self._mark: ExactMark | None = store.mark_exact(Table.GLOBAL, engine) if additive else None
+        to_stage = [t for t in Table if t is not Table.GLOBAL or self._mark is None]
         staged: dict[Table, ExactStager] = {}
-        for t in Table:
+        for t in to_stage:
             stager = store.stage_exact(t, engine, now)
             if stager is None:  # the store cannot stage: collect for replace_exact
                 break
             staged[t] = stager
-        self._staged = staged if len(staged) == len(Table) else None
+        self._staged = staged if len(staged) == len(to_stage) else None
+        if self._staged is None:
+            self._mark = None
         self._marks: BlockIndex | None = None
         """Additive over a store that cannot stage: the global keys named so far."""
         self._swa_marks: set[PrefixKey] = set()
@@ -446,6 +462,8 @@ class SnapshotStaging:
 
     def _add(self, table: Table, keys: Sequence[PrefixKey], tier: Tier, expires: float) -> None:
         self.keys += len(keys)
+        if table is Table.GLOBAL and self._mark is not None:
+            return  # the live write is the new content
         if self._marks is not None:
             if table is Table.GLOBAL:
                 self._marks.put_many(keys, self._mark_run, 0)
@@ -469,7 +487,9 @@ class SnapshotStaging:
     def reserve_global(self, keys: int) -> None:
         """A size hint: about `keys` global keys will be added (a store that stages
         sizes its staged copy once instead of growing it piece by piece)."""
-        if self._staged is not None:
+        if self._mark is not None:
+            self._mark.reserve(keys)
+        elif self._staged is not None:
             self._staged[Table.GLOBAL].reserve(keys)
         elif self._marks is not None:
             self._marks.reserve(keys)
@@ -482,8 +502,15 @@ class SnapshotStaging:
 
     def commit_steps(self) -> Iterator[int]:
         """`commit` in bounded steps (yields the keys each step looked at): one step but
-        for an additive staging over a store that cannot stage, whose drop of the
-        entries no piece named goes a batch of the store's keys at a time."""
+        for an additive staging, whose drop of the entries no piece named goes a few
+        index shards (a store that marks) or a batch of the store's keys at a time."""
+        mark = self._mark
+        if mark is not None:
+            self._mark = None
+            yield from mark.drop_steps()
+            self.commit()  # the staged SWA content
+            yield 0
+            return
         marks = self._marks
         if marks is None:
             self.commit()
@@ -505,7 +532,7 @@ class SnapshotStaging:
         self._confirm_pending()
 
     def commit(self) -> None:
-        if self._marks is not None:
+        if self._marks is not None or self._mark is not None:
             deque(self.commit_steps(), maxlen=0)  # every step, now
             return
         tables, engine, now = self._tables, self._engine, self._now

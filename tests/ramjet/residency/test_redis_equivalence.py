@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
@@ -126,6 +126,14 @@ async def scenario(server: RedisProcess, encoding: str, ops: list[tuple[object, 
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(ops=st.lists(op_st, max_size=14))
+@example(  # found by CI: an approximate put over a live exact entry must not be stored
+    ops=[
+        ("put", Table.SWA, [UNIVERSE[0]], Tier.HBM, 3600.0, True),
+        ("sync",),
+        ("put", Table.SWA, [UNIVERSE[0]], Tier.HBM, 3600.0, False),
+        ("replace", Table.SWA, []),
+    ]
+)
 def test_replicas_answer_as_the_memory_store(
     server: RedisProcess, encoding: str, ops: list[tuple[object, ...]]
 ) -> None:
