@@ -104,6 +104,8 @@ class StallMonitor:
         self.longest_cpu = 0.0
         """CPU seconds the loop's thread spent between two turns: the work that stalled it."""
         self.gaps_cpu: list[float] = []
+        self.paused = False
+        """While True, gaps are not counted (the benchmark's own measuring)."""
         self._stop = False
         self._task: asyncio.Task[None] | None = None
 
@@ -112,9 +114,10 @@ class StallMonitor:
         while not self._stop:
             await asyncio.sleep(0)
             now, cpu = time.perf_counter(), time.thread_time()
-            self.longest = max(self.longest, now - last)
-            self.longest_cpu = max(self.longest_cpu, cpu - last_cpu)
-            self.gaps_cpu.append(cpu - last_cpu)
+            if not self.paused:
+                self.longest = max(self.longest, now - last)
+                self.longest_cpu = max(self.longest_cpu, cpu - last_cpu)
+                self.gaps_cpu.append(cpu - last_cpu)
             last, last_cpu = now, cpu
 
     async def __aenter__(self) -> StallMonitor:

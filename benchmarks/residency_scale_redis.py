@@ -52,6 +52,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis_server import redis_server
 
 from ramjet.native import install_ramjet
@@ -60,6 +61,7 @@ from ramjet.native import install_ramjet
 # ramjet module is imported
 NATIVE = install_ramjet().line()
 
+from benchmarks.residency_scale import StallMonitor  # noqa: E402
 from ramjet.reports.bodies import MAX_KEYS_PER_BODY, DeltaBody, SnapshotBody, TierKeys, encode_body  # noqa: E402
 from ramjet.reports.config import ReportsConfig  # noqa: E402
 from ramjet.reports.envelope import Envelope, sign  # noqa: E402
@@ -331,38 +333,6 @@ def _sum(reg: CollectorRegistry, name: str) -> float:
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class StallMonitor:
-    """The longest gap between two turns of a coroutine that only yields (wall, and CPU
-    of the loop's thread)."""
-
-    def __init__(self) -> None:
-        self.longest = self.longest_cpu = 0.0
-        self.paused = False
-        """While True, gaps are not counted (the benchmark's own measuring)."""
-        self._stop = False
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        last, last_cpu = time.perf_counter(), time.thread_time()
-        while not self._stop:
-            await asyncio.sleep(0)
-            now, cpu = time.perf_counter(), time.thread_time()
-            if not self.paused:
-                self.longest = max(self.longest, now - last)
-                self.longest_cpu = max(self.longest_cpu, cpu - last_cpu)
-            last, last_cpu = now, cpu
-
-    async def __aenter__(self) -> StallMonitor:
-        self._task = asyncio.create_task(self._run())
-        await asyncio.sleep(0)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._stop = True
-        assert self._task is not None
-        await self._task
 
 
 def measure_redis(
