@@ -219,13 +219,15 @@ class Pool:
         finally:
             os.close(fd)  # releases the flock
 
-    def lease(self, key: str) -> Lease | None:
-        """Hold block `key` until `release`: None if the pool does not hold it."""
+    def lease(self, key: str, *, used_ns: int | None = None) -> Lease | None:
+        """Hold block `key` until `release`: None if the pool does not hold it. A lease is
+        a use, stamped `used_ns` (`chain_stamp`; default now)."""
+        _check_stamp(used_ns)
         fd = self._open_linked(check_key(key))
         if fd is None:
             return None
         try:
-            os.utime(fd)
+            _stamp(fd, used_ns)
             path = self.leases / f"{key}.{os.getpid()}.{time.time_ns()}.{secrets.token_hex(2)}"
             os.link(self.blocks / key, path)  # under our shared flock: still this inode
             return Lease(key, str(path))

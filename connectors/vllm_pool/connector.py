@@ -41,6 +41,12 @@ block goes and releases leases the scheduler did not take. `build_connector_meta
 worker this step's loads, and its saves: every block that becomes full in this step and
 that the pool does not hold yet.
 
+Eviction order. A prefix is usable only from its start, so every block of a request's
+chain is stamped from one use (`kvpool.chain_stamp`: the request's last ask, its
+deepest block least recent): the blocks the engine holds itself (touched), those it
+leases from the pool, and those it computes and publishes in later steps. The pool's
+LRU then takes a chain's tail before its start.
+
 Worker side. Loads are synchronous: `start_load_kv` runs before the forward (the
 scheduler marks the step `has_sync_kv_loads`), reads each leased block into its page
 in every layer and releases the lease; a block that cannot be read is reported by
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,7 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool import Lease, Pool
+from kvpool import Lease, Pool, chain_stamp
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,6 +110,8 @@ class SaveItem:
     block_id: int
     key: str
     meta: bytes | None = None
+    used_ns: int | None = None
+    """The use to stamp it with: its request's use of the chain (`chain_stamp`)."""
 
 
 def block_meta(request: Request, i: int, block_size: int) -> bytes:
@@ -201,6 +210,9 @@ class PoolConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         # req_id -> (first block index the pool supplies, the leases on those blocks)
         self._held: dict[str, tuple[int, list[Lease]]] = {}
+        # req_id -> when it last asked for its chain: every block of the chain (its own
+        # hit, the pool's, the ones it computes) is stamped from this one use
+        self._use_ns: dict[str, int] = {}
         self._loads: list[LoadItem] = []
         # worker side
         self._layers: list[torch.Tensor] = []
@@ -225,9 +237,15 @@ class PoolConnector(KVConnectorBase_V1):
         self._release_held(req_id)
         start = num_computed_tokens // self.block_size
         limit = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        # one use of the whole chain, its deepest block least recent (kvpool: eviction
+        # takes a chain's tail before its start), the blocks this engine holds itself
+        # included: else they age in the pool while the tail is fresh
+        now = self._use_ns[req_id] = time.time_ns()
+        for i in range(start):
+            self.pool.touch(request.block_hashes[i].hex(), used_ns=chain_stamp(now, i))
         leases: list[Lease] = []
         for i in range(start, limit):
-            lease = self.pool.lease(request.block_hashes[i].hex())
+            lease = self.pool.lease(request.block_hashes[i].hex(), used_ns=chain_stamp(now, i))
             if lease is None:
                 break
             leases.append(lease)
@@ -275,7 +293,9 @@ class PoolConnector(KVConnectorBase_V1):
                 key = request.block_hashes[i].hex()
                 if not self.pool.contains(key):
                     info = block_meta(request, i, self.block_size)
-                    meta.saves.append(SaveItem(block_ids[i], key, info))
+                    use = self._use_ns.get(req_id)
+                    stamp = None if use is None else chain_stamp(use, i)
+                    meta.saves.append(SaveItem(block_ids[i], key, info, stamp))
         self.stats["save_blocks"] += len(meta.saves)
         self._write_stats()
         return meta
@@ -296,6 +316,7 @@ class PoolConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         self._release_held(request.request_id)  # leased, never loaded
         self._requests.pop(request.request_id, None)
+        self._use_ns.pop(request.request_id, None)
         return False, None
 
     # -- worker side -----------------------------------------------------------------------
@@ -355,7 +376,8 @@ class PoolConnector(KVConnectorBase_V1):
         for item in meta.saves:
             pages = [layer[item.block_id].reshape(-1).view(torch.uint8) for layer in self._layers]
             try:
-                self.pool.put(item.key, torch.cat(pages).numpy().data, item.meta)
+                data = torch.cat(pages).numpy().data
+                self.pool.put(item.key, data, item.meta, used_ns=item.used_ns)
             except OSError as err:  # a cache: a block not saved is a later miss
                 logger.warning("PoolConnector: block %s not saved: %s", item.key[:16], err)
 

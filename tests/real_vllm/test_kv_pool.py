@@ -241,6 +241,22 @@ def pool_residency(pool: Pool, candidates: set[int]) -> set[int]:
     return held[0]
 
 
+def chain_uses(pool: Pool) -> list[int]:
+    """The last use (mtime, ns) of every block of the pool's one chain, from its start
+    (the block without a parent) down, followed through the connector's metadata."""
+    child: dict[str | None, str] = {}
+    for b in pool.listing():
+        meta = pool.meta(b.key)
+        assert meta is not None, b.key
+        child[json.loads(meta)["parent"]] = b.key
+    uses, key = [], child.get(None)
+    while key is not None:
+        uses.append((pool.blocks / key).stat().st_mtime_ns)
+        key = child.get(key)
+    assert len(uses) == len(child), "the pool holds one chain"
+    return uses
+
+
 def stored_hashes(raw: RawEvents) -> set[Any]:
     with raw.lock:
         return set(raw.resident)
@@ -289,6 +305,8 @@ def test_engine_b_loads_a_prefix_engine_a_computed(pair: PoolPair) -> None:
     seed = token_key_seed(MODEL)
     expected = set(chain_keys(prompt, seed, BLOCK))
     assert pool_residency(pair.pool, expected) == expected == pair.raw_a.keys(seed) & expected
+    # one use of the chain, its deepest block least recent: eviction takes the tail first
+    assert chain_uses(pair.pool) == sorted(chain_uses(pair.pool), reverse=True)
 
     # B warm: the prefix comes from the pool
     loaded = pool_stats(pair.b)["loaded_tokens"]
