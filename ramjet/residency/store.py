@@ -807,7 +807,7 @@ class IndexStaging:
     """One engine's next exact global content, built in a new `BlockIndex` off the live
     one (`MemoryStore.stage_exact`). Consecutive keys of one expiry share a run."""
 
-    __slots__ = ("_done", "_engine", "_index", "_now", "_runs", "_store")
+    __slots__ = ("_done", "_engine", "_index", "_last", "_now", "_runs", "_store")
 
     def __init__(self, store: MemoryStore, engine: EngineId, now: float) -> None:
         self._store = store
@@ -815,18 +815,35 @@ class IndexStaging:
         self._now = now
         self._index = BlockIndex()
         self._runs: list[int] = []
+        self._last: tuple[float, int, float] | None = None
+        """What the last run was opened for: (expiry, tier or -1, confirmation or -1)."""
         self._done = False
 
-    def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None:
+    def add(
+        self,
+        keys: Sequence[PrefixKey],
+        tier: Tier,
+        expires_at: float,
+        confirmed_at: float | None = None,
+    ) -> None:
+        """Add a piece. Consecutive pieces of one expiry share a run (held open until the
+        commit); a new expiry starts a new one, so the runs keep the order the keys came
+        in. With `confirmed_at` (a full pull from Redis: groups confirmed at different
+        times, each a run as `put` makes it) the run is confirmed then, and shared only
+        by consecutive pieces of the same tier, confirmation and expiry."""
         ix = self._index
-        # consecutive pieces of one expiry share a run (held open until the commit); a
-        # new expiry starts a new one, so the runs keep the order the keys came in
+        group = (
+            (expires_at, -1, -1.0)
+            if confirmed_at is None
+            else (expires_at, int(tier), confirmed_at)
+        )
         last = self._runs[-1] if self._runs else None
-        if last is not None and ix.exp[last] == expires_at:
+        if last is not None and self._last == group:
             run = last
         else:
-            run = ix.new_run(self._now, expires_at)
+            run = ix.new_run(self._now if confirmed_at is None else confirmed_at, expires_at)
             self._runs.append(run)
+            self._last = group
         ix.put_many(keys, run, int(tier))
 
     def reserve(self, keys: int) -> None:

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -18,6 +19,7 @@ from redis_server import RedisProcess, redis_server
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
 from ramjet.residency.redis_store import RedisStore
+from ramjet.residency.redis_sync import PULL_STEP
 from ramjet.residency.store import Table
 from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId, PrefixKey, Tier
@@ -354,6 +356,61 @@ async def test_a_fresh_replica_pulls_a_snapshot_as_its_groups(
         # pair of clock reads per conversion) moved by a tick between its entries
         runs = sum(1 for r in ix.refs if r > 0)
         assert 2 <= runs <= 6, runs
+    finally:
+        await a.close()
+        await a.link.close()
+        await fresh.link.close()
+
+
+async def test_a_full_pull_yields_to_the_loop_and_never_shows_half_a_pull(
+    server: RedisProcess,
+) -> None:
+    """A pull of a large engine (a restarted replica starting warm: millions of blocks,
+    seconds of CPU) checks, groups and stages what Redis returned in steps of
+    `PULL_STEP`, letting the event loop run between them, and swaps it in at once: a
+    coroutine running beside it gets turns after the last Redis call, and every turn
+    sees the mirror empty or whole."""
+    a, _ = make(server)
+    rng = random.Random(5)
+    n = 6 * PULL_STEP
+    ks = [PrefixKey(rng.getrandbits(64)) for _ in range(n)]
+    now = a.clock()
+    a.replace_exact(Table.GLOBAL, E0, [(k, Tier.HOST, now + 3_600) for k in ks], now)
+    fresh = RedisStore(RedisLink(a.settings, CollectorRegistry()), CFG, (E0,))  # one pull
+    calls = 0
+    link_call = fresh.link.call
+
+    async def counted(fn: Any, timeout_s: float | None = None) -> Any:
+        nonlocal calls
+        try:
+            return await link_call(fn, timeout_s)
+        finally:
+            calls += 1
+
+    fresh.link.call = counted  # type: ignore[method-assign]
+    seen: list[tuple[int, int]] = []  # (Redis calls done, mirror size) at each turn
+    done = False
+
+    async def beside() -> None:
+        while not done:
+            seen.append((calls, fresh.local.size(Table.GLOBAL)))
+            await asyncio.sleep(0)
+
+    try:
+        while a.pending:
+            await a.sync_once()
+        task = asyncio.create_task(beside())
+        await asyncio.sleep(0)
+        try:
+            await fresh.sync_once()  # a full pull
+        finally:
+            done = True
+            await task
+        assert fresh.local.size(Table.GLOBAL) == n
+        # the pull's last Redis call is the round's last: in one step, no turn followed it
+        after_last_call = [size for c, size in seen if c == calls]
+        assert len(after_last_call) >= 6, seen[-10:]
+        assert {size for _, size in seen} <= {0, n}  # never half a pull
     finally:
         await a.close()
         await a.link.close()
