@@ -309,18 +309,37 @@ class RedisSync:
         return text(res[0])
 
     async def _seed(self, engine: EngineId) -> None:
-        """Redis holds no copy of `engine`: offer it this mirror's (first seed wins)."""
-        ops: list[list[Any]] = [["P"]]
+        """Redis holds no copy of `engine`: offer it this mirror's (first seed wins). The
+        copy is read in pieces, yielding to the loop every `PULL_STEP` entries (a large
+        mirror is seconds of CPU), and cut into chunks as `_chunks` cuts it: one
+        single-key put per entry, `snapshot_chunk_entries` to a chunk. A write made
+        meanwhile is in the queue behind the seed, so Redis ends with it either way."""
+        chunks: list[list[list[Any]]] = [[["P"]]]
+        since = 0
         for table in Table:
             for exact in (True, False):
-                for key, e in self.local.entries(table, engine, exact):
-                    ops.append(
-                        put_op(
-                            self.clocks, table, exact, e.tier, e.confirmed_at, e.expires_at, (key,)
+                for piece in self.local.entry_steps(table, engine, exact):
+                    for key, e in piece:
+                        if len(chunks[-1]) >= self.chunk:
+                            chunks.append([])
+                        chunks[-1].append(
+                            put_op(
+                                self.clocks,
+                                table,
+                                exact,
+                                e.tier,
+                                e.confirmed_at,
+                                e.expires_at,
+                                (key,),
+                            )
                         )
-                    )
+                    since += len(piece)
+                    if since >= PULL_STEP:
+                        since = 0
+                        await asyncio.sleep(0)
         epoch, seq = self.cursor.get(engine, (-1, -1))
-        parts = self._chunks(Batch(engine, "seed", epoch, seq, ops))
+        lead = Batch(engine, "seed", epoch, seq, chunks[0])
+        parts = [lead] + [Batch(engine, "free", ops=c, lead=lead) for c in chunks[1:]]
         status = await self._apply(parts[0])
         self.metrics.batches.labels(f"seed_{status}").inc()
         if status == "ok":  # this replica's seed won: the rest of it follows, in chunks

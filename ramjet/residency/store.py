@@ -749,6 +749,25 @@ class MemoryStore:
             return [(PrefixKey(k), self._entry(ix, w)) for k, w in ix.items()]
         return self._rest.entries(table, engine, exact)
 
+    def entry_steps(
+        self, table: Table, engine: EngineId, exact: bool
+    ) -> Iterator[list[tuple[PrefixKey, Entry]]]:
+        """`entries` in pieces, for a caller that yields to the event loop between them:
+        the exact global ones by shard of the engine's index (read again for each
+        piece: none after a purge), the others in batches of a copy."""
+        if table is Table.GLOBAL and exact:
+            for s in range(SHARDS):
+                ix = self._exact.get(engine)
+                if ix is None:
+                    return
+                items = ix.shard_items(s)
+                if items:
+                    yield [(PrefixKey(k), self._entry(ix, w)) for k, w in items]
+            return
+        rest = self._rest.entries(table, engine, exact)
+        for i in range(0, len(rest), _KEY_BATCH):
+            yield rest[i : i + _KEY_BATCH]
+
     def holds(self, engine: EngineId) -> bool:
         ix = self._exact.get(engine)
         return (ix is not None and ix.count > 0) or self._rest.holds(engine)

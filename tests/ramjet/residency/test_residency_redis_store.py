@@ -415,3 +415,61 @@ async def test_a_full_pull_yields_to_the_loop_and_never_shows_half_a_pull(
         await a.close()
         await a.link.close()
         await fresh.link.close()
+
+
+async def test_a_seed_of_a_large_mirror_yields_to_the_loop(server: RedisProcess) -> None:
+    """Redis restarted empty: the replica seeds it from its mirror, read in pieces with
+    turns for the loop between them (between the APPLY answered `missing` and the
+    seed's first call), and the other replica pulls every entry back."""
+    a, reg = make(server)
+    b, _ = make(server)
+    rng = random.Random(6)
+    n = 6 * PULL_STEP
+    ks = [PrefixKey(rng.getrandbits(64)) for _ in range(n)]
+    in_flight = started = 0
+    link_call = a.link.call
+
+    async def counted(fn: Any, timeout_s: float | None = None) -> Any:
+        nonlocal in_flight, started
+        in_flight += 1
+        started += 1
+        try:
+            return await link_call(fn, timeout_s)
+        finally:
+            in_flight -= 1
+
+    a.link.call = counted  # type: ignore[method-assign]
+    idle_turns = 0
+    done = False
+
+    async def beside() -> None:
+        nonlocal idle_turns
+        while not done:
+            idle_turns += in_flight == 0 and started == 1  # after the first call
+            await asyncio.sleep(0)
+
+    try:
+        now = a.clock()
+        with a.report(E0, 1, 1):
+            a.put(Table.GLOBAL, E0, ks, Tier.HOST, now, now + 600, True)
+        while a.pending:
+            await a.sync_once()
+        await a.link.client.flushall()  # Redis lost everything
+        with a.report(E0, 1, 2):
+            a.put(Table.GLOBAL, E0, keys(7), Tier.HBM, a.clock(), a.clock() + 600, True)
+        task = asyncio.create_task(beside())
+        await asyncio.sleep(0)
+        idle_turns = started = 0
+        try:
+            await a.sync_once()  # APPLY says missing: seed, then the batch
+        finally:
+            done = True
+            await task
+        assert metric(reg, "ramjet_redis_resyncs_total", direction="push", reason="redis_empty")
+        assert idle_turns >= 5, idle_turns
+        await sync(a, b)
+        got = b.local.get_many(Table.GLOBAL, E0, [*ks, PrefixKey(7)], b.clock(), False)
+        assert all(e is not None for e in got)
+    finally:
+        for s in (a, b):
+            await s.link.close()
