@@ -490,9 +490,10 @@ class MemoryStore:
     - `entries(GLOBAL, engine, True)` lists the index by shard, not by confirmation.
     """
 
-    sweep_shards: int = 4
-    """Index shards (of `SHARDS`) swept per `expire_step`: at 20M blocks an engine's
-    shard holds ~5k blocks, so a step is about 2-3 ms compiled."""
+    sweep_shards: int = 2
+    """Index shards (of `SHARDS`) swept per `expire_step` (and dropped per step of a
+    mark): at 20M blocks an engine's shard holds ~5k blocks, so a step is about 1-1.5
+    ms compiled (4 shards a step stalled the loop 13-14 ms at 20M)."""
 
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:
