@@ -422,6 +422,14 @@ class BlockIndex:
         keys, words = sh.keys, sh.words
         return [keys[j] for j in range(len(words)) if words[j] > _TOMB]
 
+    def shard_items(self, s: int) -> list[tuple[int, int]]:
+        """(key, word) of the blocks held in shard `s` (a copy)."""
+        sh = self.shards[s]
+        if sh is None:
+            return []
+        keys, words = sh.keys, sh.words
+        return [(keys[j], words[j]) for j in range(len(words)) if words[j] > _TOMB]
+
     def missing(self, keys: Sequence[int]) -> list[int]:
         """The keys of `keys` this index does not hold (expired or not)."""
         return [k for k in keys if not self.lookup(k)]

@@ -74,7 +74,7 @@ from ramjet.residency.redis_scripts import (
     TAIL,
     EngineKeys,
 )
-from ramjet.residency.store import MemoryStore, Table
+from ramjet.residency.store import IndexStaging, MemoryStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,9 @@ def _group_order(item: tuple[tuple[int, Tier, int], list[PrefixKey]]) -> tuple[i
 
 
 PULL_PAGE = 2000
+PULL_STEP = 1024
+"""Rows a full pull checks (or frees), or exact global blocks it stages, between yields
+to the event loop (a step is a few ms of pure Python)."""
 
 
 @dataclass
@@ -306,18 +309,37 @@ class RedisSync:
         return text(res[0])
 
     async def _seed(self, engine: EngineId) -> None:
-        """Redis holds no copy of `engine`: offer it this mirror's (first seed wins)."""
-        ops: list[list[Any]] = [["P"]]
+        """Redis holds no copy of `engine`: offer it this mirror's (first seed wins). The
+        copy is read in pieces, yielding to the loop every `PULL_STEP` entries (a large
+        mirror is seconds of CPU), and cut into chunks as `_chunks` cuts it: one
+        single-key put per entry, `snapshot_chunk_entries` to a chunk. A write made
+        meanwhile is in the queue behind the seed, so Redis ends with it either way."""
+        chunks: list[list[list[Any]]] = [[["P"]]]
+        since = 0
         for table in Table:
             for exact in (True, False):
-                for key, e in self.local.entries(table, engine, exact):
-                    ops.append(
-                        put_op(
-                            self.clocks, table, exact, e.tier, e.confirmed_at, e.expires_at, (key,)
+                for piece in self.local.entry_steps(table, engine, exact):
+                    for key, e in piece:
+                        if len(chunks[-1]) >= self.chunk:
+                            chunks.append([])
+                        chunks[-1].append(
+                            put_op(
+                                self.clocks,
+                                table,
+                                exact,
+                                e.tier,
+                                e.confirmed_at,
+                                e.expires_at,
+                                (key,),
+                            )
                         )
-                    )
+                    since += len(piece)
+                    if since >= PULL_STEP:
+                        since = 0
+                        await asyncio.sleep(0)
         epoch, seq = self.cursor.get(engine, (-1, -1))
-        parts = self._chunks(Batch(engine, "seed", epoch, seq, ops))
+        lead = Batch(engine, "seed", epoch, seq, chunks[0])
+        parts = [lead] + [Batch(engine, "free", ops=c, lead=lead) for c in chunks[1:]]
         status = await self._apply(parts[0])
         self.metrics.batches.labels(f"seed_{status}").inc()
         if status == "ok":  # this replica's seed won: the rest of it follows, in chunks
@@ -374,6 +396,7 @@ class RedisSync:
                 log.warning("skipped change-log entry %s of %s: %s", text(entry_id), engine, exc)
             tail.last_id = text(entry_id)
             tail.gen += 1
+            await asyncio.sleep(0)  # an entry is a chunk (a few ms): a page is up to 16
         if len(entries) < TAIL_COUNT:
             if epoch >= 0:
                 self.note_cursor(engine, epoch, seq)
@@ -401,15 +424,21 @@ class RedisSync:
         dump = self._dump_packed if self.packed else self._dump
         for kind in KINDS:
             loaded.append((kind, await dump(keys, kind)))
-        self.local.purge(engine)
         now_local, now_wall = self.clocks.clock(), self.clocks.wall()
+        # checked and grouped off the mirror, yielding to the loop every `PULL_STEP` rows
+        # (a pull of millions of blocks is seconds of CPU): entries one report confirmed
+        # together share tier, confirmation and expiry, and are put as one group each
+        # (one run of the compact index, not one per block), the least recently
+        # confirmed first
+        pulled: list[tuple[Table, bool, list[tuple[tuple[int, Tier, int], list[PrefixKey]]]]] = []
+        step = 0
         for kind, rows in loaded:
             table, exact = CODE_TABLE[kind[0]], kind[1] == "x"
-            # entries one report confirmed together share tier, confirmation and expiry:
-            # put as one group each (one run of the compact index, not one per block),
-            # the least recently confirmed first
             groups: dict[tuple[int, Tier, int], list[PrefixKey]] = {}
             for k, exp_ms, value in rows:
+                step += 1
+                if step % PULL_STEP == 0:
+                    await asyncio.sleep(0)
                 if value is None:
                     continue  # expired between ZRANGE and MGET
                 rec = self._record(engine, kind, k, exp_ms, text(value))
@@ -420,9 +449,31 @@ class RedisSync:
                 if group is None:
                     group = groups[(confirmed_ms, tier, exp_ms)] = []
                 group.append(PrefixKey(int(k, 16)))
-            for (confirmed_ms, tier, exp_ms), block_keys in sorted(
-                groups.items(), key=_group_order
-            ):
+            pulled.append((table, exact, sorted(groups.items(), key=_group_order)))
+            while rows:  # freeing millions of rows is a stall of its own: in steps too
+                del rows[-PULL_STEP:]
+                await asyncio.sleep(0)
+        # the exact global entries (nearly all of a large engine) are staged into a new
+        # index in steps, off the mirror, and swapped in at once below: the mirror never
+        # shows half a pull
+        staging = IndexStaging(self.local, engine, now_local)
+        for table, exact, groups_in_order in pulled:
+            if table is not Table.GLOBAL or not exact:
+                continue
+            staging.reserve(sum(len(ks) for _, ks in groups_in_order))
+            for (confirmed_ms, tier, exp_ms), block_keys in groups_in_order:
+                confirmed = now_local + (confirmed_ms / 1000 - now_wall)
+                expires = now_local + (exp_ms / 1000 - now_wall)
+                for i in range(0, len(block_keys), PULL_STEP):
+                    staging.add(block_keys[i : i + PULL_STEP], tier, expires, confirmed)
+                    await asyncio.sleep(0)
+        self.local.purge(engine)
+        if len(staging):
+            staging.commit()
+        for table, exact, groups_in_order in pulled:
+            if table is Table.GLOBAL and exact:
+                continue
+            for (confirmed_ms, tier, exp_ms), block_keys in groups_in_order:
                 self.local.put(
                     table,
                     engine,

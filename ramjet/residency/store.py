@@ -490,9 +490,10 @@ class MemoryStore:
     - `entries(GLOBAL, engine, True)` lists the index by shard, not by confirmation.
     """
 
-    sweep_shards: int = 4
-    """Index shards (of `SHARDS`) swept per `expire_step`: at 20M blocks an engine's
-    shard holds ~5k blocks, so a step is about 2-3 ms compiled."""
+    sweep_shards: int = 2
+    """Index shards (of `SHARDS`) swept per `expire_step` (and dropped per step of a
+    mark): at 20M blocks an engine's shard holds ~5k blocks, so a step is about 1-1.5
+    ms compiled (4 shards a step stalled the loop 13-14 ms at 20M)."""
 
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:
@@ -749,6 +750,25 @@ class MemoryStore:
             return [(PrefixKey(k), self._entry(ix, w)) for k, w in ix.items()]
         return self._rest.entries(table, engine, exact)
 
+    def entry_steps(
+        self, table: Table, engine: EngineId, exact: bool
+    ) -> Iterator[list[tuple[PrefixKey, Entry]]]:
+        """`entries` in pieces, for a caller that yields to the event loop between them:
+        the exact global ones by shard of the engine's index (read again for each
+        piece: none after a purge), the others in batches of a copy."""
+        if table is Table.GLOBAL and exact:
+            for s in range(SHARDS):
+                ix = self._exact.get(engine)
+                if ix is None:
+                    return
+                items = ix.shard_items(s)
+                if items:
+                    yield [(PrefixKey(k), self._entry(ix, w)) for k, w in items]
+            return
+        rest = self._rest.entries(table, engine, exact)
+        for i in range(0, len(rest), _KEY_BATCH):
+            yield rest[i : i + _KEY_BATCH]
+
     def holds(self, engine: EngineId) -> bool:
         ix = self._exact.get(engine)
         return (ix is not None and ix.count > 0) or self._rest.holds(engine)
@@ -807,7 +827,7 @@ class IndexStaging:
     """One engine's next exact global content, built in a new `BlockIndex` off the live
     one (`MemoryStore.stage_exact`). Consecutive keys of one expiry share a run."""
 
-    __slots__ = ("_done", "_engine", "_index", "_now", "_runs", "_store")
+    __slots__ = ("_done", "_engine", "_index", "_last", "_now", "_runs", "_store")
 
     def __init__(self, store: MemoryStore, engine: EngineId, now: float) -> None:
         self._store = store
@@ -815,18 +835,35 @@ class IndexStaging:
         self._now = now
         self._index = BlockIndex()
         self._runs: list[int] = []
+        self._last: tuple[float, int, float] | None = None
+        """What the last run was opened for: (expiry, tier or -1, confirmation or -1)."""
         self._done = False
 
-    def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None:
+    def add(
+        self,
+        keys: Sequence[PrefixKey],
+        tier: Tier,
+        expires_at: float,
+        confirmed_at: float | None = None,
+    ) -> None:
+        """Add a piece. Consecutive pieces of one expiry share a run (held open until the
+        commit); a new expiry starts a new one, so the runs keep the order the keys came
+        in. With `confirmed_at` (a full pull from Redis: groups confirmed at different
+        times, each a run as `put` makes it) the run is confirmed then, and shared only
+        by consecutive pieces of the same tier, confirmation and expiry."""
         ix = self._index
-        # consecutive pieces of one expiry share a run (held open until the commit); a
-        # new expiry starts a new one, so the runs keep the order the keys came in
+        group = (
+            (expires_at, -1, -1.0)
+            if confirmed_at is None
+            else (expires_at, int(tier), confirmed_at)
+        )
         last = self._runs[-1] if self._runs else None
-        if last is not None and ix.exp[last] == expires_at:
+        if last is not None and self._last == group:
             run = last
         else:
-            run = ix.new_run(self._now, expires_at)
+            run = ix.new_run(self._now if confirmed_at is None else confirmed_at, expires_at)
             self._runs.append(run)
+            self._last = group
         ix.put_many(keys, run, int(tier))
 
     def reserve(self, keys: int) -> None:

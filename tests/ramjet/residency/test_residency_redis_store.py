@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -18,6 +19,7 @@ from redis_server import RedisProcess, redis_server
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
 from ramjet.residency.redis_store import RedisStore
+from ramjet.residency.redis_sync import PULL_STEP
 from ramjet.residency.store import Table
 from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId, PrefixKey, Tier
@@ -358,3 +360,116 @@ async def test_a_fresh_replica_pulls_a_snapshot_as_its_groups(
         await a.close()
         await a.link.close()
         await fresh.link.close()
+
+
+async def test_a_full_pull_yields_to_the_loop_and_never_shows_half_a_pull(
+    server: RedisProcess,
+) -> None:
+    """A pull of a large engine (a restarted replica starting warm: millions of blocks,
+    seconds of CPU) checks, groups and stages what Redis returned in steps of
+    `PULL_STEP`, letting the event loop run between them, and swaps it in at once: a
+    coroutine running beside it gets turns after the last Redis call, and every turn
+    sees the mirror empty or whole."""
+    a, _ = make(server)
+    rng = random.Random(5)
+    n = 6 * PULL_STEP
+    ks = [PrefixKey(rng.getrandbits(64)) for _ in range(n)]
+    now = a.clock()
+    a.replace_exact(Table.GLOBAL, E0, [(k, Tier.HOST, now + 3_600) for k in ks], now)
+    fresh = RedisStore(RedisLink(a.settings, CollectorRegistry()), CFG, (E0,))  # one pull
+    calls = 0
+    link_call = fresh.link.call
+
+    async def counted(fn: Any, timeout_s: float | None = None) -> Any:
+        nonlocal calls
+        try:
+            return await link_call(fn, timeout_s)
+        finally:
+            calls += 1
+
+    fresh.link.call = counted  # type: ignore[method-assign]
+    seen: list[tuple[int, int]] = []  # (Redis calls done, mirror size) at each turn
+    done = False
+
+    async def beside() -> None:
+        while not done:
+            seen.append((calls, fresh.local.size(Table.GLOBAL)))
+            await asyncio.sleep(0)
+
+    try:
+        while a.pending:
+            await a.sync_once()
+        task = asyncio.create_task(beside())
+        await asyncio.sleep(0)
+        try:
+            await fresh.sync_once()  # a full pull
+        finally:
+            done = True
+            await task
+        assert fresh.local.size(Table.GLOBAL) == n
+        # the pull's last Redis call is the round's last: in one step, no turn followed it
+        after_last_call = [size for c, size in seen if c == calls]
+        assert len(after_last_call) >= 6, seen[-10:]
+        assert {size for _, size in seen} <= {0, n}  # never half a pull
+    finally:
+        await a.close()
+        await a.link.close()
+        await fresh.link.close()
+
+
+async def test_a_seed_of_a_large_mirror_yields_to_the_loop(server: RedisProcess) -> None:
+    """Redis restarted empty: the replica seeds it from its mirror, read in pieces with
+    turns for the loop between them (between the APPLY answered `missing` and the
+    seed's first call), and the other replica pulls every entry back."""
+    a, reg = make(server)
+    b, _ = make(server)
+    rng = random.Random(6)
+    n = 6 * PULL_STEP
+    ks = [PrefixKey(rng.getrandbits(64)) for _ in range(n)]
+    in_flight = started = 0
+    link_call = a.link.call
+
+    async def counted(fn: Any, timeout_s: float | None = None) -> Any:
+        nonlocal in_flight, started
+        in_flight += 1
+        started += 1
+        try:
+            return await link_call(fn, timeout_s)
+        finally:
+            in_flight -= 1
+
+    a.link.call = counted  # type: ignore[method-assign]
+    idle_turns = 0
+    done = False
+
+    async def beside() -> None:
+        nonlocal idle_turns
+        while not done:
+            idle_turns += in_flight == 0 and started == 1  # after the first call
+            await asyncio.sleep(0)
+
+    try:
+        now = a.clock()
+        with a.report(E0, 1, 1):
+            a.put(Table.GLOBAL, E0, ks, Tier.HOST, now, now + 600, True)
+        while a.pending:
+            await a.sync_once()
+        await a.link.client.flushall()  # Redis lost everything
+        with a.report(E0, 1, 2):
+            a.put(Table.GLOBAL, E0, keys(7), Tier.HBM, a.clock(), a.clock() + 600, True)
+        task = asyncio.create_task(beside())
+        await asyncio.sleep(0)
+        idle_turns = started = 0
+        try:
+            await a.sync_once()  # APPLY says missing: seed, then the batch
+        finally:
+            done = True
+            await task
+        assert metric(reg, "ramjet_redis_resyncs_total", direction="push", reason="redis_empty")
+        assert idle_turns >= 5, idle_turns
+        await sync(a, b)
+        got = b.local.get_many(Table.GLOBAL, E0, [*ks, PrefixKey(7)], b.clock(), False)
+        assert all(e is not None for e in got)
+    finally:
+        for s in (a, b):
+            await s.link.close()
