@@ -5,6 +5,7 @@ the directory's content through stores, evictions and a snapshot."""
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -247,7 +248,6 @@ def test_the_pool_reporter_serves_a_vllm_pools_residency_signed(tmp_path: Path) 
     import subprocess
     import sys
     import time
-    import urllib.request
 
     from ramjet.reports.keys import write_keypair
 
@@ -274,23 +274,28 @@ def test_the_pool_reporter_serves_a_vllm_pools_residency_signed(tmp_path: Path) 
     try:
         deadline = time.monotonic() + 20
         want = set(chain_keys(tokens, token_key_seed(MODEL), B))
+        ring = KeyRing({"vpool-a": (EngineId("vpool"), public)})
         while True:
             assert proc.poll() is None, (tmp_path / "reporter.log").read_text()
-            try:
-                url = f"http://127.0.0.1:{port}/ramjet/snapshot"
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    frame = resp.read()
-                tables = ResidencyTables()
-                ring = KeyRing({"vpool-a": (EngineId("vpool"), public)})
-                assert isinstance(ReportProcessor(ring, tables).submit(frame), Accepted)
-                view = tables.view(EngineId("vpool"))
-                if {k for k in want if view.global_match([k], [B]).total} == want:
-                    break
-            except OSError:  # not listening yet
-                pass
+            if _snapshot_holds(port, ring, want) == want:
+                break
             assert time.monotonic() < deadline, (tmp_path / "reporter.log").read_text()
             time.sleep(0.2)
     finally:
         proc.terminate()
         proc.wait(10)
     assert proc.returncode == 0
+
+
+def _snapshot_holds(port: int, ring: KeyRing, want: set[PrefixKey]) -> set[PrefixKey] | None:
+    """Which of `want` the pool reporter's signed snapshot on `port` holds, verified as a
+    router would; None while it is not listening yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ramjet/snapshot", timeout=2) as r:
+            frame = r.read()
+    except OSError:
+        return None
+    tables = ResidencyTables()
+    assert isinstance(ReportProcessor(ring, tables).submit(frame), Accepted)
+    view = tables.view(EngineId("vpool"))
+    return {k for k in want if view.global_match([k], [B]).total}
