@@ -86,6 +86,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from engines import free_port  # noqa: E402
+from sse import sse_data  # noqa: E402
 from vllm_engines import BLOCK, MODEL, VllmEngine, post_json, vllm_env  # noqa: E402
 from vllm_stack import PoolDecl, Records, Stack, sidecar_auth  # noqa: E402
 
@@ -257,26 +258,19 @@ async def stream_chat(
     async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status != 200:
             raise BenchError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
-        buf = b""
-        async for chunk in r.content.iter_any():
-            buf += chunk
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                if not event.startswith(b"data: "):
-                    continue
-                data = event[6:]
-                if data == b"[DONE]":
-                    done = True
-                    continue
-                obj = json.loads(data)
-                for ch in obj.get("choices") or []:
-                    piece = (ch.get("delta") or {}).get("content")
-                    if piece:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                        text.append(piece)
-                if obj.get("usage"):
-                    usage = obj["usage"]
+        async for data in sse_data(r.content.iter_any()):
+            if data == b"[DONE]":
+                done = True
+                continue
+            obj = json.loads(data)
+            for ch in obj.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(piece)
+            if obj.get("usage"):
+                usage = obj["usage"]
     if not done or ttft is None or usage is None:
         raise BenchError(f"{url}: stream ended without content/usage/[DONE] ({done}, {usage})")
     details = usage.get("prompt_tokens_details") or {}

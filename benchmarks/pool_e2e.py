@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from pool_fleet import pool_fleet  # noqa: E402
+from sse import sse_data  # noqa: E402
 
 from ramjet.policy.profile import EngineProfile  # noqa: E402
 
@@ -177,22 +178,16 @@ async def _read_stream(
     ttft: float | None = None
     usage: dict[str, Any] | None = None
     done = False
-    buf = b""
-    async for chunk in r.content.iter_any():
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            if not event.startswith(b"data: "):
-                continue
-            if event[6:] == b"[DONE]":
-                done = True
-                continue
-            obj = json.loads(event[6:])
-            for ch in obj.get("choices") or []:
-                if (ch.get("delta") or {}).get("content") and ttft is None:
-                    ttft = time.perf_counter() - t0
-            if obj.get("usage"):
-                usage = obj["usage"]
+    async for data in sse_data(r.content.iter_any()):
+        if data == b"[DONE]":
+            done = True
+            continue
+        obj = json.loads(data)
+        for ch in obj.get("choices") or []:
+            if (ch.get("delta") or {}).get("content") and ttft is None:
+                ttft = time.perf_counter() - t0
+        if obj.get("usage"):
+            usage = obj["usage"]
     return done, ttft, usage
 
 
