@@ -246,6 +246,7 @@ def fabric_of(a: argparse.Namespace) -> Fabric:
         ssd_latency_s=scaled(a.pool_ssd_latency_ms, 1e-3),
         write_bytes_per_s=a.pool_write_gbps * 1e9,
         write_through=a.write_through == "on",
+        swa_local=a.pool_swa_local == "on",
     )
 
 
@@ -258,7 +259,8 @@ def fabric_text(f: Fabric) -> str:
 
     return (
         f"shared (host pool {gb(f.host_bytes_per_s)}, SSD pool {gb(f.ssd_bytes_per_s)}, "
-        f"write-through {'on' if f.write_through else 'off'} at {gb(f.write_bytes_per_s)}; "
+        f"write-through {'on' if f.write_through else 'off'} at {gb(f.write_bytes_per_s)}, "
+        f"SWA state {'free where stored' if f.swa_local else 'pulled on every resume'}; "
         "FIFO link per pool)"
     )
 
@@ -490,6 +492,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("on", "off"),
         default="on",
         help="shared fabric: publish computed blocks to the pool at once (off: by demotion)",
+    )
+    r.add_argument(
+        "--pool-swa-local",
+        choices=("on", "off"),
+        default="on",
+        help="shared fabric: the engine that stored a session's SWA state resumes it free "
+        "(off: every SWA resume pulls it from the pool)",
     )
     r.add_argument(
         "--scheduler", choices=("fcfs", "priority", "vllm-fcfs", "vllm-priority"), default="fcfs"

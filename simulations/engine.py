@@ -229,7 +229,8 @@ class Engine:
         pools = self.pools
         if pools is not None and work.resume != "cold":
             # the pull from the pool, queued behind the link's other transfers
-            job.restore_s = pools.pull(now, job.hit[1], job.hit[2], work.resume == "swa")
+            swa = work.resume == "swa" and pools.swa_remote(_key_at(req.boundaries, q), self.index)
+            job.restore_s = pools.pull(now, job.hit[1], job.hit[2], swa)
         job.pending_s = job.restore_s + work.replay_s + self.overhead
         new = max(job.end - job.ctx, 0)
         self.queued_tokens += new - job.predicted_new
@@ -319,4 +320,12 @@ class Engine:
     def _store_swa(self, key: PrefixKey, now: float) -> None:
         self.swa.store(key, now)
         if self.pools is not None:
-            self.pools.swa_written(now)
+            self.pools.swa_written(now, key, self.index)
+
+
+def _key_at(boundaries: tuple[tuple[int, PrefixKey], ...], offset: int) -> PrefixKey | None:
+    """The key of the boundary at `offset` (the SWA state a resume there reads)."""
+    for off, k in reversed(boundaries):
+        if off == offset:
+            return k
+    return None

@@ -9,7 +9,10 @@ own `TieredCache` (HBM → host → SSD) and its own `SwaPool`.
 - The host and SSD tiers are one `SharedPool` for all engines of the run: a two-tier LRU
   (host → SSD → evicted) whose capacities default to the members' tiers together.
 - The SWA pool is one `SwaPool` for all engines (capacity: the members' together by
-  default), so a session's SWA state can be resumed on any engine.
+  default), so a session's SWA state can be resumed on any engine. A state is held
+  where it was stored (`Fabric.swa_local`, `Pools.swa_owner`): the engine that stored
+  it resumes it as on islands, where an engine's own SWA pool restores free; any other
+  member pulls it over the host link.
 - Write-through: when an engine computes a request's blocks (first token), the blocks not
   yet in the pool are written to the host pool in the background, through a write queue
   of `write_bytes_per_s`; they become pool hits when the write completes. Without
@@ -17,7 +20,7 @@ own `TieredCache` (HBM → host → SSD) and its own `SwaPool`.
   islands' host tier is. SWA state is stored in the shared pool at a request's end; its
   bytes are charged to the same write queue.
 - A pull from the pool into an engine (a restore of host or SSD blocks, or of SWA
-  state) crosses the pool's link. **Contention**: each pool tier has one link of
+  state another engine stored) crosses the pool's link. **Contention**: each pool tier has one link of
   `*_bytes_per_s` that serves transfers in arrival order (FIFO) at its full bandwidth;
   a transfer that arrives while others are queued starts when they are done, so n pulls
   issued together finish at 1/n, 2/n, ..., n/n of n times a lone pull's transfer time
@@ -65,6 +68,10 @@ class Fabric:
     """Write-through bandwidth into the host pool (an **estimate**: a quarter of the
     PCIe 5 x16 link the host tier is priced at)."""
     write_through: bool = True
+    swa_local: bool = True
+    """A session's SWA state is held where it was stored: resumed on the engine that
+    stored it, it is read as on islands (free); another member pulls it over the host
+    link. False: every SWA resume pulls it, the storing engine's too."""
 
     def __post_init__(self) -> None:
         if self.kind not in FABRICS:
@@ -318,6 +325,8 @@ class Pools:
         self.block = block_tokens
         self._schedule = schedule
         self._writing: set[PrefixKey] = set()
+        self.swa_owner: dict[PrefixKey, int] = {}
+        """The engine that stored each SWA state last (`Fabric.swa_local`)."""
         self.pulls = 0
         self.pull_s = 0.0
 
@@ -360,9 +369,25 @@ class Pools:
 
         self._schedule(done, publish)
 
-    def swa_written(self, now: float) -> None:
-        """A sequence's SWA state stored in the pool: its bytes through the write queue
-        and the host link (the entry is live at once: the pool's SWA store is small)."""
+    def swa_remote(self, key: PrefixKey | None, engine: int) -> bool:
+        """Whether `engine` must pull the SWA state of `key` from the pool: another
+        engine stored it (or every resume pulls, without `Fabric.swa_local`)."""
+        if not self.fabric.swa_local or key is None:
+            return True
+        return self.swa_owner.get(key) != engine
+
+    def swa_written(self, now: float, key: PrefixKey | None = None, engine: int = -1) -> None:
+        """A sequence's SWA state stored in the pool by `engine`: its bytes through the
+        write queue and the host link (the entry is live at once: the pool's SWA store is
+        small)."""
+        if key is not None:
+            owner = self.swa_owner
+            owner.pop(key, None)  # most recent last: the oldest go first when pruned
+            owner[key] = engine
+            if len(owner) > 2 * max(self.swa.capacity, 1):
+                entries = self.swa.entries
+                for k in [k for k in owner if k not in entries]:
+                    del owner[k]
         if self.swa_bytes > 0:
             self.writes.occupy(now, self.swa_bytes)
             self.host.occupy(now, self.swa_bytes)

@@ -176,6 +176,30 @@ def test_a_session_resumes_its_swa_state_from_the_pool_on_another_engine() -> No
     assert _sim(reqs, [0, 1], fabric=Fabric()).run().resume[1] == "cold"
 
 
+def test_a_session_resumed_where_its_swa_state_was_stored_pulls_nothing() -> None:
+    """The storing engine reads its own SWA state as on islands (free); another engine
+    pulls it over the host link; with `swa_local` off every resume pulls it."""
+    ids = list(range(10))
+
+    def run(route: list[int], fabric: Fabric) -> tuple[float, int]:
+        reqs = workload([req(0.0, ids, out=4), req(2.0, [*ids, 50], out=4)])
+        sim = _sim(reqs, route, fabric=fabric)
+        out = sim.run()
+        assert out.resume[1] == "swa"
+        return out.ttft[1], sim.pools.pulls if sim.pools is not None else 0
+
+    islands, _ = run([0, 0], Fabric())
+    same, pulls = run([0, 0], SHARED)
+    assert same == pytest.approx(islands) and pulls == 0
+    swa_pull = PROFILE.swa_bytes_per_sequence / 1e9 + 0.001  # at 1 GB/s + 1 ms (`spec`)
+    always = Fabric("shared", write_bytes_per_s=1e9, swa_local=False)
+    pulled, pulls = run([0, 0], always)
+    assert pulled == pytest.approx(islands + swa_pull) and pulls == 1
+    moved, pulls = run([0, 1], SHARED)  # the prefix and the state from the pool
+    kv = 10 * BLOCK * PROFILE.global_kv_bytes_per_token / 1e9
+    assert moved == pytest.approx(islands + kv + swa_pull) and pulls == 1
+
+
 def test_pool_capacity_holds_and_hbm_overflow_demotes_into_the_pool() -> None:
     pools, events = _pools(
         fabric=Fabric("shared", host_pool_tokens=4 * BLOCK, ssd_pool_tokens=2 * BLOCK),
