@@ -230,9 +230,18 @@ def cmd_table(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+SEED_NOISE = 0.01
+"""How far a seed mean may fall below the oracle's by noise alone. A closed-loop oracle
+is the best of the routings replayed on one cache, not a bound by construction: on the
+shared fabric at 40% the pool costs tier_aware nothing measurable (1.000 +- 0.009 of its
+own routing on one cache over 8 seeds, `benchmarks/fabric_seeds.py`), so its seed means
+land on either side of the oracle's (0.2-0.6% below in `docs/results/fabric`)."""
+
+
 def mean_violations(sessions_swe: int = 100, sessions_tau: int = 100) -> list[str]:
     """Per configuration, fabric and load: every policy whose mean TTFT averaged over the
-    seeds is below the oracle's averaged the same way (rows present in every seed)."""
+    seeds is below the oracle's averaged the same way (rows present in every seed) by
+    more than `SEED_NOISE`."""
     out = []
     for c in configs(sessions_swe, sessions_tau):
         for fabric in ("islands", "shared"):
@@ -242,7 +251,7 @@ def mean_violations(sessions_swe: int = 100, sessions_tau: int = 100) -> list[st
                     continue
                 oracle = cell["oracle"][0]
                 for p, (m, _, _) in cell.items():
-                    if not p.startswith(("oracle", "bound:")) and m < oracle:
+                    if not p.startswith(("oracle", "bound:")) and m < oracle * (1 - SEED_NOISE):
                         out.append(
                             f"{c.name} {fabric} load {load:g}: {p} {m:.4f} s < {oracle:.4f} s"
                         )
