@@ -427,6 +427,37 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / 1e9
 
 
+def runs_as(t: Target) -> str:
+    """What a target's process runs, read from the running process (not its config): for a
+    Ramjet column, whether the compiled build's library is mapped (the loader loaded it);
+    for any, how many threads it has."""
+    if t.proc is None:
+        return "-"
+    pid = t.proc.pid
+    threads = len(list(Path(f"/proc/{pid}/task").iterdir()))
+    if not t.name.startswith("ramjet"):
+        return f"{threads} threads"
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    built = sorted({line.split()[-1] for line in maps.splitlines() if "mypyc_ramjet" in line})
+    build = f"compiled ({built[0]})" if built else "pure Python (no compiled build mapped)"
+    return f"{build}, {threads} threads"
+
+
+def switches(pids: list[int]) -> int:
+    """Context switches (voluntary + involuntary, every thread) of `pids` so far: a proxy
+    that sleeps and wakes per request, or whose threads hand work to each other, pays
+    for each in CPU that the host's other load makes dearer."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError):
+                    for line in (t / "status").read_text().splitlines():
+                        if "ctxt_switches:" in line:
+                            total += int(line.split()[-1])
+    return total
+
+
 def tree(pid: int) -> list[int]:
     out = [pid]
     with contextlib.suppress(OSError):
@@ -749,12 +780,13 @@ async def measure_round(
     # small JSON, closed loop
     for t in targets:
         pids = t.pids()
-        c0, w0 = cpu_seconds(pids), time.perf_counter()
+        c0, w0, s0 = cpu_seconds(pids), time.perf_counter(), switches(pids)
         n = await closed_loop(t, SMALL_RAW, partial(check_json, t.name, small=True), sec, 32)
         wall, cpu = time.perf_counter() - w0, cpu_seconds(pids) - c0
         cells[t.name].add("rps", n / wall)
         if pids:
             cells[t.name].add("cpu_req_us", cpu / n * 1e6)
+            cells[t.name].add("cs_req", (switches(pids) - s0) / n)
     # SSE, 64 chunks 1 ms apart
     for t in targets:
         pids = t.pids()
@@ -797,6 +829,7 @@ async def measure_round(
 ROWS = [
     ("CPU per small JSON request (us)", "cpu_req_us", "{:.0f}"),
     ("small JSON req/s (closed loop, 32 conns)", "rps", "{:.0f}"),
+    ("context switches per small JSON request", "cs_req", "{:.2f}"),
     ("CPU per SSE chunk, 1 ms apart (us)", "cpu_chunk_us", "{:.1f}"),
     ("added latency at 500 req/s p50 (us)", "p50_us", "{:+.0f}"),
     ("added latency at 500 req/s p99 (us)", "p99_us", "{:+.0f}"),
@@ -954,6 +987,8 @@ def main() -> int:
                         targets.append(start_ramjet(col, ups, tmp, mode, root=base.resolve()))
             for t in targets:
                 uvloop.run(verify(t))
+                if t.proc is not None:
+                    print(f"  {t.name}: {runs_as(t)}")
             print(
                 f"proxy overhead: {', '.join(t.name for t in targets)}; every target checked "
                 f"(200, completion body, prompt size, {CHUNKS} SSE chunks + [DONE], 1 MB prompt)"

@@ -45,7 +45,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from ramjet.decisions.log import (
     DecisionLog,
@@ -192,6 +192,8 @@ class Accounting:
         self._children: dict[tuple[int, tuple[str, ...]], CounterChild] = {}
         self._modes: dict[str, _ModeSeries] = {}
         self._abs_relative: dict[str, HistogramChild] = {}
+        self._weight_gauges: dict[str, list[Gauge]] = {}
+        """Each engine's `ramjet_ttft_calibration_weight` children, in `TERMS` order."""
         m = self.metrics
         self.log: DecisionLog | None = None
         if log_path is not None:
@@ -318,8 +320,13 @@ class Accounting:
         m = self.metrics
         self._of(m.calibration_samples, engine).inc()
         w = cal.weights()[eid]
-        for term, value in zip(TERMS, w.as_dict().values(), strict=True):
-            m.calibration_weight.labels(engine, term).set(value)
+        gauges = self._weight_gauges.get(engine)
+        if gauges is None:  # `labels()` validates and converts: once per engine, not per sample
+            gauges = self._weight_gauges[engine] = [
+                m.calibration_weight.labels(engine, term) for term in TERMS
+            ]
+        for child, value in zip(gauges, w.as_dict().values(), strict=True):
+            child.set(value)
         if measure_wait:
             self._wait(real - service_s(w, features), "router")
 

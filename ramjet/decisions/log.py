@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 _USAGE_KEY = b'"usage"'
+_PROMPT_WORK = b"prompt_work"
+"""What `parse_realized` looks for before it decodes anything (see there)."""
 _DECODER = json.JSONDecoder()
 _ENCODER = msgspec.json.Encoder()
 _INT_FIELDS = COUNT_FIELDS
@@ -136,8 +138,10 @@ def find_usage(tail: bytes, max_tries: int = 4) -> Any:
 
 
 def parse_realized(tail: bytes) -> RealizedWork | None:
-    """The engine's `prompt_work` from the end of a response body, or None."""
-    if not tail:
+    """The engine's `prompt_work` from the end of a response body, or None. A tail with
+    neither the bytes `prompt_work` nor a `\\u` escape cannot decode to an object with
+    that key, so it is not decoded (an engine that reports none, vLLM, costs a search)."""
+    if not tail or (_PROMPT_WORK not in tail and b"\\u" not in tail):
         return None
     return realized_from_usage(find_usage(tail))
 

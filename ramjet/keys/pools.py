@@ -95,9 +95,11 @@ class KeyPools:
             pool = _Pool(cfg, tok)
             for e in cfg.engines:
                 self._by_engine[e] = pool
+        self._tokenizing = any(p.tokenizer is not None for p in self._by_engine.values())
+        """Some pool keys by tokens (fixed once built: the router asks on every request)."""
 
     def __bool__(self) -> bool:
-        return any(p.tokenizer is not None for p in self._by_engine.values())
+        return self._tokenizing
 
     def pool_of(self, engine: EngineId) -> KeyPoolConfig | None:
         p = self._by_engine.get(engine)

@@ -216,6 +216,14 @@ _EXPIRES = attrgetter("expires_at")
 _INF = float("inf")
 
 
+def _sequence(keys: Iterable[PrefixKey]) -> Sequence[PrefixKey]:
+    """`keys` as a sequence, made a list only when it is not one: a list or a tuple (the
+    request path's keys) is taken as it is without the `Sequence` ABC's check."""
+    if isinstance(keys, (list, tuple, Sequence)):  # the builtins first: no ABC check
+        return keys
+    return list(keys)
+
+
 def _replace_by_staging(
     staging: ExactStager, entries: Iterable[tuple[PrefixKey, Tier, float]]
 ) -> None:
@@ -641,8 +649,7 @@ class MemoryStore:
         if table is not Table.GLOBAL:
             self._rest.put(table, engine, keys, tier, now, expires_at, exact)
             return
-        if not isinstance(keys, Sequence):
-            keys = list(keys)
+        keys = _sequence(keys)
         if exact:
             if self._rest.holds(engine):
                 self._rest.remove(table, engine, keys)
@@ -679,8 +686,7 @@ class MemoryStore:
         if table is Table.GLOBAL:
             ix = self._exact.get(engine)
             if ix is not None:
-                if not isinstance(keys, Sequence):
-                    keys = list(keys)
+                keys = _sequence(keys)
                 for key in keys:
                     if ix.remove(key):
                         self._exact_count -= 1

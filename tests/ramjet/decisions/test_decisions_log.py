@@ -87,6 +87,18 @@ def test_usage_inside_content_is_not_mistaken_for_the_key() -> None:
     assert parse_realized(only) is None
 
 
+def test_prompt_work_is_read_whichever_way_its_key_is_written() -> None:
+    # `parse_realized` decodes nothing when the tail has neither the bytes `prompt_work`
+    # nor a \\u escape; a key spelled with an escape is still read
+    for raw in (body(), sse()):
+        escaped = raw.replace(b'"prompt_work"', b'"prompt\\u005fwork"')
+        assert b"prompt_work" not in escaped
+        r = parse_realized(escaped)
+        assert r is not None and r.hbm_tokens == 512 and r.prompt_tokens == 811
+    plain = json.dumps({"usage": {"prompt_tokens": 3, "note": "a\u00e9b"}}).encode()
+    assert b"\\u" in plain and parse_realized(plain) is None
+
+
 def test_missing_cut_or_bad_usage_gives_none() -> None:
     assert parse_realized(b"") is None
     assert parse_realized(b'{"usage": {"prompt_tokens": 3}}') is None  # no prompt_work
