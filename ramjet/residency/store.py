@@ -25,9 +25,10 @@ the engine's new exact content is built off to the side in pieces (`add(keys, ti
 expires_at)`, one C-level dict update per piece, so a caller can yield to the event loop
 between pieces) while reads keep seeing the old content, then `commit()` swaps it in
 at once: one engine's view is never half old, half new. `replace_exact` is the same in
-one call. A store that cannot stage (the Redis store) says so: its `stage_exact`
-returns None, and it is driven through `replace_exact` instead
-(`ramjet.residency.tables.SnapshotStaging`).
+one call. A store that cannot stage says so: its `stage_exact` returns None, and it
+is driven through `replace_exact` instead (`ramjet.residency.tables.SnapshotStaging`).
+The Redis store stages in its mirror and in the replace it sends
+(`ramjet.residency.redis_store.RedisStaging`).
 
 Capabilities are on the contract, never found out by the store's type: `stage_exact`
 (None: no staging), `mark_exact` (a snapshot in parts written to the live table, the
