@@ -491,10 +491,12 @@ class MemoryStore:
     - `entries(GLOBAL, engine, True)` lists the index by shard, not by confirmation.
     """
 
-    sweep_shards: int = 2
+    sweep_shards: int = 1
     """Index shards (of `SHARDS`) swept per `expire_step` (and dropped per step of a
-    mark): at 20M blocks an engine's shard holds ~5k blocks, so a step is about 1-1.5
-    ms compiled (4 shards a step stalled the loop 13-14 ms at 20M)."""
+    mark): at 20M blocks an engine's shard holds ~5k blocks in ~8k slots, so a step is
+    about 0.7 ms compiled, 2.7 ms at worst measured on the shared 2-core machine (2
+    shards a step: 1.3 ms, 5.5 ms at worst, and with `EXPIRE_STEP_S` of steps before
+    it, an 11.5 ms loop stall at 20M)."""
 
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:
@@ -907,12 +909,17 @@ class IndexMark:
 
     def drop_steps(self) -> Iterator[int]:
         store, engine, ix = self._store, self._engine, self._index
+        # the blocks older runs still hold, at most: the walk over the shards stops once
+        # it dropped that many (none, for a snapshot into an empty index: no walk)
+        left = ix.blocks_before(self._mark)
+        yield 0
         shard = 0
-        while shard < SHARDS:
+        while shard < SHARDS and left > 0:
             if store._exact.get(engine) is not ix:
                 return  # purged or replaced meanwhile: nothing of the mark is left
             n, looked, shard = ix.drop_before(self._mark, shard, store.sweep_shards)
             store._exact_count -= n
+            left -= n
             yield looked
         ix.reserve(0)  # later shards grow from the smallest again
         for _ in range(store._global_size() - store._cap):
