@@ -39,10 +39,12 @@ RING = KeyRing({"k0": (E0, PRIV.public_key())})
 SNAP = [PrefixKey(10_000 + i) for i in range(4000)]
 
 
-def replica(server: RedisProcess, chunk: int) -> tuple[RedisStore, ReportProcessor, SharedReports]:
+def replica(
+    server: RedisProcess, chunk: int, timeout_ms: int = 150
+) -> tuple[RedisStore, ReportProcessor, SharedReports]:
     reg = CollectorRegistry()
     cfg = ResidencyConfig()
-    link = RedisLink(RedisSettings(url=server.url, timeout_ms=150), reg)
+    link = RedisLink(RedisSettings(url=server.url, timeout_ms=timeout_ms), reg)
     store = RedisStore(link, cfg, engines=(E0,), registry=reg)
     processor = ReportProcessor(
         RING, ResidencyTables(cfg, store), registry=reg, snapshot_chunk_keys=chunk
@@ -188,7 +190,7 @@ async def test_a_large_one_part_snapshot_over_redis_is_staged_piece_by_piece(
     is a swap and a queued replace, not the whole content at once (0.8 s of CPU at 180k
     keys): measured in CPU of the loop's thread, the commit's turn costs no more than a
     few pieces. The content reaches Redis whole: a fresh replica pulls exactly it."""
-    sa, pa, a = replica(server, 1024)
+    sa, pa, a = replica(server, 1024, timeout_ms=5_000)  # about the loop, not Redis's latency
     links.append(sa)
     keys = [PrefixKey(1_000_000 + 7919 * i) for i in range(16 * 1024)]
     assert isinstance(await a.submit(delta(1, [PrefixKey(1)]), E0), Accepted)

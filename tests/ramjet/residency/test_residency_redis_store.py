@@ -483,7 +483,9 @@ async def test_a_full_pull_puts_swa_and_approximate_entries_in_steps(
     can leave hundreds of thousands) `PULL_STEP` at a time with a turn for the loop
     between, as it stages the exact ones: a coroutine beside it never sees more than
     `PULL_STEP` of them arrive in one turn, and the mirror ends with every one."""
-    a, _ = make(server)
+    # a timeout for a loaded machine: this test is about the loop, not Redis's latency
+    settings = RedisSettings(url=server.url, timeout_ms=5_000)
+    a = RedisStore(RedisLink(settings, CollectorRegistry()), CFG, (E0,))
     rng = random.Random(9)
     n = 3 * PULL_STEP
     swa = [PrefixKey(rng.getrandbits(64)) for _ in range(n)]
