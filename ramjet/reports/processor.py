@@ -124,7 +124,7 @@ Job = SnapshotApply | QueuedApply | None
 
 STEP_BUDGET_S = 0.002
 """CPU seconds a step of an apply cut in steps aims at (`_Pacer`); `run_job` also yields
-to the loop once a turn has taken this much."""
+to the loop once a turn has taken half of this."""
 MIN_PIECE_KEYS = 64
 
 
@@ -504,7 +504,9 @@ class ReportProcessor:
                     if n is None:
                         break
                     done += n
-                    if done >= chunk or time.thread_time() - turn >= STEP_BUDGET_S:
+                    # a turn runs on past one step only while it is short: a slow step
+                    # (a cluster of rehashes) then never lands on top of another
+                    if done >= chunk or time.thread_time() - turn >= STEP_BUDGET_S / 2:
                         done = 0
                         await self.piece_pause()
                         turn = time.thread_time()

@@ -804,7 +804,7 @@ class MemoryStore:
             if e >= len(engines):
                 e, shard = 0, 0
             ix = self._exact[engines[e]]
-            if ix.count == 0 or ix.next_expiry() > now:
+            if ix.count == 0 or not ix.expiry_due(now):
                 e, shard = e + 1, 0
                 continue
             n, shard = ix.sweep(now, shard, self.sweep_shards)
@@ -817,8 +817,10 @@ class MemoryStore:
         return dropped
 
     def sweeping(self, now: float) -> bool:
-        """Whether an index holds a block expired at `now` (the sweep has work left)."""
-        return any(ix.count and ix.next_expiry() <= now for ix in self._exact.values())
+        """Whether an index holds a block expired at `now` (the sweep has work left); for
+        a few calls after a pass freed many runs, True while their entries are dropped
+        from the expiry heap a bounded number a call (`BlockIndex.expiry_due`)."""
+        return any(ix.count and ix.expiry_due(now) for ix in self._exact.values())
 
     def size(self, table: Table) -> int:
         if table is Table.GLOBAL:
