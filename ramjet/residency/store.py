@@ -494,9 +494,8 @@ class MemoryStore:
     sweep_shards: int = 1
     """Index shards (of `SHARDS`) swept per `expire_step` (and dropped per step of a
     mark): at 20M blocks an engine's shard holds ~5k blocks in ~8k slots, so a step is
-    about 0.7 ms compiled, 2.7 ms at worst measured on the shared 2-core machine (2
-    shards a step: 1.3 ms, 5.5 ms at worst, and with `EXPIRE_STEP_S` of steps before
-    it, an 11.5 ms loop stall at 20M)."""
+    about 0.7 ms compiled (2 shards a step measured 1.3 ms, 5.5 ms at worst, on the
+    shared 2-core machine)."""
 
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:
