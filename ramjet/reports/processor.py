@@ -122,13 +122,51 @@ class QueuedApply:
 Job = SnapshotApply | QueuedApply | None
 
 
-def _slices(keys: Sequence[PrefixKey], step: int) -> Iterator[Sequence[PrefixKey]]:
-    if len(keys) <= step:
-        if keys:
-            yield keys
-        return
-    for i in range(0, len(keys), step):
-        yield keys[i : i + step]
+STEP_BUDGET_S = 0.002
+"""CPU seconds a step of an apply cut in steps aims at (`_Pacer`); `run_job` also yields
+to the loop once a turn has taken half of this."""
+MIN_PIECE_KEYS = 64
+
+
+class _Pacer:
+    """Piece sizes for an apply in steps: `snapshot_chunk_keys` at most, halved after a
+    piece that took over `STEP_BUDGET_S` of CPU (down to `MIN_PIECE_KEYS`), doubled back
+    after one under a third of it. A piece's cost is not its size alone: one that
+    grows many index shards at once pays their rehash and the first touch of their
+    memory (a new index's first pieces, a cluster of shards crossing their load)."""
+
+    __slots__ = ("_t0", "most", "pace", "size")
+
+    def __init__(self, most: int, pace: bool = True) -> None:
+        self.most = max(1, most)
+        self.size = self.most
+        self.pace = pace
+        self._t0 = 0.0
+
+    def slices(self, keys: Sequence[PrefixKey]) -> Iterator[Sequence[PrefixKey]]:
+        n = len(keys)
+        if n <= self.size:
+            if n:
+                yield keys
+            return
+        i = 0
+        while i < n:
+            size = self.size
+            yield keys[i : i + size]
+            i += size
+
+    def start(self) -> None:
+        if self.pace:
+            self._t0 = time.thread_time()
+
+    def stop(self) -> None:
+        if not self.pace:
+            return
+        took = time.thread_time() - self._t0
+        if took > STEP_BUDGET_S:
+            self.size = max(MIN_PIECE_KEYS, self.size // 2)
+        elif took < STEP_BUDGET_S / 3 and self.size < self.most:
+            self.size = min(self.most, self.size * 2)
 
 
 @dataclass(slots=True)
@@ -460,14 +498,18 @@ class ReportProcessor:
         try:
             async with st.lane:
                 done = 0
+                turn = time.thread_time()
                 while job.gen == st.gen and self._states.get(engine) is st:
                     n = next(job.steps, None)
                     if n is None:
                         break
                     done += n
-                    if done >= chunk:
+                    # a turn runs on past one step only while it is short: a slow step
+                    # (a cluster of rehashes) then never lands on top of another
+                    if done >= chunk or time.thread_time() - turn >= STEP_BUDGET_S / 2:
                         done = 0
                         await self.piece_pause()
+                        turn = time.thread_time()
         except BaseException:
             # cancelled mid-apply: the view misses the rest of the report
             st.snapshot_needed = True
@@ -481,28 +523,33 @@ class ReportProcessor:
     def _delta_steps(self, engine: EngineId, d: DeltaBody, now: float, transit_s: float) -> Steps:
         """A delta applied in steps of at most `snapshot_chunk_keys` keys, in its order."""
         t = self.tables
-        step = self.snapshot_chunk_keys if self.snapshot_chunk_keys > 0 else 1 << 30
+        chunked = self.snapshot_chunk_keys > 0
+        pacer = _Pacer(self.snapshot_chunk_keys if chunked else 1 << 30, chunked)
         for group in (*d.stored, *d.moved):
             ttl = None if group.ttl_ms is None else group.ttl_ms / 1000.0 - transit_s
             tier = group.tier_enum
-            for keys in _slices(group.keys, step):
+            for keys in pacer.slices(group.keys):
+                pacer.start()
                 if ttl is not None and ttl <= 0:
                     t.evict_global(engine, keys)
                 else:
                     t.store_global(engine, keys, tier, now, ttl)
+                pacer.stop()
                 yield len(keys)
-        for keys in _slices(d.evicted, step):
+        for keys in pacer.slices(d.evicted):
+            pacer.start()
             t.evict_global(engine, keys)
+            pacer.stop()
             yield len(keys)
         for swa in d.swa_created:
             ttl_s = swa.ttl_ms / 1000.0 - transit_s
-            for keys in _slices(swa.keys, step):
+            for keys in pacer.slices(swa.keys):
                 if ttl_s <= 0:
                     t.expire_swa(engine, keys)
                 else:
                     t.store_swa(engine, keys, now, ttl_s)
                 yield len(keys)
-        for keys in _slices(d.swa_expired, step):
+        for keys in pacer.slices(d.swa_expired):
             t.expire_swa(engine, keys)
             yield len(keys)
 
@@ -567,9 +614,11 @@ class ReportProcessor:
         parts) its staging; the last part's commit replaces the engine's content, in
         steps."""
         t = self.tables
-        step = self.snapshot_chunk_keys if self.snapshot_chunk_keys > 0 else 1 << 30
+        chunked = self.snapshot_chunk_keys > 0
+        pacer = _Pacer(self.snapshot_chunk_keys if chunked else 1 << 30, chunked)
         shift = 0.0 if mp is None else now - mp.now
-        for keys, tier, ttl in self._pieces(body, transit_s, step):
+        for keys, tier, ttl in self._pieces(body, transit_s, pacer):
+            pacer.start()
             staged = None if ttl is None else ttl + shift
             if tier is None:
                 t.store_swa(engine, keys, now, ttl)
@@ -579,6 +628,7 @@ class ReportProcessor:
                 t.store_global(engine, keys, tier, now, ttl)
                 if mp is not None and st.parts is mp:
                     mp.staging.add_global(keys, tier, staged)
+            pacer.stop()
             yield len(keys)
         if last and mp is not None and st.parts is mp:
             # in steps where the store cannot stage (Redis): the entries no part named go
@@ -593,23 +643,22 @@ class ReportProcessor:
             yield 0
 
     @staticmethod
-    def _pieces(s: SnapshotBody, transit_s: float, size: int) -> Iterator[_Piece]:
-        """(keys, tier, ttl_s) pieces of at most `size` keys, tier None for SWA states;
+    def _pieces(s: SnapshotBody, transit_s: float, pacer: _Pacer) -> Iterator[_Piece]:
+        """(keys, tier, ttl_s) pieces of `pacer`'s sizes, tier None for SWA states;
         groups whose TTL ran out in transit are left out."""
-        step = max(1, size)
         for g in s.residency:
             ttl = None if g.ttl_ms is None else g.ttl_ms / 1000.0 - transit_s
             if ttl is not None and ttl <= 0:
                 continue
             tier = g.tier_enum
-            for i in range(0, len(g.keys), step):
-                yield g.keys[i : i + step], tier, ttl
+            for keys in pacer.slices(g.keys):
+                yield keys, tier, ttl
         for w in s.swa:
             ttl_s = w.ttl_ms / 1000.0 - transit_s
             if ttl_s <= 0:
                 continue
-            for i in range(0, len(w.keys), step):
-                yield w.keys[i : i + step], None, ttl_s
+            for keys in pacer.slices(w.keys):
+                yield keys, None, ttl_s
 
     @staticmethod
     def _add_piece(staging: SnapshotStaging, piece: _Piece) -> None:
@@ -624,7 +673,7 @@ class ReportProcessor:
     ) -> None:
         staging = self.tables.stage_snapshot(engine, now)
         staging.reserve_global(sum(len(g.keys) for g in s.residency))
-        for piece in self._pieces(s, transit_s, 1 << 30):
+        for piece in self._pieces(s, transit_s, _Pacer(1 << 30, pace=False)):
             self._add_piece(staging, piece)
         staging.commit()
 
@@ -633,8 +682,11 @@ class ReportProcessor:
         staging = self.tables.stage_snapshot(engine, job.now)
         staging.reserve_global(sum(len(g.keys) for g in job.body.residency))
         try:
-            for piece in self._pieces(job.body, job.transit_s, self.snapshot_chunk_keys):
+            pacer = _Pacer(self.snapshot_chunk_keys)
+            for piece in self._pieces(job.body, job.transit_s, pacer):
+                pacer.start()
                 self._add_piece(staging, piece)
+                pacer.stop()
                 await self.piece_pause()
                 if job.abandoned:
                     return

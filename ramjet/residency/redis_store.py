@@ -48,9 +48,10 @@ from prometheus_client import CollectorRegistry
 
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.redis_link import RedisLink, RedisSettings
-from ramjet.residency.redis_ops import Batch, Clocks, put_op, remove_op, replace_op
+from ramjet.residency.redis_ops import TABLE_CODE, Batch, Clocks, put_op, remove_op, replace_op
+from ramjet.residency.redis_scripts import key16
 from ramjet.residency.redis_sync import RedisSync, StoreMetrics
-from ramjet.residency.store import Entry, MemoryStore, Table
+from ramjet.residency.store import Entry, ExactStager, MemoryStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 
@@ -116,10 +117,12 @@ class RedisStore:
 
     # -- the ResidencyStore contract (local, synchronous) --------------------------------
 
-    def stage_exact(self, table: Table, engine: EngineId, now: float) -> None:
-        """No staging: a snapshot reaches Redis as one `replace_exact` per table (sent in
-        chunks of `snapshot_chunk_entries`, each one script call)."""
-        return None
+    def stage_exact(self, table: Table, engine: EngineId, now: float) -> RedisStaging:
+        """A snapshot staged in pieces (`RedisStaging`): each piece goes into the
+        mirror's own staging and into the replace sent to Redis, one bounded step each;
+        the commit swaps the mirror and queues the replace (sent in chunks of
+        `snapshot_chunk_entries`, each one script call), as `replace_exact` would."""
+        return RedisStaging(self, table, engine, now)
 
     def exact_keys(self, table: Table, engine: EngineId) -> Iterator[list[PrefixKey]]:
         """The mirror's (what this replica's writes and the log made it)."""
@@ -227,3 +230,40 @@ class RedisStore:
     async def close(self) -> None:
         """Try once to flush queued writes (bounded by the link's timeout)."""
         await self.sync.close()
+
+
+class RedisStaging:
+    """`RedisStore.stage_exact`: the engine's next exact content of one table, built a
+    piece at a time (the caller yields to the event loop between pieces): into the
+    mirror's staging (`MemoryStore.stage_exact`: reads keep the old content) and into
+    the entries of the replace op. `commit` swaps the mirror's copy in and queues the
+    replace, which Redis takes in chunks: the same writes as `replace_exact` of every
+    piece at once, without its one long stretch (0.8 s of CPU at 180k entries)."""
+
+    __slots__ = ("_done", "_engine", "_entries", "_local", "_now", "_store", "_table")
+
+    def __init__(self, store: RedisStore, table: Table, engine: EngineId, now: float) -> None:
+        self._store = store
+        self._table = table
+        self._engine = engine
+        self._now = now
+        self._local: ExactStager = store.local.stage_exact(table, engine, now)
+        self._entries: list[list[Any]] = []
+        self._done = False
+
+    def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None:
+        self._local.add(keys, tier, expires_at)
+        t, exp_ms = int(tier), self._store._clocks.to_wall_ms(expires_at)
+        self._entries.extend([key16(k), t, exp_ms] for k in keys)
+
+    def reserve(self, keys: int) -> None:
+        self._local.reserve(keys)
+
+    def commit(self) -> None:
+        if self._done:
+            raise RuntimeError("staging already committed")
+        self._done = True
+        store = self._store
+        self._local.commit()
+        conf_ms = store._clocks.to_wall_ms(self._now)
+        store._op(self._engine, ["R", TABLE_CODE[self._table], conf_ms, self._entries])

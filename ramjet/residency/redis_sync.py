@@ -470,19 +470,24 @@ class RedisSync:
         self.local.purge(engine)
         if len(staging):
             staging.commit()
+        # the approximate and SWA entries after the swap, `PULL_STEP` at a time with a
+        # turn for the loop between (a replica's own routing can leave hundreds of
+        # thousands): in the pulled order, so the result is that of one stretch; a write
+        # made meanwhile reaches this mirror again through the log, after the pull
+        done = 0
         for table, exact, groups_in_order in pulled:
             if table is Table.GLOBAL and exact:
                 continue
             for (confirmed_ms, tier, exp_ms), block_keys in groups_in_order:
-                self.local.put(
-                    table,
-                    engine,
-                    block_keys,
-                    tier,
-                    now_local + (confirmed_ms / 1000 - now_wall),
-                    now_local + (exp_ms / 1000 - now_wall),
-                    exact,
-                )
+                confirmed = now_local + (confirmed_ms / 1000 - now_wall)
+                expires = now_local + (exp_ms / 1000 - now_wall)
+                for i in range(0, len(block_keys), PULL_STEP):
+                    piece = block_keys[i : i + PULL_STEP]
+                    if done + len(piece) > PULL_STEP:
+                        done = 0
+                        await asyncio.sleep(0)
+                    self.local.put(table, engine, piece, tier, confirmed, expires, exact)
+                    done += len(piece)
         self.tails[engine] = Tail(last_id=last_id or "0-0", gen=gen, synced=True)
         if epoch >= 0:
             self.note_cursor(engine, epoch, seq)

@@ -25,9 +25,10 @@ the engine's new exact content is built off to the side in pieces (`add(keys, ti
 expires_at)`, one C-level dict update per piece, so a caller can yield to the event loop
 between pieces) while reads keep seeing the old content, then `commit()` swaps it in
 at once: one engine's view is never half old, half new. `replace_exact` is the same in
-one call. A store that cannot stage (the Redis store) says so: its `stage_exact`
-returns None, and it is driven through `replace_exact` instead
-(`ramjet.residency.tables.SnapshotStaging`).
+one call. A store that cannot stage says so: its `stage_exact` returns None, and it
+is driven through `replace_exact` instead (`ramjet.residency.tables.SnapshotStaging`).
+The Redis store stages in its mirror and in the replace it sends
+(`ramjet.residency.redis_store.RedisStaging`).
 
 Capabilities are on the contract, never found out by the store's type: `stage_exact`
 (None: no staging), `mark_exact` (a snapshot in parts written to the live table, the
@@ -498,10 +499,11 @@ class MemoryStore:
     - `entries(GLOBAL, engine, True)` lists the index by shard, not by confirmation.
     """
 
-    sweep_shards: int = 2
+    sweep_shards: int = 1
     """Index shards (of `SHARDS`) swept per `expire_step` (and dropped per step of a
-    mark): at 20M blocks an engine's shard holds ~5k blocks, so a step is about 1-1.5
-    ms compiled (4 shards a step stalled the loop 13-14 ms at 20M)."""
+    mark): at 20M blocks an engine's shard holds ~5k blocks in ~8k slots, so a step is
+    about 0.7 ms compiled (2 shards a step measured 1.3 ms, 5.5 ms at worst, on the
+    shared 2-core machine)."""
 
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:
@@ -807,7 +809,7 @@ class MemoryStore:
             if e >= len(engines):
                 e, shard = 0, 0
             ix = self._exact[engines[e]]
-            if ix.count == 0 or ix.next_expiry() > now:
+            if ix.count == 0 or not ix.expiry_due(now):
                 e, shard = e + 1, 0
                 continue
             n, shard = ix.sweep(now, shard, self.sweep_shards)
@@ -820,8 +822,10 @@ class MemoryStore:
         return dropped
 
     def sweeping(self, now: float) -> bool:
-        """Whether an index holds a block expired at `now` (the sweep has work left)."""
-        return any(ix.count and ix.next_expiry() <= now for ix in self._exact.values())
+        """Whether an index holds a block expired at `now` (the sweep has work left); for
+        a few calls after a pass freed many runs, True while their entries are dropped
+        from the expiry heap a bounded number a call (`BlockIndex.expiry_due`)."""
+        return any(ix.count and ix.expiry_due(now) for ix in self._exact.values())
 
     def size(self, table: Table) -> int:
         if table is Table.GLOBAL:
@@ -912,12 +916,17 @@ class IndexMark:
 
     def drop_steps(self) -> Iterator[int]:
         store, engine, ix = self._store, self._engine, self._index
+        # the blocks older runs still hold, at most: the walk over the shards stops once
+        # it dropped that many (none, for a snapshot into an empty index: no walk)
+        left = ix.blocks_before(self._mark)
+        yield 0
         shard = 0
-        while shard < SHARDS:
+        while shard < SHARDS and left > 0:
             if store._exact.get(engine) is not ix:
                 return  # purged or replaced meanwhile: nothing of the mark is left
             n, looked, shard = ix.drop_before(self._mark, shard, store.sweep_shards)
             store._exact_count -= n
+            left -= n
             yield looked
         ix.reserve(0)  # later shards grow from the smallest again
         for _ in range(store._global_size() - store._cap):

@@ -360,10 +360,12 @@ class ResidencyTables:
         snapshot in parts). Over a store that can mark its live global table
         (`ResidencyStore.mark_exact`: the `MemoryStore`) the global pieces are not
         copied: the commit drops, in steps (`commit_steps`), the engine's exact global
-        entries written before the staging and not since (SWA is staged). Over a store
-        that cannot stage (Redis) the pieces are only marked (a compact key set), and
-        the commit drops, in steps, the engine's exact entries no piece named, instead
-        of sending the whole content again."""
+        entries written before the staging and not since (SWA is staged). Over a shared
+        store that cannot mark (Redis) the pieces are only marked (a compact key set),
+        and the commit drops, in steps, the engine's exact entries no piece named,
+        instead of sending the whole content again. Not additive, over Redis, each
+        piece is staged in the mirror and in the replace sent to Redis as it comes
+        (`RedisStore.stage_exact`): the commit is a swap and a queued replace."""
         return SnapshotStaging(self, engine, now, additive)
 
     def purge_engine(self, engine: EngineId) -> None:
@@ -424,8 +426,8 @@ class ResidencyTables:
 
 class SnapshotStaging:
     """See `ResidencyTables.stage_snapshot`. Over a store that can stage
-    (`ResidencyStore.stage_exact`, the `MemoryStore`) each piece goes into a staged map
-    at once; over any other the pieces are collected and handed to `replace_exact` at
+    (`ResidencyStore.stage_exact`: the in-process stores, Redis's) each piece goes into
+    a staged map at once; over any other the pieces are collected and handed to `replace_exact` at
     commit."""
 
     def __init__(
@@ -441,12 +443,16 @@ class SnapshotStaging:
         self._mark: ExactMark | None = store.mark_exact(Table.GLOBAL, engine) if additive else None
         to_stage = [t for t in Table if t is not Table.GLOBAL or self._mark is None]
         staged: dict[Table, ExactStager] = {}
-        for t in to_stage:
+        # additive over a shared store that cannot mark (Redis): the parts are already
+        # written, so no staged copy (its commit would send the whole content again):
+        # marks instead (below)
+        marks_only = additive and self._mark is None and store.shared() is not None
+        for t in [] if marks_only else to_stage:
             stager = store.stage_exact(t, engine, now)
             if stager is None:  # the store cannot stage: collect for replace_exact
                 break
             staged[t] = stager
-        self._staged = staged if len(staged) == len(to_stage) else None
+        self._staged = None if marks_only or len(staged) < len(to_stage) else staged
         if self._staged is None:
             self._mark = None
         self._marks: BlockIndex | None = None

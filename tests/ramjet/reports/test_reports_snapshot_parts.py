@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -282,3 +283,29 @@ def test_the_ring_keeps_the_newest_snapshots_parts_beyond_its_caps() -> None:
     for _ in range(30):  # later reports push the parts out: the ring stays bounded
         pub.publish_delta(stored(2))
     assert len(pub.frames_after(0, limit=100)) <= 2 + 9
+
+
+def test_pieces_shrink_after_a_slow_step_and_grow_back() -> None:
+    """An apply in steps cuts its pieces by their cost (`_Pacer`): a piece that took over
+    `STEP_BUDGET_S` of CPU halves the next ones (not below `MIN_PIECE_KEYS`), quick ones
+    double them back up to `snapshot_chunk_keys`; the slices cover every key in order."""
+    from ramjet.reports.processor import MIN_PIECE_KEYS, STEP_BUDGET_S, _Pacer
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    pacer = _Pacer(1024)
+    keys = tuple(map(PrefixKey, range(20_000)))
+    seen: list[int] = []
+    sizes: list[int] = []
+    for i, piece in enumerate(pacer.slices(keys)):
+        sizes.append(len(piece))
+        seen += piece
+        pacer.start()
+        spin(STEP_BUDGET_S * 1.5 if i < 6 else 0.0)
+        pacer.stop()
+    assert seen == list(keys)
+    assert sizes[:6] == [1024, 512, 256, 128, MIN_PIECE_KEYS, MIN_PIECE_KEYS]
+    assert max(sizes[6:]) == 1024  # back to the most once steps are quick again

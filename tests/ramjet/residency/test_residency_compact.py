@@ -293,3 +293,55 @@ def test_a_long_snapshot_through_the_store_matches_the_dict_store() -> None:
             old.store.get_many(Table.GLOBAL, ENGINES[0], keys, now, False)
         )
     assert new.size(Table.GLOBAL) == old.size(Table.GLOBAL) == 49_900
+
+
+def test_a_mark_drops_only_what_older_runs_still_hold_and_stops_there() -> None:
+    """`BlockIndex.blocks_before` bounds what a mark's drop can find: a snapshot in parts
+    into an empty index drops without walking the shards (2 steps, not one per shard),
+    and over an older content it drops exactly the blocks no part named."""
+    rng = random.Random(4)
+    store = MemoryStore({Table.GLOBAL: 100_000, Table.SWA: 10})
+    e = ENGINES[0]
+    new = [PrefixKey(rng.getrandbits(64)) for _ in range(5_000)]
+    mark = store.mark_exact(Table.GLOBAL, e)
+    assert mark is not None
+    store.put(Table.GLOBAL, e, new, Tier.HOST, 0.0, 100.0, True)
+    assert len(list(mark.drop_steps())) == 2
+    assert store.size(Table.GLOBAL) == len(new)
+    again = store.mark_exact(Table.GLOBAL, e)
+    assert again is not None
+    store.put(Table.GLOBAL, e, new[:1_000], Tier.SSD, 1.0, 100.0, True)
+    assert store._exact[e].blocks_before(store._exact[e].mark()) == 1_000 + 4_000
+    steps = list(again.drop_steps())
+    assert len(steps) > 2 and store.size(Table.GLOBAL) == 1_000
+    got = store.get_many(Table.GLOBAL, e, new, 1.0, False)
+    assert [x is not None for x in got] == [True] * 1_000 + [False] * 4_000
+
+
+def test_runs_freed_together_leave_the_expiry_heap_in_bounded_steps() -> None:
+    """A sweep's pass frees its expired runs together (in its last shards): whether more
+    expiry is due is answered dropping a bounded number of their heap entries a call
+    (a burst of ~10k at 20M blocks was a 5-10 ms stall), True meanwhile, never False
+    while a live run is expired; the sweep then ends with what `expire` leaves."""
+    from ramjet.residency.index import _DUE_POPS
+
+    rng = random.Random(8)
+    ix = BlockIndex()
+    for _ in range(3 * _DUE_POPS):
+        run = ix.new_run(0.0, 10.0)
+        ix.put(rng.getrandbits(64), run, 0)
+        ix.close_run(run)
+    keep = ix.new_run(0.0, 100.0)
+    ix.put(rng.getrandbits(64), keep, 1)
+    ix.close_run(keep)
+    start = 0
+    while start < SHARDS:
+        _, start = ix.sweep(20.0, start, 512)
+    assert ix.count == 1 and len(ix._expiry) == 3 * _DUE_POPS + 1
+    answers = []
+    while ix.expiry_due(20.0):
+        answers.append(len(ix._expiry))
+    # True twice (its bound reached, dead entries left), then False: every dead entry
+    # dropped and the live run expires at 100
+    assert answers == [2 * _DUE_POPS + 1, _DUE_POPS + 1] and len(ix._expiry) == 1
+    assert ix.next_expiry() == 100.0 and ix.expiry_due(100.0)

@@ -7,6 +7,7 @@ import random
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -473,3 +474,54 @@ async def test_a_seed_of_a_large_mirror_yields_to_the_loop(server: RedisProcess)
     finally:
         for s in (a, b):
             await s.link.close()
+
+
+async def test_a_full_pull_puts_swa_and_approximate_entries_in_steps(
+    server: RedisProcess,
+) -> None:
+    """A full pull puts the engine's SWA and approximate entries (a replica's own routing
+    can leave hundreds of thousands) `PULL_STEP` at a time with a turn for the loop
+    between, as it stages the exact ones: a coroutine beside it never sees more than
+    `PULL_STEP` of them arrive in one turn, and the mirror ends with every one."""
+    # a timeout for a loaded machine: this test is about the loop, not Redis's latency
+    settings = RedisSettings(url=server.url, timeout_ms=5_000)
+    a = RedisStore(RedisLink(settings, CollectorRegistry()), CFG, (E0,))
+    rng = random.Random(9)
+    n = 3 * PULL_STEP
+    swa = [PrefixKey(rng.getrandbits(64)) for _ in range(n)]
+    guessed = [PrefixKey(rng.getrandbits(64)) for _ in range(n)]
+    now = a.clock()
+    with a.report(E0, 1, 1):
+        a.put(Table.SWA, E0, swa, Tier.HBM, now, now + 600, True)
+    a.put(Table.GLOBAL, E0, guessed, Tier.HBM, now, now + 600, False)
+    fresh = RedisStore(RedisLink(a.settings, CollectorRegistry()), CFG, (E0,))  # one pull
+    seen: list[tuple[int, int]] = []  # (SWA entries, global entries) at each turn
+    done = False
+
+    async def beside() -> None:
+        while not done:
+            seen.append((fresh.local.size(Table.SWA), fresh.local.size(Table.GLOBAL)))
+            await asyncio.sleep(0)
+
+    try:
+        while a.pending:
+            await a.sync_once()
+        task = asyncio.create_task(beside())
+        await asyncio.sleep(0)
+        try:
+            await fresh.sync_once()  # a full pull
+        finally:
+            done = True
+            await task
+        seen.append((fresh.local.size(Table.SWA), fresh.local.size(Table.GLOBAL)))
+        assert seen[-1] == (n, n)
+        for i in (0, 1):
+            grew = max(b[i] - s[i] for s, b in pairwise(seen))
+            assert 0 < grew <= PULL_STEP, (i, grew)
+        t = fresh.clock()
+        assert None not in fresh.local.get_many(Table.SWA, E0, swa, t, False)
+        assert None not in fresh.local.get_many(Table.GLOBAL, E0, guessed, t, True)
+    finally:
+        await a.close()
+        await a.link.close()
+        await fresh.link.close()
