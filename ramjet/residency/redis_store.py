@@ -248,13 +248,17 @@ class RedisStaging:
         self._engine = engine
         self._now = now
         self._local: ExactStager = store.local.stage_exact(table, engine, now)
-        self._entries: list[list[Any]] = []
+        self._entries: list[tuple[str, int, int]] = []
         self._done = False
 
     def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None:
         self._local.add(keys, tier, expires_at)
         t, exp_ms = int(tier), self._store._clocks.to_wall_ms(expires_at)
-        self._entries.extend([key16(k), t, exp_ms] for k in keys)
+        # tuples, not lists: a tuple of a string and ints leaves the cyclic GC's tracking
+        # at its first collection, while a list stays tracked; hundreds of thousands of
+        # entries held until the commit made every gen-2 collection walk them, the
+        # longest loop stalls of a large snapshot over Redis (135 ms CPU at 450k keys)
+        self._entries.extend([(key16(k), t, exp_ms) for k in keys])
 
     def reserve(self, keys: int) -> None:
         self._local.reserve(keys)
