@@ -7,10 +7,10 @@ import gc
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -27,6 +27,8 @@ from ramjet.residency.store import Table
 from ramjet.residency.tables import ResidencyTables
 from ramjet.types import EngineId, PrefixKey, Tier
 
+T = TypeVar("T")
+
 pytestmark = pytest.mark.redis
 E0, E1 = EngineId("e0"), EngineId("e1")
 CFG = ResidencyConfig()
@@ -36,6 +38,27 @@ CFG = ResidencyConfig()
 def server() -> Iterator[RedisProcess]:
     with redis_server() as s:
         yield s
+
+
+async def turns_during(work: Awaitable[None], sample: Callable[[], T]) -> list[T]:
+    """`sample()` at each event-loop turn that a coroutine beside `work` gets while `work`
+    runs (the first before `work` starts)."""
+    seen: list[T] = []
+    done = False
+
+    async def beside() -> None:
+        while not done:
+            seen.append(sample())
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(beside())
+    await asyncio.sleep(0)
+    try:
+        await work
+    finally:
+        done = True
+        await task
+    return seen
 
 
 def make(server: RedisProcess, **kw: object) -> tuple[RedisStore, CollectorRegistry]:
@@ -391,24 +414,13 @@ async def test_a_full_pull_yields_to_the_loop_and_never_shows_half_a_pull(
             calls += 1
 
     fresh.link.call = counted  # type: ignore[method-assign]
-    seen: list[tuple[int, int]] = []  # (Redis calls done, mirror size) at each turn
-    done = False
-
-    async def beside() -> None:
-        while not done:
-            seen.append((calls, fresh.local.size(Table.GLOBAL)))
-            await asyncio.sleep(0)
-
     try:
         while a.pending:
             await a.sync_once()
-        task = asyncio.create_task(beside())
-        await asyncio.sleep(0)
-        try:
-            await fresh.sync_once()  # a full pull
-        finally:
-            done = True
-            await task
+        # (Redis calls done, mirror size) at each turn of a full pull
+        seen = await turns_during(
+            fresh.sync_once(), lambda: (calls, fresh.local.size(Table.GLOBAL))
+        )
         assert fresh.local.size(Table.GLOBAL) == n
         # the pull's last Redis call is the round's last: in one step, no turn followed it
         after_last_call = [size for c, size in seen if c == calls]
@@ -497,25 +509,15 @@ async def test_a_full_pull_puts_swa_and_approximate_entries_in_steps(
         a.put(Table.SWA, E0, swa, Tier.HBM, now, now + 600, True)
     a.put(Table.GLOBAL, E0, guessed, Tier.HBM, now, now + 600, False)
     fresh = RedisStore(RedisLink(a.settings, CollectorRegistry()), CFG, (E0,))  # one pull
-    seen: list[tuple[int, int]] = []  # (SWA entries, global entries) at each turn
-    done = False
 
-    async def beside() -> None:
-        while not done:
-            seen.append((fresh.local.size(Table.SWA), fresh.local.size(Table.GLOBAL)))
-            await asyncio.sleep(0)
+    def sizes() -> tuple[int, int]:  # (SWA entries, global entries)
+        return fresh.local.size(Table.SWA), fresh.local.size(Table.GLOBAL)
 
     try:
         while a.pending:
             await a.sync_once()
-        task = asyncio.create_task(beside())
-        await asyncio.sleep(0)
-        try:
-            await fresh.sync_once()  # a full pull
-        finally:
-            done = True
-            await task
-        seen.append((fresh.local.size(Table.SWA), fresh.local.size(Table.GLOBAL)))
+        seen = await turns_during(fresh.sync_once(), sizes)  # at each turn of a full pull
+        seen.append(sizes())
         assert seen[-1] == (n, n)
         for i in (0, 1):
             grew = max(b[i] - s[i] for s, b in pairwise(seen))
