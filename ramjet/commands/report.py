@@ -3,7 +3,9 @@ summary of a decision log: agreement, TTFT and cached-token prediction error
 percentiles, estimated gain, by UTC hour and overall (`ramjet.decisions.summary`), as a
 table; then the online calibration: the calibrated TTFT prediction's |relative error|
 beside the raw profile's, overall and after the first N requests (`--warmup`, 16), and
-after how many requests the rolling median of 10 stayed within 15%. Plots (matplotlib
+after how many requests the rolling median of 10 stayed within 15%, and the error split
+by whether a request shared its first-token step with a later arrival (the part of the
+error no prediction at the decision can remove). Plots (matplotlib
 with the Agg backend, imported only here, so the router never needs it): predicted vs
 realized TTFT, and the |relative error| over time, calibrated and raw. Exit 1 if the log
 holds no decision lines, 2 if it cannot be read.
@@ -17,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ramjet.decisions.summary import (
+    SAME_STEP_S,
+    batching_rows,
     calibration_rows,
     load,
     percentile,
@@ -136,6 +140,12 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print("TTFT prediction, online-calibrated beside the profile as probed:")
     sys.stdout.write(table(calibration_rows(entries, args.warmup)))
+    print()
+    print(
+        "Calibrated error by what the decision could see (first tokens within "
+        f"{SAME_STEP_S * 1000:.0f} ms on one engine: one engine step):"
+    )
+    sys.stdout.write(table(batching_rows(entries, args.warmup)))
     took = settled_after(relative_errors(entries, "ttft_s"))
     if took is None:
         print("calibration: the rolling median of 10 |rel err| is not within 15% yet")

@@ -216,14 +216,83 @@ def relative_errors(entries: Iterable[dict[str, Any]], name: str) -> list[float]
     """Per answered line in order: |`name` predicted on the answering engine - realized|
     / realized TTFT (`ttft_s`: the calibrated prediction; `ttft_raw_s`: the profile as
     probed). Lines without the figure are skipped."""
+    return [err for _, err in _scored(entries, name)]
+
+
+def _scored(entries: Iterable[dict[str, Any]], name: str) -> list[tuple[dict[str, Any], float]]:
     out = []
     for e in entries:
         p = predicted(e, e.get("engine"), name)
         r = e.get("realized_ttft_s")
         if p is None or r is None or not answered(e) or float(r) <= 0:
             continue
-        out.append(abs(p - float(r)) / float(r))
+        out.append((e, abs(p - float(r)) / float(r)))
     return out
+
+
+SAME_STEP_S = 0.005
+"""First tokens this close together on one engine came out of one engine step."""
+
+
+def batched_with_later(
+    requests: Sequence[tuple[str | None, float, float]], same_step_s: float = SAME_STEP_S
+) -> list[bool]:
+    """Per request (engine, sent at, TTFT): whether a request sent to the same engine
+    after it reached its first token in the same engine step (within `same_step_s`).
+
+    A batching engine (vLLM, SGLang) prefills every request waiting when a step starts
+    in that step, and all of them get their first token at its end; a request's TTFT
+    then includes the prefill of requests that arrived after its routing decision,
+    which no prediction made at the decision can see. Splitting the error by this flag
+    says how much of it is that."""
+    out = [False] * len(requests)
+    by_engine: dict[str, list[tuple[float, float, int]]] = {}
+    for i, (engine, sent, ttft) in enumerate(requests):
+        if engine is not None:
+            by_engine.setdefault(engine, []).append((sent + ttft, sent, i))
+    for items in by_engine.values():
+        items.sort()
+        for k, (first, sent, i) in enumerate(items):
+            for step in (-1, 1):
+                j = k + step
+                while 0 <= j < len(items) and abs(items[j][0] - first) <= same_step_s:
+                    if items[j][1] > sent:
+                        out[i] = True
+                        break
+                    j += step
+    return out
+
+
+def batching_rows(entries: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
+    """The calibrated |relative error| split by `batched_with_later`: requests that shared
+    their first-token step with a later arrival, and the rest."""
+    scored = _scored(entries, "ttft_s")
+    flags = batched_with_later(
+        [(e["engine"], float(e.get("t") or 0.0), float(e["realized_ttft_s"])) for e, _ in scored]
+    )
+    rows = []
+    for label, want in (
+        ("alone or last in its step", False),
+        ("batched with a later arrival", True),
+    ):
+        errs = [err for (_, err), f in zip(scored, flags, strict=True) if f is want]
+        after = [
+            err
+            for k, ((_, err), f) in enumerate(zip(scored, flags, strict=True))
+            if f is want and k >= warmup
+        ]
+        rows.append(
+            {
+                "requests": label,
+                "count": len(errs),
+                "share": len(errs) / len(scored) if scored else math.nan,
+                "|rel_err|_p50": percentile(errs, 50),
+                "|rel_err|_p90": percentile(errs, 90),
+                f"after_{warmup}_p50": percentile(after, 50),
+                f"after_{warmup}_p90": percentile(after, 90),
+            }
+        )
+    return rows
 
 
 def settled_after(errors: Sequence[float], target: float = 0.15, window: int = 10) -> int | None:

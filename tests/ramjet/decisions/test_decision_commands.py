@@ -10,7 +10,7 @@ from test_accounting import record
 
 from ramjet.cli import main
 from ramjet.decisions.log import DecisionLog, decision_entry, parse_realized
-from ramjet.decisions.summary import percentile, summarize
+from ramjet.decisions.summary import batched_with_later, percentile, summarize
 from ramjet.policy.base import Decision, FleetStats, KeyedQueue
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.profile import CurvePoint, EngineProfile
@@ -132,3 +132,38 @@ def test_explain_shows_the_jump_charge_for_keyed_engines_only(
     assert float(a_cells[at]) == pytest.approx(jump, rel=1e-3)
     assert float(a_cells[cols.index("extern_s")]) >= float(a_cells[at])  # part of it
     assert b_cells[at] == "-"  # no keyed pool: no jump charge, shown absent
+
+
+def test_a_request_is_batched_only_with_a_later_arrival_in_its_own_engine_step() -> None:
+    flags = batched_with_later(
+        [
+            ("a", 0.000, 0.200),  # first tokens at 0.200: r1 arrived after it, same step
+            ("a", 0.010, 0.1905),  # the later arrival itself: nothing came after it
+            ("b", 0.020, 0.180),  # same instant, other engine: not a batchmate of r0
+            ("a", 0.300, 0.200),  # alone
+            ("a", 0.310, 0.196),  # 6 ms after r3's first token: the next step
+            (None, 0.0, 0.2),  # no engine answered
+        ]
+    )
+    assert flags == [True, False, False, False, False, False]
+
+
+def test_report_splits_the_error_by_later_batchmates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "d.jsonl"
+    lg = DecisionLog(log)
+    for i, (sent, ttft) in enumerate([(0.0, 0.30), (0.02, 0.28), (1.0, 0.2), (2.0, 0.2)]):
+        r = record(inc="e0", cand="e0", ttft=ttft)
+        object.__setattr__(r, "request_id", f"r{i}")
+        object.__setattr__(r, "time_unix", 1_700_000_000.0 + sent)
+        lg.submit(r, parse_realized(r.response_tail))
+    lg.close()
+    assert main(["report", str(log), "--no-plot", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    rows = {}
+    for label in ("alone or last in its step", "batched with a later arrival"):
+        line = next(x for x in out.splitlines() if x.startswith(label))
+        rows[label] = line[len(label) :].split()[:2]  # count, share
+    assert rows["alone or last in its step"] == ["3", "0.75"]
+    assert rows["batched with a later arrival"] == ["1", "0.25"]
