@@ -1,6 +1,7 @@
 """The router's synchronous per-request Python, stage by stage, in one process, no sockets.
 
     .venv/bin/python benchmarks/request_path_cpu.py [--calls 20000] [--repeat 7] [--show-line]
+        [--inflight N]
 
 Builds the router of `benchmarks/proxy_overhead.py`'s `ramjet_observe` (two engines,
 prefix_affinity live, tier_aware recorded; the decision log off, its line built and
@@ -13,7 +14,9 @@ prediction errors), the decision log's line (built and encoded: the writer threa
 work) and its queue. Every stage's result is checked (a decision names an engine offered,
 the line names the request and both picks). Printed: us per call and each stage's share
 of their sum; the socket writes, the event loop and the HTTP layers are not in it
-(`benchmarks/proxy_profile.py` samples those).
+(`benchmarks/proxy_profile.py` samples those). `--inflight N` opens N of the router's
+requests on each engine first (as `proxy_overhead.py`'s 32 connections over two engines
+leave about 16 each): tier_aware prices each one's prefill in its wait.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ramjet.app.wiring import build  # noqa: E402
 from ramjet.config import parse_policy  # noqa: E402
 from ramjet.decisions.log import _ENCODER, DecisionLog, decision_entry, parse_realized  # noqa: E402
 from ramjet.decisions.record import DecisionRecord  # noqa: E402
+from ramjet.fleet.engines import Ticket  # noqa: E402
 from ramjet.fleet.views import engine_views  # noqa: E402
 from ramjet.policy.fleet_stats import fleet_stats  # noqa: E402
 from ramjet.proxy.exchange import Attempt, ForwardResult  # noqa: E402
@@ -74,6 +78,12 @@ def main() -> int:
     ap.add_argument(
         "--show-line", action="store_true", help="also print the decision line it times"
     )
+    ap.add_argument(
+        "--inflight",
+        type=int,
+        default=0,
+        help="the router's requests open on each engine while timing (default 0)",
+    )
     args = ap.parse_args()
     cfg = parse_policy(
         {
@@ -92,6 +102,9 @@ def main() -> int:
     for e in router.fleet.engines:
         e.probe_ok = True
     t0 = router.clock()
+    tickets = [  # requests in flight: each is priced at its own context in tier_aware's wait
+        Ticket(e, 30 + i, t0, 0) for e in router.fleet.engines for i in range(args.inflight)
+    ]
     for i in range(50):  # a measured arrival rate: tier_aware's externality term is live
         router.arrivals.arrive(t0 - 1 + i * 0.02)
     lim, heads = router.parse_limits, {"Content-Type": "application/json"}
@@ -163,6 +176,8 @@ def main() -> int:
         print(f"  {name:38s} {us:7.2f} {share}")
     print(f"  {'sum (picks counted once, in decide)':38s} {total:7.2f}")
     log.close()
+    for ticket in tickets:
+        ticket.close()
     return 0
 
 

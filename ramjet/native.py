@@ -74,6 +74,7 @@ COMPILED: tuple[str, ...] = (
     "ramjet.policy.baselines",
     "ramjet.policy.candidates",
     "ramjet.policy.cost",
+    "ramjet.policy.curve",
     "ramjet.policy.fleet_stats",
     "ramjet.policy.priority_key",
     "ramjet.policy.session_load",

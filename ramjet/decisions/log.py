@@ -162,19 +162,31 @@ def _round(v: float) -> float:
     return float(f"{f:.6g}")
 
 
+_FIGURES: dict[float, float] = {}
+"""Figures already formatted, by value, kept across lines (the writer thread is their
+only user): requests of one size and load repeat their predictions' figures (`prefill_s`
+of a prompt length, `wait_s` of a queue), and equal numbers format alike. Forgotten at
+once at `_FIGURES_SIZE`."""
+_FIGURES_SIZE = 4096
+
+
 def _rounded(c: Mapping[str, float], memo: dict[float, float]) -> dict[str, float]:
-    """`{k: _round(v)}` over `c`, `_round` inline. `memo` holds this line's formatted
-    figures: a prediction repeats its figures (`prefill_s` = `work_s` without a restore,
-    `ttft_s` = `cost_s` without an externality), and equal numbers format alike. Zeros
-    never reach it (-0.0 == 0.0)."""
-    out = {}
-    for k, v in c.items():
+    """`{k: _round(v)}` over `c`, `_round` inline. `memo` holds formatted figures (the
+    line's, or `_FIGURES`): a prediction repeats its figures (`prefill_s` = `work_s`
+    without a restore, `ttft_s` = `cost_s` without an externality), and equal numbers
+    format alike. Zeros never reach it (-0.0 == 0.0). A plain dict (every policy's
+    components are) is walked as one, which compiles to a direct walk."""
+    out: dict[str, float] = {}
+    items: dict[str, float] = c if isinstance(c, dict) else dict(c)
+    for k, v in items.items():
         f = float(v)
         if f == 0.0 or (-1e6 < f < 1e6 and f == int(f)):
             out[k] = f
         else:
             r = memo.get(f)
             if r is None:
+                if len(memo) >= _FIGURES_SIZE:
+                    memo.clear()
                 r = memo[f] = float(f"{f:.6g}")
             out[k] = r
     return out
@@ -216,7 +228,8 @@ def predicted_for(d: Decision | None, engine: str | None, name: str) -> float | 
 def decision_entry(record: DecisionRecord, realized: RealizedWork | None) -> dict[str, Any]:
     """The JSON-able line for one record (schema: module docstring)."""
     rt, source = realized_ttft(record, realized)
-    memo: dict[float, float] = {}
+    memo = _FIGURES
+    live = _pick(record.live)  # the same object as one of the other two: one dict
     return {
         "v": SCHEMA_VERSION,
         "id": record.request_id,
@@ -227,9 +240,9 @@ def decision_entry(record: DecisionRecord, realized: RealizedWork | None) -> dic
         "stream": record.stream,
         "mode": record.mode,
         "live_role": record.live_role,
-        "live": _pick(record.live),
-        "incumbent": _pick(record.incumbent),
-        "candidate": _pick(record.candidate),
+        "live": live,
+        "incumbent": live if record.incumbent is record.live else _pick(record.incumbent),
+        "candidate": live if record.candidate is record.live else _pick(record.candidate),
         "candidate_error": record.candidate_error,
         "candidate_ms": _round(record.candidate_s * 1e3),
         "predicted": _components(record.candidate, memo),

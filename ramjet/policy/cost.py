@@ -234,11 +234,12 @@ def prompt_work(
     # Only the winner becomes a `Work` (this runs per engine per decision); each point is
     # compared by its sum restore + replay + prefill, as `Work.work_s` adds it.
     resume, tokens, restore, replay = "cold", 0, 0.0, 0.0
-    prefill = profile.prefill_seconds(n, 0)
+    curve = profile.curve()  # the compiled curve, asked up to three times here
+    prefill = curve.seconds(n, 0)
     best = restore + replay + prefill
     if g > 0:
         r, f = _restore(profile, host, ssd) + pool_s, profile.replay_floor_s
-        p = profile.prefill_seconds(n - g, g)
+        p = curve.seconds(n - g, g)
         if r + f + p <= best:
             resume, tokens, restore, replay, prefill, best = "global", g, r, f, p, r + f + p
     q = min(swa_tokens, g)
@@ -249,7 +250,7 @@ def prompt_work(
     if q > 0:
         share = min(q / g, 1.0) if g > 0 else 0.0
         r = _restore(profile, host * share, ssd * share) + pool_s * share + swa_pull_s
-        p = profile.prefill_seconds(n - q, q)
+        p = curve.seconds(n - q, q)
         if r + 0.0 + p <= best:
             resume, tokens, restore, replay, prefill = "swa", q, r, 0.0, p
     return Work(resume, tokens, restore, replay, prefill)
@@ -336,16 +337,17 @@ def queued_seconds(
     """The prefill time of `queued` outstanding prompt tokens: each of the router's `jobs`
     (new tokens, context tokens) at its own context, and the tokens beyond theirs (another
     router's, a reported queue's) as one prompt from context 0; one prefill overhead."""
+    curve = profile.curve()  # the compiled curve: asked once per job in flight
     if not jobs:
-        return profile.prefill_seconds(queued, 0)
-    over = profile.prefill_overhead_s
+        return curve.seconds(queued, 0)
+    over = curve.overhead_s
     total, counted = over, 0
     for n, context in jobs:
         if n > 0:
-            total += profile.prefill_seconds(n, context) - over
+            total += curve.seconds(n, context) - over
             counted += n
     if queued > counted:
-        total += profile.prefill_seconds(queued - counted, 0) - over
+        total += curve.seconds(queued - counted, 0) - over
     return total
 
 

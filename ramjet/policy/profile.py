@@ -17,13 +17,12 @@ segment must not run the prediction away. A flat curve is a constant tokens/s en
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ramjet.policy.curve import PrefillCurve
 from ramjet.types import Tier
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -81,64 +80,28 @@ class EngineProfile(BaseModel):
 
     # -- the curve ---------------------------------------------------------------
 
-    def _curve(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(context tokens, seconds per token) of the curve as tuples, made once per curve:
-        the cost model reads it several times per engine per request, and building the
-        lists on each call was most of a decision's time. Kept beside the fields (as a
-        cached_property would be) with the list it was made from, so a `model_copy` with
-        another curve makes its own."""
-        pts = self.prefill_curve
+    def curve(self) -> PrefillCurve:
+        """The curve and overhead as a `PrefillCurve` (compiled: `ramjet.policy.curve`),
+        made once per curve: the cost model reads it several times per engine per
+        request. Kept beside the fields (as a cached_property would be) with the list and
+        overhead it was made from, so a `model_copy` with another curve or overhead makes
+        its own."""
+        pts, over = self.prefill_curve, self.prefill_overhead_s
         memo = self.__dict__.get("_curve_memo")
-        if memo is None or memo[0] is not pts:
-            memo = (pts, tuple(float(p.context_tokens) for p in pts))
-            memo += (tuple(p.seconds_per_token for p in pts),)
+        if memo is None or memo[0] is not pts or memo[1] != over:
+            xs = tuple(float(p.context_tokens) for p in pts)
+            memo = (pts, over, PrefillCurve(xs, tuple(p.seconds_per_token for p in pts), over))
             self.__dict__["_curve_memo"] = memo
-        return memo[1], memo[2]
+        curve: PrefillCurve = memo[2]
+        return curve
 
     def _rate(self, x: float) -> float:
-        xs, ys = self._curve()
-        if len(xs) == 1:
-            return ys[0]
-        i = bisect.bisect_right(xs, x) - 1
-        i = min(max(i, 0), len(xs) - 2)
-        if x < xs[i]:  # before the first point: hold flat
-            return ys[i]
-        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
-        if x > xs[-1]:
-            # past the last point: no faster than the whole curve's trend (a noisy last
-            # segment must not run away), and never falling below the last rate
-            trend = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
-            return ys[-1] + max(0.0, min(slope, trend)) * (x - xs[-1])
-        return max(0.0, ys[i] + slope * (x - xs[i]))
+        return self.curve().rate(x)
 
     def prefill_seconds(self, new_tokens: int, context_tokens: int = 0) -> float:
-        """Time to prefill `new_tokens` on top of `context_tokens` cached ones. Answers are
-        kept (up to 4096, then forgotten at once): one decision asks the same figure
-        several times (the stand-in profile, then each engine priced with it), and the
-        answer depends only on the arguments, the curve and the overhead."""
-        if new_tokens <= 0:
-            return 0.0
-        memo = self.__dict__.get("_prefill_memo")
-        if memo is None or memo[0] is not self.prefill_curve or memo[1] != self.prefill_overhead_s:
-            memo = (self.prefill_curve, self.prefill_overhead_s, {})
-            self.__dict__["_prefill_memo"] = memo
-        answers: dict[tuple[int, int], float] = memo[2]
-        key = (new_tokens, context_tokens)
-        got = answers.get(key)
-        if got is None:
-            if len(answers) >= 4096:
-                answers.clear()
-            got = answers[key] = self._prefill_seconds(new_tokens, context_tokens)
-        return got
-
-    def _prefill_seconds(self, new_tokens: int, context_tokens: int) -> float:
-        lo, hi = float(context_tokens), float(context_tokens + new_tokens)
-        xs = self._curve()[0]
-        knots = (lo, *xs[bisect.bisect_right(xs, lo) : bisect.bisect_left(xs, hi)], hi)
-        total = 0.0
-        for a, b in itertools.pairwise(knots):
-            total += (self._rate(a) + self._rate(b)) / 2 * (b - a)  # exact: rate is linear
-        return self.prefill_overhead_s + total
+        """Time to prefill `new_tokens` on top of `context_tokens` cached ones
+        (`PrefillCurve.seconds`: answers are kept)."""
+        return self.curve().seconds(new_tokens, context_tokens)
 
     def restore_seconds(self, tokens_by_tier: Sequence[int]) -> float:
         """Restore time for (hbm, host, ssd) token counts; HBM is free."""

@@ -384,6 +384,34 @@ def test_the_curve_extrapolates_no_faster_than_the_measured_trend() -> None:
     assert falling._rate(4096) == pytest.approx(2e-4)
 
 
+def test_a_profile_that_was_asked_copies_pickles_and_rebuilds_its_curve() -> None:
+    """A profile keeps its curve (`EngineProfile.curve`, a compiled class on the built
+    router) beside its fields once asked: a deep copy, a pickle and a `model_copy(deep=
+    True)` of it answer as it does (the compiled class failed all three before it said
+    how to remake itself), and a `model_copy` with another curve or overhead answers by
+    its own figures, not the first one's kept answers."""
+    import copy
+    import pickle
+
+    asked = V41_FLASH_TP4_ESTIMATE.model_copy()
+    want = [asked.prefill_seconds(n, c) for n, c in ((100, 0), (5000, 200_000), (1, 2_000_000))]
+    for twin in (
+        copy.deepcopy(asked),
+        pickle.loads(pickle.dumps(asked)),
+        asked.model_copy(deep=True),
+    ):
+        assert twin == asked
+        got = [twin.prefill_seconds(n, c) for n, c in ((100, 0), (5000, 200_000), (1, 2_000_000))]
+        assert got == want
+    slower = asked.model_copy(update={"prefill_overhead_s": asked.prefill_overhead_s + 1.0})
+    assert slower.prefill_seconds(100, 0) == pytest.approx(want[0] + 1.0)
+    flat = asked.model_copy(
+        update={"prefill_curve": [CurvePoint(context_tokens=0, seconds_per_token=1e-3)]}
+    )
+    assert flat.prefill_seconds(100, 0) == pytest.approx(asked.prefill_overhead_s + 0.1)
+    assert asked.prefill_seconds(100, 0) == want[0]
+
+
 def test_each_waiting_request_costs_its_own_chunk_on_a_one_prefill_per_step_engine() -> None:
     from dataclasses import replace
 
