@@ -198,12 +198,15 @@ Cell = dict[str, tuple[float, float, float]]
 """policy → (mean TTFT, p99 TTFT, utilisation), means over seeds."""
 
 
-def load_grid(name: str, fabric: str) -> tuple[dict[float, Cell], int, int]:
-    """Per load: each policy's figures averaged over the seeds present; the number of
-    seeds and of failed runs."""
-    acc: dict[float, dict[str, list[tuple[float, float, float]]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
+Seeds = dict[float, dict[str, list[tuple[float, float, float]]]]
+"""load → policy → per seed (mean TTFT, p99 TTFT, utilisation), in seed order."""
+
+
+def load_seeds(name: str, fabric: str) -> tuple[Seeds, int, int]:
+    """Per load, each policy's figures in every seed present, rows present in every seed
+    only (`oracle:run:` and `oracle:as:` rows may not be); the number of seeds and of
+    failed runs."""
+    acc: Seeds = defaultdict(lambda: defaultdict(list))
     seeds = failed = 0
     for d in sorted(OUT.glob(f"{name}_{fabric}_s*")):
         if not (d / "results.csv").exists():
@@ -216,8 +219,18 @@ def load_grid(name: str, fabric: str) -> tuple[dict[float, Cell], int, int]:
                 acc[load][rec["policy"]].append(
                     (float(rec["ttft_mean_s"]), float(rec["ttft_p99_s"]), float(rec["utilization"]))
                 )
+    out: Seeds = {
+        load: {p: vs for p, vs in pols.items() if len(vs) == seeds} for load, pols in acc.items()
+    }
+    return out, seeds, failed
+
+
+def load_grid(name: str, fabric: str) -> tuple[dict[float, Cell], int, int]:
+    """Per load: each policy's figures averaged over the seeds present (`load_seeds`);
+    the number of seeds and of failed runs."""
+    per_seed, seeds, failed = load_seeds(name, fabric)
     out: dict[float, Cell] = {}
-    for load, pols in acc.items():
+    for load, pols in per_seed.items():
         out[load] = {
             p: (
                 statistics.fmean(v[0] for v in vs),
@@ -225,7 +238,6 @@ def load_grid(name: str, fabric: str) -> tuple[dict[float, Cell], int, int]:
                 statistics.fmean(v[2] for v in vs),
             )
             for p, vs in pols.items()
-            if len(vs) == seeds  # a row present in every seed (oracle:run rows may not be)
         }
     return out, seeds, failed
 
@@ -239,13 +251,18 @@ def is_one_cache(name: str) -> bool:
     return name in ONE_CACHE or name.startswith(("oracle:run:", "oracle:as:"))
 
 
-def oracle_of(cell: Cell) -> tuple[str, float]:
+P99_BAR = 1.05
+"""The issue's p99 bar: tier_aware's p99 at most this times the best peer's."""
+
+
+def oracle_of(cell: Cell, max_p99: float = math.inf) -> tuple[str, float]:
     """The cell's oracle: the routing on one cache with the lowest mean TTFT over the
     seeds (each row's seed mean, rows present in every seed: `load_grid`). Not the mean
     of each seed's best row (the `oracle` row of a run): over 10-45 closed-loop rows
     that vary ±5-10% by seed, the per-seed minimum picks each seed's luckiest routing
-    and lies below every routing's own mean."""
-    rows = {p: v[0] for p, v in cell.items() if is_one_cache(p)}
+    and lies below every routing's own mean. `max_p99`: only routings whose p99 (seed
+    mean) is at most this."""
+    rows = {p: v[0] for p, v in cell.items() if is_one_cache(p) and v[1] <= max_p99}
     name = min(rows, key=lambda p: rows[p])
     return name, rows[name]
 
@@ -266,6 +283,7 @@ def cmd_table(a: argparse.Namespace) -> int:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     missing = failed_total = same = 0
+    notes: list[str] = []
     for c in configs(a.sessions_swe, a.sessions_tau):
         shared, n_sh, f_sh = load_grid(c.name, "shared")
         islands, n_is, f_is = load_grid(c.name, "islands")
@@ -289,13 +307,21 @@ def cmd_table(a: argparse.Namespace) -> int:
             peer_m, bm = best(sh, 0)
             _, bp = best(sh, 1)
             r_or, r_m, r_p = ta_m / oracle, ta_m / bm, ta_p / bp
+            if cand == "tier_aware" and sh[or_name][1] > P99_BAR * bp:
+                fair = oracle_of(sh, max_p99=P99_BAR * bp)
+                notes.append(
+                    f"{c.name} {load:g}: the oracle ({or_name}) has p99 "
+                    f"{sh[or_name][1] / bp:.3f}x the best peer's, past the p99 bar; the best "
+                    f"one-cache routing within it is {fair[0]} (mean {fair[1]:.4g} s): "
+                    f"TA/that {ta_m / fair[1]:.3f}"
+                )
             own = sh.get("oracle:tier_aware")
             r_own = f"{ta_m / own[0]:.3f}" if own is not None else "-"
             bars = []
             if util >= 0.4:
                 bars.append("oracle ok" if r_or <= 1.05 else "oracle MISSED")
             bars.append("peer mean ok" if r_m <= 1.02 else "peer mean MISSED")
-            bars.append("p99 ok" if r_p <= 1.05 else "p99 MISSED")
+            bars.append("p99 ok" if r_p <= P99_BAR else "p99 MISSED")
             if isl is not None and cand in isl:
                 i_m, i_p, _ = isl[cand]
                 _, ibm = best(isl, 0)
@@ -311,6 +337,8 @@ def cmd_table(a: argparse.Namespace) -> int:
                 f"| {r_p:.3f} | {oracle / bm:.3f} | {islands_cols} | {', '.join(bars)} |"
             )
     print("\n".join(lines))
+    for n in notes:
+        print(f"\n{n}")
     if same:
         print(f"\n({same} uncal. rows equal to their default row on both fabrics: not shown)")
     beaten = mean_violations(a.sessions_swe, a.sessions_tau)
@@ -326,29 +354,49 @@ def cmd_table(a: argparse.Namespace) -> int:
 
 
 SEED_NOISE = 0.01
-"""How far a seed mean may fall below the oracle's by noise alone. A closed-loop oracle
-is the best of the routings replayed on one cache, not a bound by construction: on the
-shared fabric at 40% the pool costs tier_aware nothing measurable (1.000 +- 0.009 of its
-own routing on one cache over 8 seeds, `benchmarks/fabric_seeds.py`), so its seed means
-land on either side of the oracle's (0.2-0.6% below in `docs/results/fabric`)."""
+"""How far a single run's mean may fall below the oracle's (a configuration with one
+seed: Mooncake) before it counts as below it."""
+NOISE_SE = 2.0
+"""With several seeds, a policy counts as below the oracle only where the mean of its
+per-seed ratios to the oracle's routing, plus this many standard errors of that mean,
+is still below 1. A closed-loop oracle is the best routing on one cache, not a bound by
+construction: on the shared fabric at 40% the pool costs tier_aware nothing measurable
+(1.000 +- 0.009 of its own routing on one cache over 8 seeds, `fabric_seeds.py`), so
+its seed mean lands on either side of that routing's by the seeds' noise."""
 
 
 def mean_violations(sessions_swe: int = 100, sessions_tau: int = 100) -> list[str]:
     """Per configuration, fabric and load: every policy whose mean TTFT averaged over the
-    seeds is below the oracle's averaged the same way (rows present in every seed) by
-    more than `SEED_NOISE`."""
+    seeds is below the oracle's (`oracle_of`: the best one-cache routing's seed mean)
+    beyond the seeds' noise: in every seed its mean over the oracle routing's, the mean
+    of those ratios plus `NOISE_SE` standard errors below 1 (one seed: below by more
+    than `SEED_NOISE`)."""
     out = []
     for c in configs(sessions_swe, sessions_tau):
         for fabric in ("islands", "shared"):
+            per_seed, n, _ = load_seeds(c.name, fabric)
             grid, _, _ = load_grid(c.name, fabric)
             for load, cell in sorted(grid.items()):
                 if not any(is_one_cache(p) for p in cell):
                     continue
-                oracle = oracle_of(cell)[1]
+                routing, oracle = oracle_of(cell)
                 for p, (m, _, _) in cell.items():
-                    if not p.startswith(("oracle", "bound:")) and m < oracle * (1 - SEED_NOISE):
+                    if p.startswith(("oracle", "bound:")) or m >= oracle:
+                        continue
+                    ratios = [
+                        x[0] / o[0]
+                        for x, o in zip(per_seed[load][p], per_seed[load][routing], strict=True)
+                    ]
+                    if n >= 2:
+                        se = statistics.stdev(ratios) / math.sqrt(n)
+                        below = statistics.fmean(ratios) + NOISE_SE * se < 1
+                        why = f"per-seed ratio {statistics.fmean(ratios):.3f} +- {se:.3f}"
+                    else:
+                        below, why = m < oracle * (1 - SEED_NOISE), "one seed"
+                    if below:
                         out.append(
-                            f"{c.name} {fabric} load {load:g}: {p} {m:.4f} s < {oracle:.4f} s"
+                            f"{c.name} {fabric} load {load:g}: {p} {m:.4f} s < {oracle:.4f} s "
+                            f"({routing}; {why})"
                         )
     return out
 

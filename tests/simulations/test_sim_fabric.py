@@ -360,10 +360,13 @@ def test_the_grids_oracle_is_the_best_routings_seed_mean_not_the_mean_of_seed_mi
     """benchmarks/fabric_grid.py: a cell's oracle is the one-cache routing with the lowest
     mean over the seeds (rows present in every seed), not the mean of each seed's best
     row, which picks each seed's luckiest routing (and rows a run adds only in the seeds
-    where a policy beat the oracle routings)."""
+    where a policy beat the oracle routings). A policy is below it only beyond the seeds'
+    noise (`mean_violations`)."""
     seeds = {
-        0: {"oracle:tier_aware": 1.0, "oracle:spread": 0.9, "oracle:run:x": 0.8, "tier_aware": 0.95},
-        1: {"oracle:tier_aware": 1.0, "oracle:spread": 1.2, "tier_aware": 0.95},
+        0: {"oracle:tier_aware": 1.0, "oracle:spread": 0.9, "oracle:run:x": 0.8, "tier_aware": 0.95,
+            "round_robin": 0.88},
+        1: {"oracle:tier_aware": 1.0, "oracle:spread": 1.2, "tier_aware": 0.95,
+            "round_robin": 1.08},
     }  # fmt: skip
     fields = ["policy", "load", "ttft_mean_s", "ttft_p99_s", "utilization"]
     for seed, rows in seeds.items():
@@ -382,8 +385,12 @@ def test_the_grids_oracle_is_the_best_routings_seed_mean_not_the_mean_of_seed_mi
     assert n == 2 and "oracle:run:x" not in cells[0.6]
     assert cells[0.6]["oracle"][0] == pytest.approx(0.9)  # the per-seed minimum
     assert grid.oracle_of(cells[0.6]) == ("oracle:tier_aware", pytest.approx(1.0))
-    # tier_aware (0.95) is 5% below the best routing's mean, past the seed noise
-    assert grid.mean_violations() == ["miniswe shared load 0.6: tier_aware 0.9500 s < 1.0000 s"]
+    # tier_aware is 5% below the best routing in both seeds: past the seeds' noise;
+    # round robin's mean (0.98) is below it by less than its spread over the seeds
+    assert grid.mean_violations() == [
+        "miniswe shared load 0.6: tier_aware 0.9500 s < 1.0000 s "
+        "(oracle:tier_aware; per-seed ratio 0.950 +- 0.000)"
+    ]
 
 
 def test_one_cache_only_rows_equal_the_full_runs_and_merge_into_its_results(
