@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,6 +268,15 @@ def oracle_of(cell: Cell, max_p99: float = math.inf) -> tuple[str, float]:
     return name, rows[name]
 
 
+def ratio_se(
+    mine: Sequence[tuple[float, float, float]], of: Sequence[tuple[float, float, float]]
+) -> float:
+    """The standard error of the mean of the per-seed ratios of two rows' mean TTFT
+    (NaN with one seed)."""
+    ratios = [m[0] / o[0] for m, o in zip(mine, of, strict=True)]
+    return statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else math.nan
+
+
 def best(cell: Cell, k: int) -> tuple[str, float]:
     peers = {p: v for p, v in cell.items() if is_peer(p)}
     name = min(peers, key=lambda p: peers[p][k])
@@ -275,7 +285,7 @@ def best(cell: Cell, k: int) -> tuple[str, float]:
 
 def cmd_table(a: argparse.Namespace) -> int:
     lines = [
-        "| run | policy | load | util | seeds | TA/oracle (routing) | TA/per-seed min "
+        "| run | policy | load | util | seeds | TA/oracle ±SE (routing) | TA/per-seed min "
         "| TA/own routing on one cache "
         "| TA/best peer mean (peer) | TA/best p99 | "
         "oracle/best peer | islands: TA/oracle | islands: TA/best mean | islands: TA/best p99 "
@@ -286,6 +296,7 @@ def cmd_table(a: argparse.Namespace) -> int:
     notes: list[str] = []
     for c in configs(a.sessions_swe, a.sessions_tau):
         shared, n_sh, f_sh = load_grid(c.name, "shared")
+        sh_seeds, _, _ = load_seeds(c.name, "shared")
         islands, n_is, f_is = load_grid(c.name, "islands")
         failed_total += f_sh + f_is
         if n_sh < len(c.seeds) or n_is < len(c.seeds):
@@ -307,6 +318,8 @@ def cmd_table(a: argparse.Namespace) -> int:
             peer_m, bm = best(sh, 0)
             _, bp = best(sh, 1)
             r_or, r_m, r_p = ta_m / oracle, ta_m / bm, ta_p / bp
+            se = ratio_se(sh_seeds[load][cand], sh_seeds[load][or_name])
+            r_se = "" if math.isnan(se) else f" ±{se:.3f}"
             if cand == "tier_aware" and sh[or_name][1] > P99_BAR * bp:
                 fair = oracle_of(sh, max_p99=P99_BAR * bp)
                 notes.append(
@@ -333,7 +346,7 @@ def cmd_table(a: argparse.Namespace) -> int:
             else:
                 islands_cols = "- | - | - | -"
             lines.append(
-                f"| {c.name} | {'uncal.' if cand == UNCAL else 'default'} | {load:g} | {util:.0%} | {n_sh} | {r_or:.3f} ({or_name.removeprefix('oracle:')}) | {ta_m / per_seed:.3f} | {r_own} | {r_m:.3f} ({peer_m}) "
+                f"| {c.name} | {'uncal.' if cand == UNCAL else 'default'} | {load:g} | {util:.0%} | {n_sh} | {r_or:.3f}{r_se} ({or_name.removeprefix('oracle:')}) | {ta_m / per_seed:.3f} | {r_own} | {r_m:.3f} ({peer_m}) "
                 f"| {r_p:.3f} | {oracle / bm:.3f} | {islands_cols} | {', '.join(bars)} |"
             )
     print("\n".join(lines))
@@ -383,14 +396,12 @@ def mean_violations(sessions_swe: int = 100, sessions_tau: int = 100) -> list[st
                 for p, (m, _, _) in cell.items():
                     if p.startswith(("oracle", "bound:")) or m >= oracle:
                         continue
-                    ratios = [
-                        x[0] / o[0]
-                        for x, o in zip(per_seed[load][p], per_seed[load][routing], strict=True)
-                    ]
+                    mine, of = per_seed[load][p], per_seed[load][routing]
+                    ratio = statistics.fmean(x[0] / o[0] for x, o in zip(mine, of, strict=True))
                     if n >= 2:
-                        se = statistics.stdev(ratios) / math.sqrt(n)
-                        below = statistics.fmean(ratios) + NOISE_SE * se < 1
-                        why = f"per-seed ratio {statistics.fmean(ratios):.3f} +- {se:.3f}"
+                        se = ratio_se(mine, of)
+                        below = ratio + NOISE_SE * se < 1
+                        why = f"per-seed ratio {ratio:.3f} +- {se:.3f}"
                     else:
                         below, why = m < oracle * (1 - SEED_NOISE), "one seed"
                     if below:
