@@ -194,6 +194,8 @@ def merge_one_cache(d: Path, added: Path) -> bool:
         md.append(
             "\n### FAILED: a policy beats a bound\n\n" + "".join(f"- {p}\n" for p in problems)
         )
+    else:
+        md.append("\nWith these rows no policy beats the oracle or a strict bound.\n")
     with (d / "table.md").open("a") as f:
         f.write("".join(md))
     return bool(problems)
