@@ -16,7 +16,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -187,6 +187,7 @@ def checked_rows(
     progress: Progress | None = None,
     policies: Mapping[str, tuple[Callable[[], RoutingPolicy], Knowledge]] | None = None,
     calibrate: Mapping[str, bool | None] | None = None,
+    one_cache: str = "beaten",
 ) -> list[Row]:
     """The rows that bound `rows` at `setup.scale`: each policy that beats every oracle
     routing replayed on one shared cache (its own decisions: the oracle must bound it
@@ -194,7 +195,12 @@ def checked_rows(
     also run itself on the shared cache (`oracle:run:<policy>`: in closed loop the
     replay's arrivals are not the policy's, and the policy reacting to the shared cache
     can be faster); then `bound:alone`, and for open-loop arrivals `bound:srpt_merged_2x`.
-    `decisions`: each policy's chosen engine per request at this scale. With
+    `decisions`: each policy's chosen engine per request at this scale. `one_cache`
+    (`ONE_CACHE`): "beaten" runs and replays on the shared cache only the policies that
+    beat every oracle routing, as above; "every" also runs every policy `policies` can
+    build on it (`oracle:run:<policy>` in every run, so that a routing's one-cache mean
+    can be averaged over seeds without selecting the seeds where it was lucky);
+    "every+replay" replays every policy's decisions on it as well. With
     `with_oracle` and `violations` this is the check every results table passes
     (`simulations run`, `simulations.probes`)."""
     out: list[Row] = []
@@ -215,18 +221,31 @@ def checked_rows(
             calibrate=cal,
         )
 
-    for name in beaten(rows, scale):  # a policy below every oracle: run it shared
-        if policies is not None and name in policies:
+    if one_cache not in ONE_CACHE:
+        raise ValueError(f"one_cache must be one of {', '.join(ONE_CACHE)}, got {one_cache!r}")
+    below = beaten(rows, scale)  # a policy below every oracle: run it shared
+    every = one_cache != "beaten"
+    routings = [n for n in decisions if not n.startswith(("oracle", "bound:"))]
+    run_names = routings if every else below
+    replay_names = routings if one_cache == "every+replay" else below
+    for name in dict.fromkeys(below if not every else [*routings, *below]):
+        if name in run_names and policies is not None and name in policies:
             make, knowledge = policies[name]
             cal = calibrate.get(name) if calibrate is not None else None
             out.append(shared_run(SHARED + name, make(), knowledge, cal))
-        out.append(shared_run(REPLAY + name, Replay(name, decisions[name]), Knowledge()))
+        if name in replay_names:
+            out.append(shared_run(REPLAY + name, Replay(name, decisions[name]), Knowledge()))
     target, load = setup.ttft_target_s, setup.load
     out.append(bound_row("bound:alone", scale, fl.work_s, fl.tokens, target, load))
     if setup.loop is None:  # SRPT over fixed arrivals: no bound when arrivals depend on service
         srpt = srpt_merged(setup.requests, fl.work_s)
         out.append(bound_row("bound:srpt_merged_2x", scale, srpt, fl.tokens, target, load))
     return out
+
+
+ONE_CACHE = ("beaten", "every", "every+replay")
+"""`simulations run --one-cache`: which policies also run on the oracle's one cache
+(`checked_rows`)."""
 
 
 def fabric_of(a: argparse.Namespace) -> Fabric:
@@ -289,6 +308,12 @@ def cmd_run(a: argparse.Namespace) -> int:
             raise ValueError(f"--engines must be >= 1, got {a.engines}")
         # as configured for these engines, and as each behaves on the fabric
         entrants = [e.on(spec).on_fabric(fabric) for e in entrants]
+        if a.one_cache == "only":  # each policy on the oracle's one cache, nothing else
+            entrants = [
+                replace(e, name=SHARED + e.name, shared_cache=True)
+                for e in entrants
+                if not e.shared_cache
+            ]
         fleet_cfg = load_policy(a.policy_file).fleet_stats if a.policy_file else FleetStatsConfig()
         closed = closed_loop_wanted(a.closed_loop, reqs)
         if a.limit:
@@ -379,6 +404,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                 if not e.shared_cache
             },
             calibrate={e.name: e.calibrate for e in entrants},
+            one_cache="beaten" if a.one_cache == "only" else a.one_cache,
         )
     progress.close()
     rows = with_oracle(rows)
@@ -554,6 +580,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument(
         "--policy-file", help="take the fleet estimators' time constants from this policy file"
+    )
+    r.add_argument(
+        "--one-cache",
+        choices=(*ONE_CACHE, "only"),
+        default="beaten",
+        help="which policies also run on the oracle's one cache: beaten (those that beat "
+        "every oracle routing, run and replayed: oracle:run:, oracle:as:), every (every "
+        "policy run on it in every run; replays where beaten), every+replay (and every "
+        "replay), only (just each policy run on it, rows oracle:run:<policy>: to add them "
+        "to an earlier run's results, benchmarks/fabric_grid.py)",
     )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-plot", action="store_true")

@@ -305,3 +305,43 @@ def test_a_policy_below_every_oracle_routing_is_also_run_on_the_shared_cache() -
     assert (run.ttft_mean_s, run.ttft_p99_s) == (rows[1].ttft_mean_s, rows[1].ttft_p99_s)
     oracle = next(r for r in with_oracle([*rows, *added]) if r.policy == "oracle")
     assert oracle.ttft_mean_s == min(r.ttft_mean_s for r in [rows[1], *added[:2]])
+
+
+def test_one_cache_every_runs_each_policy_on_the_shared_cache_whether_or_not_it_won() -> None:
+    """`checked_rows(one_cache="every")`: every policy runs on the oracle's one cache in
+    every run, not only where it beat the oracle routings, so a routing's one-cache mean
+    can be averaged over seeds without selection (benchmarks/fabric_grid.py's oracle);
+    "every+replay" replays each one's decisions too. The oracle routings are not re-run."""
+    from ramjet.config import FleetStatsConfig
+    from simulations.lineup import ENTRANTS
+
+    plan = closed_loop_plan(agent_trace(sessions=8), BLOCK, sessions=24)
+    fl = floor(plan.requests, spec().profile)
+    scale = scale_for_load(plan, fl.work_s, 0.8, 2)
+    reqs = scaled(plan, scale)
+    rows, decisions = [], {}
+    for name in ("tier_aware", "round_robin", "oracle:tier_aware"):
+        out = run_entrant(reqs, name, loop=plan.loop)
+        decisions[name] = out.engine
+        rows.append(summarize(name, scale, reqs, out, fl.tokens, 2.0, alone_s=fl.work_s))
+    # neither policy below the oracle routing: "beaten" adds nothing for them
+    rows = [replace(r, ttft_mean_s=9.0) if not r.policy.startswith("oracle") else r for r in rows]
+    setup = cli.RunSetup(reqs, spec(), scale, BLOCK, 2, fl, 2.0, 0.8, FleetStatsConfig(), plan.loop)
+    makers = {n: (lambda n=n: ENTRANTS[n].make(0), ENTRANTS[n].knowledge) for n in decisions}
+    makers.pop("oracle:tier_aware")
+    added = cli.checked_rows(rows, setup, decisions=decisions, policies=makers)
+    assert [r.policy for r in added] == ["bound:alone"]
+    added = cli.checked_rows(rows, setup, decisions=decisions, policies=makers, one_cache="every")
+    names = [r.policy for r in added]
+    assert names == ["oracle:run:tier_aware", "oracle:run:round_robin", "bound:alone"]
+    run = added[0]  # tier_aware run on the shared cache is the oracle routing itself
+    assert (run.ttft_mean_s, run.ttft_p99_s) == (rows[2].ttft_mean_s, rows[2].ttft_p99_s)
+    added = cli.checked_rows(
+        rows, setup, decisions=decisions, policies=makers, one_cache="every+replay"
+    )
+    assert [r.policy for r in added] == [
+        "oracle:run:tier_aware", "oracle:as:tier_aware",
+        "oracle:run:round_robin", "oracle:as:round_robin", "bound:alone",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="one_cache must be one of"):
+        cli.checked_rows(rows, setup, decisions=decisions, one_cache="all")
