@@ -44,6 +44,7 @@ import random
 import subprocess
 import sys
 import time
+from array import array
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -103,7 +104,9 @@ class StallMonitor:
         """Wall seconds (on a loaded machine, preemption is in it)."""
         self.longest_cpu = 0.0
         """CPU seconds the loop's thread spent between two turns: the work that stalled it."""
-        self.gaps_cpu: list[float] = []
+        self.gaps_cpu: array[float] = array("d")
+        """Every counted gap's CPU seconds; an array, which the cyclic GC never walks (a
+        list of a float per loop turn would lengthen the collections it measures)."""
         self.paused = False
         """While True, gaps are not counted (the benchmark's own measuring)."""
         self._stop = False

@@ -75,6 +75,7 @@ from ramjet.residency.redis_scripts import KINDS, EngineKeys  # noqa: E402
 from ramjet.residency.redis_store import RedisStore  # noqa: E402
 from ramjet.residency.store import Table  # noqa: E402
 from ramjet.residency.tables import ResidencyTables  # noqa: E402
+from ramjet.runtime.gc import tune_gc  # noqa: E402
 from ramjet.types import EngineId, PrefixKey, TrustGrade  # noqa: E402
 
 ENGINE = EngineId("e0")
@@ -157,6 +158,7 @@ async def _measure(url: str, n: int, encoding: str, seed: int, part_keys: int) -
 
     writer.link.call = timed  # type: ignore[method-assign]
     sync = asyncio.create_task(writer.run())  # the router's background sync, as served
+    tune_gc()  # as `ramjet serve` does after start-up (`ramjet.runtime.gc`)
     eng = Engine(seed)
     checks: list[bool] = []
     try:

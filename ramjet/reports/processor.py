@@ -344,15 +344,16 @@ class ReportProcessor:
     def engines(self) -> frozenset[EngineId]:
         return frozenset(self._known | set(self._states))
 
-    def tick(self, now: float | None = None) -> None:
-        """Apply staleness (view modes) and sweep expired residency."""
+    def tick(self, now: float | None = None) -> bool:
+        """Apply staleness (view modes) and sweep expired residency, one bounded step
+        (`ResidencyTables.expire_step`); True while more is left to sweep."""
         t = self._clock() if now is None else now
         for engine, st in self._states.items():
             if st.last_report_at is None:
                 continue
             silent = t - st.last_report_at > self.config.stale_ttl_s
             self.tables.set_mode(engine, ViewMode.SILENT if silent else ViewMode.REPORTED)
-        self.tables.expire_step(t)
+        return self.tables.expire_step(t)
 
     # -- commit -----------------------------------------------------------------------------
 

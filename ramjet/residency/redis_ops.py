@@ -13,6 +13,9 @@ operation is a list whose first item is its code:
 | `["E", table, now_ms, [[key16, tier, expires_ms]...]]` | more entries of the `R` before it (a chunked snapshot) |
 | `["P"]` | purge the engine |
 
+Queued (not yet sent), the entries of a replace staged piece by piece may be a
+`StagedEntries` instead of a list: spelled as above when a chunk is sealed for sending.
+
 `kind` is a table code (`g` global, `s` SWA) and a source (`x` exact, `a` approximate);
 `key16` is the prefix key as 16 hex digits. Times in Redis are Unix milliseconds; store
 times are seconds of the caller's monotonic clock, and `Clocks` converts with the current
@@ -31,7 +34,8 @@ import hmac
 import json
 import re
 import time
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +120,49 @@ def replace_op(
     ]
 
 
+class StagedEntries:
+    """The entries of a replace staged piece by piece (`RedisStaging`), queued until a
+    chunk of them is sent: keys, tiers and expiries (Unix ms) in three typed arrays,
+    11 bytes an entry and nothing the cyclic GC walks. A list of a (key16, tier,
+    expires_ms) tuple per key, held from the first piece until Redis took the last
+    chunk, was walked item by item by every collection that reached it: 6.5 ms of a
+    young pass in the commit's turn at 450k keys (its 900 chunk slices were young), as
+    much per gen-2 pass. Slicing gives a `StagedEntries`; iterating gives (key16, tier,
+    expires_ms) as a replace op's list holds them, made only for the chunk being sent
+    (`Sealer.seal`)."""
+
+    __slots__ = ("exps", "keys", "tiers")
+
+    def __init__(self) -> None:
+        self.keys: array[int] = array("Q")
+        self.tiers: array[int] = array("B")
+        self.exps: array[int] = array("q")
+
+    def add(self, keys: Sequence[PrefixKey], tier: int, expires_ms: int) -> None:
+        n = len(keys)
+        self.keys.extend(keys)
+        self.tiers.extend(array("B", (tier,)) * n)
+        self.exps.extend(array("q", (expires_ms,)) * n)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: slice) -> StagedEntries:
+        out = StagedEntries()
+        out.keys, out.tiers, out.exps = self.keys[i], self.tiers[i], self.exps[i]
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, int, int]]:
+        return zip(map(key16, self.keys), self.tiers, self.exps, strict=True)
+
+
+def _spelled(op: list[Any]) -> list[Any]:
+    """The op with `StagedEntries` spelled as the list JSON sends."""
+    if op[0] in ("R", "E") and isinstance(op[3], StagedEntries):
+        return [*op[:3], [list(e) for e in op[3]], *op[4:]]
+    return op
+
+
 class InvalidEntry(RamjetError, ValueError):
     """A change-log entry or record this replica cannot read or verify; `reason` is the
     label of `ramjet_redis_rejected_total`."""
@@ -181,7 +228,7 @@ class Sealer:
         """The ops as sent to Redis: each record carries its MAC (puts: a parallel list
         as item 7; replace entries: item 4). Unchanged without a secret."""
         if self.key is None:
-            return ops
+            return [_spelled(op) for op in ops]
         out: list[list[Any]] = []
         rec = self.record
         for op in ops:

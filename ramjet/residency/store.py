@@ -505,6 +505,12 @@ class MemoryStore:
     about 0.7 ms compiled (2 shards a step measured 1.3 ms, 5.5 ms at worst, on the
     shared 2-core machine)."""
 
+    release_arrays: int = 512
+    """Arrays of a replaced or purged index freed per `expire_step` (`release_step`):
+    freeing a 10-20M-block index at once (4,096 shards of two arrays each, ~800 MB, and
+    a key array per run) took 10-15 ms of one loop turn; 512 arrays are about a
+    millisecond."""
+
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:
             if caps.get(table, 0) < 1:
@@ -524,6 +530,10 @@ class MemoryStore:
         """Called with the engine of each exact global entry evicted under the cap."""
         self._sweep_at: tuple[int, int] = (0, 0)
         """Where the expiry sweep resumes: (engine number, shard)."""
+        self._retired: list[BlockIndex] = []
+        """Indexes a snapshot replaced or a purge dropped, no longer read: freed a few
+        arrays at a time by `expire_step` (`release_step`), not in the turn that
+        dropped them."""
 
     # -- caps -------------------------------------------------------------------------
 
@@ -725,6 +735,7 @@ class MemoryStore:
         old = self._exact.pop(engine, None)
         if old is not None:
             self._exact_count -= old.count
+            self._retired.append(old)
         rest = self._rest
         if rest.holds(engine):
             approx = [k for k, _ in rest.entries(Table.GLOBAL, engine, False) if new.lookup(k)]
@@ -785,8 +796,29 @@ class MemoryStore:
         ix = self._exact.pop(engine, None)
         if ix is not None:
             self._exact_count -= ix.count
+            self._retired.append(ix)
         self.capped.discard(engine)
         self._rest.purge(engine)
+
+    def release_step(self) -> bool:
+        """Free up to `release_arrays` arrays (shards, then run key lists) of the
+        indexes a snapshot replaced or a purge dropped; True while some are left."""
+        budget = self.release_arrays
+        retired = self._retired
+        while retired and budget > 0:
+            ix = retired[-1]
+            shards, runs = ix.shards, ix.run_keys
+            if shards:
+                n = min(len(shards), max(1, budget // 2))  # two arrays a shard
+                del shards[len(shards) - n :]
+                budget -= 2 * n
+            elif runs:
+                n = min(len(runs), budget)
+                del runs[len(runs) - n :]
+                budget -= n
+            else:
+                retired.pop()  # what is left of it is a few small arrays
+        return bool(retired)
 
     def expire(self, now: float) -> int:
         """Drop expired entries: every step of `expire_step` until none is left (one
@@ -797,9 +829,12 @@ class MemoryStore:
         return dropped
 
     def expire_step(self, now: float) -> int:
-        """One bounded step of the expiry: the approximate and SWA entries as `DictStore`
-        expires them (a few: the router's own routing), then `sweep_shards` shards of one
-        index holding an expired block, resuming where the last step stopped."""
+        """One bounded step of the expiry: a `release_step` while a dropped index is left
+        to free, the approximate and SWA entries as `DictStore` expires them (a few: the
+        router's own routing), then `sweep_shards` shards of one index holding an expired
+        block, resuming where the last step stopped."""
+        if self._retired:
+            self.release_step()
         dropped = self._rest.expire(now)
         engines = list(self._exact)
         if not engines:
@@ -824,7 +859,10 @@ class MemoryStore:
     def sweeping(self, now: float) -> bool:
         """Whether an index holds a block expired at `now` (the sweep has work left); for
         a few calls after a pass freed many runs, True while their entries are dropped
-        from the expiry heap a bounded number a call (`BlockIndex.expiry_due`)."""
+        from the expiry heap a bounded number a call (`BlockIndex.expiry_due`); True
+        while a dropped index is left to free (`release_step`)."""
+        if self._retired:
+            return True  # a dropped index left to free (`release_step`)
         return any(ix.count and ix.expiry_due(now) for ix in self._exact.values())
 
     def size(self, table: Table) -> int:

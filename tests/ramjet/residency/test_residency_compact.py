@@ -345,3 +345,42 @@ def test_runs_freed_together_leave_the_expiry_heap_in_bounded_steps() -> None:
     # dropped and the live run expires at 100
     assert answers == [2 * _DUE_POPS + 1, _DUE_POPS + 1] and len(ix._expiry) == 1
     assert ix.next_expiry() == 100.0 and ix.expiry_due(100.0)
+
+
+def test_a_replaced_or_purged_index_is_freed_in_bounded_steps() -> None:
+    """The index a snapshot replaces (or a purge drops) is not freed in the turn that
+    drops it (a 10-20M-block index: 8,192 shard arrays, ~800 MB, 10-15 ms of one loop
+    turn), but by the expiry's steps, `release_arrays` arrays a step, while reads see
+    only the new content; `expire` frees it whole."""
+    rng = random.Random(9)
+    store = MemoryStore({Table.GLOBAL: 1 << 20, Table.SWA: 10})
+    e0, e1 = EngineId("e0"), EngineId("e1")
+    old_keys = [PrefixKey(rng.getrandbits(64)) for _ in range(40_000)]
+    for i in range(0, len(old_keys), 1_000):  # a run (and its key array) per report
+        store.put(Table.GLOBAL, e0, old_keys[i : i + 1_000], Tier.HOST, 0.0, 1e9, True)
+    store.put(Table.GLOBAL, e1, old_keys[:5_000], Tier.SSD, 0.0, 1e9, True)
+    old = store._exact[e0]
+    shards = sum(1 for sh in old.shards if sh is not None)
+    assert shards == SHARDS
+    new_keys = [PrefixKey(rng.getrandbits(64)) for _ in range(100)]
+    store.replace_exact(Table.GLOBAL, e0, [(k, Tier.HBM, 1e9) for k in new_keys], 1.0)
+    store.purge(e1)
+    # dropped, not freed: what reads see is the new content only
+    assert len([s for s in old.shards if s is not None]) == SHARDS
+    assert store.size(Table.GLOBAL) == 100
+    assert store.get(Table.GLOBAL, e0, old_keys[0], 2.0, False) is None
+    assert store.get(Table.GLOBAL, e1, old_keys[0], 2.0, False) is None
+    e = store.get(Table.GLOBAL, e0, new_keys[0], 2.0, False)
+    assert e is not None and e.tier is Tier.HBM
+    steps = 0
+    while store.sweeping(2.0):
+        held = len(old.shards) * 2 + len(old.run_keys)
+        store.expire_step(2.0)
+        steps += 1
+        assert held - (len(old.shards) * 2 + len(old.run_keys)) <= store.release_arrays
+    assert not old.shards and steps >= 2 * SHARDS // store.release_arrays
+    assert store.size(Table.GLOBAL) == 100 and not store._retired
+    # `expire` in one call frees what is left whole
+    store.replace_exact(Table.GLOBAL, e0, [], 3.0)
+    store.expire(4.0)
+    assert not store._retired and store.size(Table.GLOBAL) == 0
