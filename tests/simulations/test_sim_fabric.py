@@ -225,6 +225,20 @@ def test_pool_capacity_holds_and_hbm_overflow_demotes_into_the_pool() -> None:
     assert c.used_blocks(0) == 3 and len(pools.pool.where) == 2
 
 
+def mooncake_trace(tmp_path: Path, n: int, gap_ms: int, length: Callable[[int], int]) -> Path:
+    """A small open-loop trace in Mooncake's format: request i at i * gap_ms, sharing one
+    of three first blocks, then a block of its own."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            f'{{"timestamp": {i * gap_ms}, "input_length": {length(i)}, "output_length": 4, '
+            f'"hash_ids": [{i % 3}, {100 + i}]}}\n'
+            for i in range(n)
+        )
+    )
+    return trace
+
+
 @pytest.mark.parametrize(
     ("flag", "code"),
     [
@@ -236,14 +250,7 @@ def test_pool_capacity_holds_and_hbm_overflow_demotes_into_the_pool() -> None:
     ],
 )
 def test_bad_fabric_figures_are_refused(flag: list[str], code: int, tmp_path: Path) -> None:
-    trace = tmp_path / "t.jsonl"
-    trace.write_text(
-        "".join(
-            f'{{"timestamp": {i * 500}, "input_length": 1024, "output_length": 4, '
-            f'"hash_ids": [{i % 3}, {100 + i}]}}\n'
-            for i in range(8)
-        )
-    )
+    trace = mooncake_trace(tmp_path, 8, gap_ms=500, length=lambda i: 1024)
     out = tmp_path / "out"
     args = ["run", "--trace", str(trace), "--fabric", "shared", "--out", str(out)]
     args += ["--policies", "tier_aware,oracle:tier_aware", "--quiet", "--no-plot"]
@@ -400,14 +407,7 @@ def test_one_cache_only_rows_equal_the_full_runs_and_merge_into_its_results(
     nothing else; its rows equal the `oracle:run:` rows of a full `--one-cache every` run
     of the same seed, and `fabric_grid.merge_one_cache` adds them to a run made without
     them (`beaten`), taking the oracle again over all one-cache rows."""
-    trace = tmp_path / "t.jsonl"
-    trace.write_text(
-        "".join(
-            f'{{"timestamp": {i * 300}, "input_length": {1024 + 512 * (i % 4)}, '
-            f'"output_length": 4, "hash_ids": [{i % 3}, {100 + i}]}}\n'
-            for i in range(40)
-        )
-    )
+    trace = mooncake_trace(tmp_path, 40, gap_ms=300, length=lambda i: 1024 + 512 * (i % 4))
     base = ["run", "--trace", str(trace), "--fabric", "shared", "--load", "0.7"]
     base += ["--policies", "tier_aware,round_robin,oracle:spread", "--quiet", "--no-plot"]
     runs = {}
