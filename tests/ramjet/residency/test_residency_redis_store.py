@@ -638,3 +638,31 @@ async def test_a_replayed_snapshot_keeps_its_groups_as_runs(server: RedisProcess
     finally:
         for s in (a, b):
             await s.link.close()
+
+
+async def test_a_replica_frees_a_replaced_index_in_steps_not_in_one_turn(
+    pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """Over Redis the tables' expiry steps as in process (`ResidencyStore.expire_step`):
+    the index a replayed snapshot replaced on a replica's mirror is freed a few hundred
+    arrays a step, not with the mirror's whole sweep in one call (one loop turn)."""
+    a, b = pair
+    rng = random.Random(33)
+    now = time.monotonic()
+    keys = [PrefixKey(rng.getrandbits(64)) for _ in range(20_000)]
+    a.put(Table.GLOBAL, E0, keys, Tier.HOST, now, now + 600.0, exact=True)
+    await a.sync_once()
+    await b.sync_once()  # b's mirror holds e0's index
+    assert b.local.size(Table.GLOBAL) == len(keys)
+    a.replace_exact(Table.GLOBAL, E0, [(k, Tier.SSD, now + 600.0) for k in keys[:100]], now)
+    await a.sync_once()
+    await b.sync_once()  # b replays the replace: its old index is dropped, to be freed
+    assert b.local.size(Table.GLOBAL) == 100
+    tables = ResidencyTables(CFG, b, clock=lambda: now)
+    steps = 0
+    while tables.expire_step(budget_s=0.0):  # one store step a call
+        steps += 1
+        assert steps < 1_000
+    assert steps >= 8  # 4,096 shards of two arrays, 512 arrays a step
+    assert not b.sweeping(now)
+    assert b.local.size(Table.GLOBAL) == 100
