@@ -92,7 +92,7 @@ class LoopTracer:
 
         selector.select = select
         loop._run_once = run_once  # type: ignore[attr-defined]
-        handle_cls._run = handle_run  # type: ignore[method-assign]
+        handle_cls._run = handle_run  # type: ignore[method-assign,assignment]
         gc.callbacks.append(self._on_gc)
         main = threading.get_ident()
         sampler = threading.Thread(target=self._sample, args=(main,), daemon=True)
