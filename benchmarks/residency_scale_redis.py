@@ -25,7 +25,9 @@ skipped above `--keys-max`, 2M by default). `measure_redis(n_blocks, encoding)` 
 - `global_match_p99_1m_ms` and `global_match_p99_ms`: CPU p99 of a fresh view's
   `global_match` for a 50k-token prompt (781 blocks of 64 tokens, all held) on the
   writer's mirror at 1M blocks and at N;
-- `stall_ms` / `stall_cpu_ms`: the longest event-loop stall during the load;
+- `stall_ms` / `stall_cpu_ms`: the longest event-loop stall during the load
+  (`RAMJET_TRACE_TURNS_MS=8` prints the longest loop iterations, what ran in them and
+  where: `benchmarks/loop_trace.py`);
   `max_call_ms`: the slowest single Redis call (each must fit `timeout_ms`).
 
 Self-check: every report accepted, the snapshot complete, no batch dropped, the writer
@@ -61,6 +63,7 @@ from ramjet.native import install_ramjet
 # ramjet module is imported
 NATIVE = install_ramjet().line()
 
+from benchmarks.loop_trace import LoopTracer  # noqa: E402
 from benchmarks.residency_scale import StallMonitor  # noqa: E402
 from ramjet.reports.bodies import MAX_KEYS_PER_BODY, DeltaBody, SnapshotBody, TierKeys, encode_body  # noqa: E402
 from ramjet.reports.config import ReportsConfig  # noqa: E402
@@ -207,6 +210,8 @@ async def _measure(url: str, n: int, encoding: str, seed: int, part_keys: int) -
                 )
 
         async with StallMonitor() as mon:
+            trace_ms = float(os.environ.get("RAMJET_TRACE_TURNS_MS", "0"))
+            tracer = LoopTracer(trace_ms / 1e3, lambda: mon.paused).start() if trace_ms else None
             for part in range(parts):
                 mon.paused = True  # the engine's making of the frame is not the router's
                 size = min(part_keys, snap_n - part * part_keys)
@@ -244,6 +249,9 @@ async def _measure(url: str, n: int, encoding: str, seed: int, part_keys: int) -
             back = [TierKeys(tier="host", keys=gone[:10])]
             body = DeltaBody(evicted=gone[10:], stored=back)
             await submit(eng.frame("delta", body, eng.seq))
+            if tracer is not None:
+                tracer.stop()
+                tracer.report(f"{encoding} {n:,}")
         write_s = time.perf_counter() - t_start
         checks.append(not proc.in_parts(ENGINE) and proc.trust(ENGINE) is TrustGrade.EXACT)
         expected = n - len(gone) + 10

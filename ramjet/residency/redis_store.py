@@ -200,7 +200,17 @@ class RedisStore:
         self._op(engine, ["P"])
 
     def expire(self, now: float) -> int:
-        return self.local.expire(now)  # Redis expires its copies itself (PXAT)
+        return self.local.expire(now)  # Redis expires its copies itself (see expire_step)
+
+    def expire_step(self, now: float) -> int:
+        """One bounded step of the mirror's expiry (`MemoryStore.expire_step`: a few
+        shards swept, or a few hundred arrays of an index a full pull or a snapshot
+        replaced freed). Redis's side is bounded already: per-key entries expire by
+        `PXAT`, packed records are dropped a few buckets per script call."""
+        return self.local.expire_step(now)
+
+    def sweeping(self, now: float) -> bool:
+        return self.local.sweeping(now)
 
     def size(self, table: Table) -> int:
         return self.local.size(table)

@@ -142,6 +142,15 @@ class ResidencyStore(Protocol):
         """Drop expired entries (see the implementation's rule); return how many."""
         ...
 
+    def expire_step(self, now: float) -> int:
+        """One bounded step of `expire` (and of freeing what a replace or purge dropped),
+        for the event loop: call again while `sweeping(now)`; return how many dropped."""
+        ...
+
+    def sweeping(self, now: float) -> bool:
+        """Whether `expire_step` has work left at `now`."""
+        ...
+
     def size(self, table: Table) -> int:
         """Entries held in `table`, live or not yet swept."""
         ...
@@ -438,6 +447,15 @@ class DictStore:
                         dropped += 1
                         self._sizes[table] -= 1
         return dropped
+
+    def expire_step(self, now: float) -> int:
+        """The whole `expire` (it pops from each map's oldest end: the router's own
+        routing, a few entries)."""
+        return self.expire(now)
+
+    def sweeping(self, now: float) -> bool:
+        """Never: `expire_step` sweeps everything."""
+        return False
 
     def size(self, table: Table) -> int:
         return self._sizes[table]

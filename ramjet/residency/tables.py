@@ -384,19 +384,16 @@ class ResidencyTables:
     def expire_step(self, now: float | None = None, budget_s: float = EXPIRE_STEP_S) -> bool:
         """Expire in bounded steps for the event loop: sweep for at most about `budget_s`
         seconds of CPU, resuming where the last call stopped. True while expired
-        entries are left to sweep (call again after yielding). A store these tables did
-        not make (Redis's) expires in one call."""
+        entries are left to sweep (call again after yielding). Any store: its own
+        `expire_step` is the bounded step (over Redis, the mirror's)."""
         t = self.clock() if now is None else now
-        own = self._own
-        if own is None:
-            self.store.expire(t)
-            return False
+        store = self.store
         stop = time.perf_counter() + budget_s
-        own.expire_step(t)
-        while own.sweeping(t):
+        store.expire_step(t)
+        while store.sweeping(t):
             if time.perf_counter() >= stop:
                 return True
-            own.expire_step(t)
+            store.expire_step(t)
         return False
 
     # -- caps from the fleet -----------------------------------------------------------

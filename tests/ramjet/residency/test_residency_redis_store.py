@@ -638,3 +638,58 @@ async def test_a_replayed_snapshot_keeps_its_groups_as_runs(server: RedisProcess
     finally:
         for s in (a, b):
             await s.link.close()
+
+
+async def test_a_replica_frees_a_replaced_index_in_steps_not_in_one_turn(
+    pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """Over Redis the tables' expiry steps as in process (`ResidencyStore.expire_step`):
+    the index a replayed snapshot replaced on a replica's mirror is freed a few hundred
+    arrays a step, not with the mirror's whole sweep in one call (one loop turn)."""
+    a, b = pair
+    rng = random.Random(33)
+    now = time.monotonic()
+    keys = [PrefixKey(rng.getrandbits(64)) for _ in range(20_000)]
+    a.put(Table.GLOBAL, E0, keys, Tier.HOST, now, now + 600.0, exact=True)
+    await a.sync_once()
+    await b.sync_once()  # b's mirror holds e0's index
+    assert b.local.size(Table.GLOBAL) == len(keys)
+    a.replace_exact(Table.GLOBAL, E0, [(k, Tier.SSD, now + 600.0) for k in keys[:100]], now)
+    await a.sync_once()
+    await b.sync_once()  # b replays the replace: its old index is dropped, to be freed
+    assert b.local.size(Table.GLOBAL) == 100
+    tables = ResidencyTables(CFG, b, clock=lambda: now)
+    steps = 0
+    while tables.expire_step(budget_s=0.0):  # one store step a call
+        steps += 1
+        assert steps < 1_000
+    assert steps >= 8  # 4,096 shards of two arrays, 512 arrays a step
+    assert not b.sweeping(now)
+    assert b.local.size(Table.GLOBAL) == 100
+
+
+async def test_queued_writes_give_the_cyclic_gc_no_item_per_key(
+    pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """A large put waits in the write queue as a typed array, spelled per chunk when
+    sent: a list of a string per key there was walked item by item by every young
+    collection that found it (13-20 ms passes while a 524k-key part was queued)."""
+    a, b = pair
+
+    def items_the_gc_walks() -> int:
+        return sum(len(o) for o in gc.get_objects() if isinstance(o, list | tuple | dict))
+
+    rng = random.Random(7)
+    keys = [PrefixKey(rng.getrandbits(64)) for _ in range(50_000)]
+    now = time.monotonic()
+    gc.collect()
+    before = items_the_gc_walks()
+    a.put(Table.GLOBAL, E0, keys, Tier.HOST, now, now + 600.0, exact=True)
+    a.remove(Table.GLOBAL, E0, keys[:20_000])
+    queued = items_the_gc_walks() - before
+    assert a.pending >= 100  # queued in chunks of 500 entries
+    assert queued < 10_000, queued  # a few items per chunk, none per key
+    await a.sync_once()
+    await b.sync_once()  # what Redis took is the same
+    assert b.local.size(Table.GLOBAL) == 30_000
+    assert sorted(k for k, _ in b.local.entries(Table.GLOBAL, E0, True)) == sorted(keys[20_000:])
