@@ -567,16 +567,26 @@ class RedisSync:
         out: list[tuple[str, int, bytes | None]] = []
         cursor: int = 0
         now_ms = int(self.clocks.wall() * 1000)
+        count = PULL_PAGE // 16  # buckets a page asks for; sized below by what they hold
+        since = 0
         while True:
             cursor, page = await self.link.call(
-                lambda c, cur=cursor: c.hscan(name, cur, count=PULL_PAGE // 16)  # type: ignore[misc]
+                lambda c, cur=cursor, n=count: c.hscan(name, cur, count=n)  # type: ignore[misc]
             )
+            records = 0
             for field, value in page.items():
                 b = text(field)
                 if len(b) != 4 or len(value) % PACKED_RECORD:
                     self.metrics.rejected.labels("malformed").inc()
                     continue
+                records += len(value) // PACKED_RECORD
                 for hi16, hi32, tier, c_hi, c_lo, e_hi, e_lo, mac in _RECORD.iter_unpack(value):
+                    # a bucket holds ~300 records at 20M blocks, a page tens of thousands
+                    # (tens of ms to unpack): the loop gets a turn every `PULL_STEP`
+                    since += 1
+                    if since >= PULL_STEP:
+                        since = 0
+                        await asyncio.sleep(0)
                     exp_ms = (e_hi << 32) | e_lo
                     if exp_ms <= now_ms:
                         continue  # expired, not swept yet
@@ -585,6 +595,8 @@ class RedisSync:
                     out.append((f"{hi16:04x}{hi32:08x}{b}", exp_ms, rec))
             if cursor == 0:
                 return out
+            if page:  # about `PULL_PAGE` records a page, however full the buckets are
+                count = max(1, min(PULL_PAGE // 16, PULL_PAGE * len(page) // max(1, records)))
 
     async def _dump(self, keys: EngineKeys, kind: str) -> list[tuple[str, int, bytes | None]]:
         idx = keys.index(kind)

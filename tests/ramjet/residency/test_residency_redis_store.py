@@ -780,3 +780,44 @@ async def test_a_seed_with_another_replicas_write_between_its_chunks_is_pulled(
     finally:
         for s in (a, b):
             await s.link.close()
+
+
+async def test_a_packed_pull_unpacks_a_full_bucket_in_steps(server: RedisProcess) -> None:
+    """At 20M blocks a packed bucket (hash field) holds ~300 records, so one HSCAN page
+    is tens of thousands of them: the pull unpacks a page with a turn for the loop every
+    `PULL_STEP` records (it was one stretch per page). Here every key is in one bucket:
+    between the global table's HSCAN and the next one, the loop gets turns."""
+    a, _ = make(server)  # packed, the default
+    rng = random.Random(12)
+    n = 6 * PULL_STEP
+    ks = [PrefixKey((rng.getrandbits(48) << 16) | 0x1234) for _ in range(n)]  # one bucket
+    now = a.clock()
+    a.replace_exact(Table.GLOBAL, E0, [(k, Tier.HOST, now + 3_600) for k in ks], now)
+    fresh, _ = make_from(a)
+    names: list[str] = []
+    in_flight = 0
+    hscan = fresh.link.client.hscan
+
+    async def traced(name: str, *args: Any, **kw: Any) -> Any:
+        nonlocal in_flight
+        names.append(name)
+        in_flight += 1
+        try:
+            return await hscan(name, *args, **kw)
+        finally:
+            in_flight -= 1
+
+    fresh.link.client.hscan = traced  # type: ignore[method-assign]
+    try:
+        while a.pending:
+            await a.sync_once()
+        seen = await turns_during(fresh.sync_once(), lambda: (len(names), in_flight))
+        assert names[0].endswith(":b:gx") and len(names) >= 4  # the other kinds follow
+        unpacking = sum(1 for s in seen if s == (1, 0))  # gx's page read, none in flight
+        assert unpacking >= n // PULL_STEP - 1, unpacking
+        got = fresh.local.get_many(Table.GLOBAL, E0, ks, fresh.clock(), False)
+        assert all(e is not None and e.tier is Tier.HOST for e in got)
+    finally:
+        await a.close()
+        await a.link.close()
+        await fresh.link.close()
