@@ -5,12 +5,15 @@ engine, on an `asyncio.Protocol`. `EnginePool` is the HTTP/1.1 `EngineTransport`
 Per request: the head and the body leave in one write. The response is parsed by
 httptools' `HttpResponseParser` (llhttp, strict: a bare CR or LF, a NUL or other control
 byte in a header, a name that is not a token, a bad or repeated Content-Length or chunk
-size is refused), one parser per connection. Interim (1xx) heads are skipped; a head
+size is refused), one parser per connection; a NUL in the reason phrase and a status
+line that does not start with "HTTP/" are refused as well. Interim (1xx) heads are skipped; a head
 past 64 KiB or 255 header lines, an HTTP version other than 1.0/1.1, a status outside
-100-599 or a 101, and a Transfer-Encoding that does not end in chunked are refused too.
-Body bytes go to the reader as they arrive, those of one read in one piece, unchanged (a
-chunked body is de-chunked, trailers dropped; a body with neither Content-Length nor
-chunking runs to the connection's close). Nothing is decompressed.
+100-599 or a 101, a Transfer-Encoding that does not end in chunked, and 64 KiB of chunk
+framing (size lines, extensions, trailers) with no data are refused too. Body bytes go
+to the reader as they arrive, those of one read in one piece, unchanged (a chunked body
+is de-chunked, trailers dropped; a body with neither Content-Length nor chunking runs to
+the connection's close). Nothing is decompressed. Bytes past a body's end (other than
+blank lines, which llhttp skips) retire the connection.
 
 - Pool (`EnginePool`): at most `limit` open connections; a request past the limit waits
   for one to be released. A connection goes back to the pool only when its response
@@ -247,6 +250,7 @@ class _Conn(asyncio.Protocol):
         self._done = False  # this read ended the body
         self._keep_alive = True
         self._until_close = False
+        self._fresh = False  # a request was sent and nothing of its answer came yet
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -279,6 +283,11 @@ class _Conn(asyncio.Protocol):
             if self._head_waiter is None:  # nothing asked for: not HTTP as we speak it
                 self._close()
                 return
+            if self._fresh:  # the answer's first byte: "H" (llhttp also takes RTSP/, ICE/)
+                self._fresh = False
+                if data[0] != 72:
+                    self._fail_head("malformed response head: not HTTP")
+                    return
             self._head_len += len(data)
         err: Exception | None = None
         try:
@@ -328,6 +337,8 @@ class _Conn(asyncio.Protocol):
         self._head_lines = 0
 
     def on_status(self, reason: bytes) -> None:
+        if b"\0" in reason:  # llhttp takes it; it would reach the client's status line
+            raise ValueError("NUL in the reason phrase")
         self._reason.append(reason)
         self._head_size += len(reason)
 
@@ -452,6 +463,7 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         w: asyncio.Future[UpstreamResponse] = self.pool.loop.create_future()
         self._head_waiter = w
+        self._fresh = True
         self.transport.write(data)
         return w
 
