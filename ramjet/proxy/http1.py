@@ -2,10 +2,18 @@
 engine, on an `asyncio.Protocol`. `EnginePool` is the HTTP/1.1 `EngineTransport` and
 `UpstreamResponse` its `EngineResponse` (`ramjet.proxy.transport` holds the contract).
 
-Per request: the head and the body leave in one write; the response's status line and
-headers are parsed once they are complete (`\\r\\n\\r\\n`), then body bytes go to the
-reader as they arrive, unchanged (a chunked body is de-chunked; a body with neither
-Content-Length nor chunking runs to the connection's close). Nothing is decompressed.
+Per request: the head and the body leave in one write. The response is parsed by
+httptools' `HttpResponseParser` (llhttp, strict: a bare CR or LF, a NUL or other control
+byte in a header, a name that is not a token, a bad or repeated Content-Length or chunk
+size is refused), one parser per connection; a NUL in the reason phrase and a status
+line that does not start with "HTTP/" are refused as well. Interim (1xx) heads are skipped; a head
+past 64 KiB or 255 header lines, an HTTP version other than 1.0/1.1, a status outside
+100-599 or a 101, a Transfer-Encoding that does not end in chunked, and 64 KiB of chunk
+framing (size lines, extensions, trailers) with no data are refused too. Body bytes go
+to the reader as they arrive, those of one read in one piece, unchanged (a chunked body
+is de-chunked, trailers dropped; a body with neither Content-Length nor chunking runs to
+the connection's close). Nothing is decompressed. Bytes past a body's end (other than
+blank lines, which llhttp skips) retire the connection.
 
 - Pool (`EnginePool`): at most `limit` open connections; a request past the limit waits
   for one to be released. A connection goes back to the pool only when its response
@@ -31,12 +39,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import re
 import socket
 import ssl
 import time
 from collections.abc import Callable, Iterable
 
+from httptools import (
+    HttpParserCallbackError,
+    HttpParserError,
+    HttpParserUpgrade,
+    HttpResponseParser,
+)
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -46,9 +59,14 @@ from ramjet.proxy.transport import UpstreamConnectError as UpstreamConnectError
 _MAX_HEAD_BYTES = 64 * 1024
 """A response head (status line and headers) longer than this is refused."""
 _MAX_HEADERS = 256
-"""A response head with more header lines than this is refused."""
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-"""A header name (RFC 9110 token)."""
+"""A response head with this many header lines or more is refused."""
+
+
+def _why(exc: Exception) -> str:
+    """What the parser refused: a callback's own error, else llhttp's reason."""
+    if isinstance(exc, HttpParserCallbackError) and exc.__context__ is not None:
+        return str(exc.__context__)
+    return str(exc) or type(exc).__name__
 
 
 class UpstreamResponse:
@@ -205,7 +223,9 @@ class UpstreamResponse:
 
 
 class _Conn(asyncio.Protocol):
-    """One connection to an engine, one request at a time."""
+    """One connection to an engine, one request at a time. Its bytes go through one
+    `httptools.HttpResponseParser` (llhttp) for the connection's life; the parser's
+    callbacks below build each head and collect each read's body pieces."""
 
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
@@ -213,23 +233,24 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.idle_since = 0.0
         self._closed = False
-        self._lost: BaseException | None = None
-        # Response state: waiting for the head, then the body in one of three framings.
         self._head_waiter: asyncio.Future[UpstreamResponse] | None = None
-        self._buf = b""
-        # A head that came in pieces: the pieces, their length, the last 3 bytes. One copy
-        # and one scan per piece, not of all so far (a 60 KB head sent a byte at a time
-        # cost ~1 s of CPU that way).
-        self._head_parts: list[bytes] = []
-        self._head_len = 0
-        self._head_tail = b""
         self._resp: UpstreamResponse | None = None
+        self._parser = HttpResponseParser(self)
+        # Both framings: chunked wins (llhttp would refuse the response) and the
+        # connection is not reused (`on_headers_complete`).
+        self._parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        # The head being parsed: its reason phrase's pieces, headers, size and lines.
+        self._reason: list[bytes] = []
+        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._head_size = 0
+        self._head_lines = 0
+        self._head_len = 0  # bytes read since the last head ended, while no head is whole
+        self._quiet = 0  # body-state bytes read since the last body byte (framing only)
+        self._pieces: list[bytes] = []  # this read's body pieces, handed over as one
+        self._done = False  # this read ended the body
         self._keep_alive = True
-        self._remaining = -1  # Content-Length bytes still due; -1: not length-framed
-        self._chunked = False
-        self._chunk_left = 0  # bytes of the current chunk still due (+2 for its CRLF)
-        self._trailers = False
         self._until_close = False
+        self._fresh = False  # a request was sent and nothing of its answer came yet
 
     # -- asyncio.Protocol -------------------------------------------------------------
 
@@ -245,7 +266,7 @@ class _Conn(asyncio.Protocol):
         self.pool._gone(self)
         resp, self._resp = self._resp, None
         if resp is not None:
-            if self._until_close and exc is None and not self._buf:
+            if self._until_close and exc is None:
                 resp._end()
             else:
                 resp._fail(UpstreamClosed("engine closed the connection mid-body"))
@@ -257,200 +278,129 @@ class _Conn(asyncio.Protocol):
         return False  # close our side too
 
     def data_received(self, data: bytes) -> None:
-        if self._resp is not None:
-            self._body(data)
-            return
-        if self._head_waiter is None:  # nothing asked for: not HTTP as we speak it
-            self._close()
-            return
-        if self._head_parts:
-            probe = self._head_tail + data
-            self._head_parts.append(data)
+        in_head = self._resp is None
+        if in_head:
+            if self._head_waiter is None:  # nothing asked for: not HTTP as we speak it
+                self._close()
+                return
+            if self._fresh:  # the answer's first byte: "H" (llhttp also takes RTSP/, ICE/)
+                self._fresh = False
+                if data[0] != 72:
+                    self._fail_head("malformed response head: not HTTP")
+                    return
             self._head_len += len(data)
-            if probe.find(b"\r\n\r\n") < 0:
-                if self._head_len > _MAX_HEAD_BYTES:
-                    self._fail_head("response head too large")
-                else:
-                    self._head_tail = probe[-3:]
-                return
-            buf = b"".join(self._head_parts)
-            self._head_parts = []
-        else:
-            buf = data
-        while True:  # interim (1xx) heads are skipped: a loop, since one read may hold many
-            end = buf.find(b"\r\n\r\n")
-            if end < 0 or end > _MAX_HEAD_BYTES:
-                if len(buf) > _MAX_HEAD_BYTES:
-                    self._fail_head("response head too large")
-                else:
-                    self._head_parts = [buf]
-                    self._head_len = len(buf)
-                    self._head_tail = buf[-3:]
-                return
-            try:
-                resp = self._parse_head(buf[:end])
-            except (ValueError, UnicodeDecodeError) as exc:
-                self._fail_head(f"malformed response head: {exc}")
-                return
-            if resp is not None:
-                break
-            buf = buf[end + 4 :]
-            if not buf:
-                return
-        w, self._head_waiter = self._head_waiter, None
-        self._resp = resp
-        if not w.done():
-            w.set_result(resp)
-        rest = buf[end + 4 :]
-        if self._remaining == 0:
-            self._finish()
-            if rest:
-                self._close()  # bytes past the body: the connection is not reusable
-        elif rest:
-            self._body(rest)
-
-    # -- parsing ----------------------------------------------------------------------
-
-    def _parse_head(self, head: bytes) -> UpstreamResponse | None:
-        # A CR or LF other than a line's CRLF, or a NUL, would reach the client's response
-        # as written (response splitting): refused, as are bare-LF line ends.
-        crlf = head.count(b"\r\n")
-        if head.count(b"\r") != crlf or head.count(b"\n") != crlf or b"\0" in head:
-            raise ValueError("CR, LF or NUL inside a line")
-        if crlf >= _MAX_HEADERS:
-            raise ValueError(f"more than {_MAX_HEADERS} header lines")
-        lines = head.decode("utf-8", "surrogateescape").split("\r\n")
-        version, _, rest = lines[0].partition(" ")
-        code, _, reason = rest.partition(" ")
-        if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isascii() or not code.isdigit():
-            raise ValueError(repr(lines[0][:80]))
-        status = int(code)
-        if not 100 <= status <= 599 or len(code) != 3 or status == 101:
-            raise ValueError(repr(lines[0][:80]))  # 101: no upgrade was asked for
-        headers: CIMultiDict[str] = CIMultiDict()
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep or _TOKEN.fullmatch(name) is None:
-                raise ValueError(f"bad header line {line[:80]!r}")
-            headers.add(name, value.strip())
-        if status < 200:
-            return None
-        conn_tokens = ",".join(headers.getall("Connection", ())).lower()
-        self._keep_alive = version == "HTTP/1.1" and "close" not in conn_tokens
-        te = ",".join(headers.getall("Transfer-Encoding", ())) or None
-        length: int | None = None
-        self._chunked = self._until_close = self._trailers = False
-        self._chunk_left = 0
-        if status in (204, 304):
-            self._remaining = 0
-        elif te is not None:
-            if te.lower().rsplit(",", 1)[-1].strip() != "chunked":
-                raise ValueError(f"unsupported Transfer-Encoding {te!r}")
-            self._chunked = True
-            self._remaining = -1
-            if "Content-Length" in headers:  # both framings: a smuggling attempt or a bug
-                self._keep_alive = False
-        elif "Content-Length" in headers:
-            cl = headers["Content-Length"]
-            if not (cl.isascii() and cl.isdigit()) or len(headers.getall("Content-Length")) > 1:
-                raise ValueError(f"bad Content-Length {cl!r}")
-            length = int(cl)
-            self._remaining = length
-        else:
-            self._until_close = True
-            self._keep_alive = False
-            self._remaining = -1
-        return UpstreamResponse(self, status, reason, CIMultiDictProxy(headers), length)
-
-    def _body(self, data: bytes) -> None:
+        err: Exception | None = None
+        try:
+            self._parser.feed_data(data)
+        except (HttpParserError, HttpParserUpgrade) as exc:
+            err = exc
         resp = self._resp
-        assert resp is not None
-        if self._chunked:
-            self._dechunk(data)
-        elif self._until_close:
-            resp._feed(data)
-        else:
-            n = self._remaining
-            if len(data) < n:
-                self._remaining = n - len(data)
-                resp._feed(data)
+        if resp is not None:
+            pieces = self._pieces
+            if pieces:
+                self._quiet = 0
+                piece = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                pieces.clear()
+                resp._feed(piece, self._done)
+            elif not in_head:
+                self._quiet += len(data)
+        if self._done:
+            self._done = False
+            self._finish()
+            if err is not None:  # bytes past the body: the connection is not reusable
+                self._close()
+        elif err is not None:
+            why = _why(err)
+            if resp is None:
+                self._fail_head(f"malformed response head: {why}")
             else:
-                if n:
-                    resp._feed(data if len(data) == n else data[:n], last=True)
-                self._remaining = 0
-                self._finish()
-                if len(data) > n:
-                    self._close()
-                return
-        if (
-            self._resp is resp
-            and resp._buffered > self.pool.read_high
-            and not self.paused
-            and self.transport is not None
+                self._fail_body(f"malformed response body: {why}")
+        elif resp is None:
+            if self._head_len > _MAX_HEAD_BYTES:
+                self._fail_head("response head too large")
+        elif self._quiet > _MAX_HEAD_BYTES:  # chunk size lines or trailers, no data
+            self._fail_body("chunk framing too long")
+        elif (
+            resp._buffered > self.pool.read_high and not self.paused and self.transport is not None
         ):
             self.paused = True
             self.transport.pause_reading()
 
-    def _dechunk(self, data: bytes) -> None:
-        """Chunked framing off: the chunk data of `data` goes to the reader in one piece.
-        A chunk-size line or CRLF split across reads waits in `_buf`."""
-        resp = self._resp
-        assert resp is not None
-        buf = self._buf + data if self._buf else data
-        self._buf = b""
-        out: list[bytes] = []
-        pos, n = 0, len(buf)
-        left = self._chunk_left  # chunk data still due, plus its 2-byte CRLF
-        try:
-            while pos < n:
-                if left > 2:  # chunk data
-                    take = left - 2
-                    if take > n - pos:
-                        take = n - pos
-                    out.append(buf[pos : pos + take])
-                    pos += take
-                    left -= take
-                elif left > 0:  # the CRLF after the chunk data
-                    need = buf[pos : pos + left]
-                    if b"\r\n"[2 - left : 2 - left + len(need)] != need:
-                        self._fail_body("bad chunk terminator")
-                        return
-                    pos += len(need)
-                    left -= len(need)
-                else:
-                    eol = buf.find(b"\r\n", pos)
-                    if eol < 0:
-                        if n - pos > 1024:
-                            self._fail_body("chunk size line too long")
-                        else:
-                            self._buf = buf[pos:]
-                        return
-                    if self._trailers:  # trailer lines until an empty one
-                        if eol == pos:
-                            self._chunk_left = 0
-                            if out:
-                                resp._feed(out[0] if len(out) == 1 else b"".join(out), True)
-                                out = []
-                            self._finish()
-                            if eol + 2 < n:
-                                self._close()
-                            return
-                        pos = eol + 2
-                        continue
-                    size_s = buf[pos:eol].split(b";", 1)[0].strip()
-                    if not size_s or size_s.strip(b"0123456789abcdefABCDEF"):
-                        self._fail_body("bad chunk size")
-                        return
-                    pos = eol + 2
-                    size = int(size_s, 16)
-                    if size == 0:
-                        self._trailers = True
-                    else:
-                        left = size + 2
-        finally:
-            self._chunk_left = left
-            if out:
-                resp._feed(out[0] if len(out) == 1 else b"".join(out))
+    # -- the parser's callbacks (httptools) -------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._resp is not None or self._head_waiter is None:
+            raise ValueError("bytes past the body")  # stops the parser
+        self._reason = []
+        self._headers = CIMultiDict()
+        self._head_size = 0
+        self._head_lines = 0
+
+    def on_status(self, reason: bytes) -> None:
+        if b"\0" in reason:  # llhttp takes it; it would reach the client's status line
+            raise ValueError("NUL in the reason phrase")
+        self._reason.append(reason)
+        self._head_size += len(reason)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._resp is not None:  # a trailer: dropped
+            return
+        self._head_lines += 1
+        self._head_size += len(name) + len(value) + 4
+        if self._head_lines >= _MAX_HEADERS:
+            raise ValueError(f"more than {_MAX_HEADERS - 1} header lines")
+        if self._head_size > _MAX_HEAD_BYTES:
+            raise ValueError("response head too large")
+        self._headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape").strip())
+
+    def on_headers_complete(self) -> None:
+        self._head_len = 0
+        parser = self._parser
+        version = parser.get_http_version()
+        status = parser.get_status_code()
+        if version != "1.1" and version != "1.0":
+            raise ValueError(f"HTTP version {version}")
+        if not 100 <= status <= 599 or status == 101:  # 101: no upgrade was asked for
+            raise ValueError(f"status {status}")
+        if self._head_size > _MAX_HEAD_BYTES:
+            raise ValueError("response head too large")
+        if status < 200:  # an interim head: skipped
+            return
+        headers = self._headers
+        conn_tokens = ",".join(headers.getall("Connection", ())).lower()
+        self._keep_alive = version == "1.1" and "close" not in conn_tokens
+        te = ",".join(headers.getall("Transfer-Encoding", ())) or None
+        length: int | None = None
+        self._until_close = False
+        self._quiet = 0
+        if status in (204, 304):
+            pass
+        elif te is not None:
+            if te.lower().rsplit(",", 1)[-1].strip() != "chunked":
+                raise ValueError(f"unsupported Transfer-Encoding {te!r}")
+            if "Content-Length" in headers:  # both framings: a smuggling attempt or a bug
+                self._keep_alive = False
+        elif "Content-Length" in headers:
+            length = int(headers["Content-Length"])  # llhttp checked it: digits, one
+        else:
+            self._until_close = True
+            self._keep_alive = False
+        reason = self._reason
+        text = (reason[0] if len(reason) == 1 else b"".join(reason)).decode(
+            "utf-8", "surrogateescape"
+        )
+        resp = UpstreamResponse(self, status, text, CIMultiDictProxy(headers), length)
+        self._resp = resp
+        w, self._head_waiter = self._head_waiter, None
+        if w is not None and not w.done():
+            w.set_result(resp)
+
+    def on_body(self, data: bytes) -> None:
+        self._pieces.append(data)
+
+    def on_message_complete(self) -> None:
+        if self._resp is not None:  # not an interim head's end
+            self._done = True
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -513,6 +463,7 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         w: asyncio.Future[UpstreamResponse] = self.pool.loop.create_future()
         self._head_waiter = w
+        self._fresh = True
         self.transport.write(data)
         return w
 

@@ -285,7 +285,8 @@ async def test_a_suspect_connection_is_not_reused(head: bytes, closing: list[obj
 async def test_a_huge_chunk_size_streams_and_a_cut_is_an_error(closing: list[object]) -> None:
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await _read_request(r)
-        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 40 + b"\r\nab")
+        # 2**64 - 1, the largest llhttp takes (a longer size is refused: test_upstream_random)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 16 + b"\r\nab")
         await w.drain()
 
     srv, url, _ = await _serve(handler)
