@@ -3,8 +3,8 @@ engine and vLLM's variant) on the Mooncake, tau-bench and mini-SWE traces at thr
 an aging sweep, and the worst wait of long cold prompts.
 
     .venv/bin/python benchmarks/priority_sim.py --out docs/results/priority [--quick]
-    .venv/bin/python benchmarks/priority_sim.py --quick --middle --no-sweep --out out/bench/priority_sim
-                                                     # make bench: middle loads, no sweep, ~3 min
+    .venv/bin/python benchmarks/priority_sim.py --quick --middle --no-sweep \\
+        --out out/bench/priority_sim                 # make bench: each middle load, ~1 min
 
 For each trace and load: every FCFS peer (`simulations.lineup`), and tier_aware (and
 prefix_affinity) under each scheduler of `simulations.engine`: `fcfs`, `priority`
