@@ -90,7 +90,7 @@ BENCHMARKS = (
     Bench("residency_scale", ("--quick",), headline=r"RSS per block / "),
     Bench("residency_scale_redis", ("--quick",), headline=r"bytes per block \(steady\) / "),
     Bench("engine_profile", ("--quick",), headline=r"^figure: engine restore TTFT"),
-    Bench("kernels", ("--quick",), headline=r"^self-check:"),
+    Bench("kernels", ("--quick",), headline=r"^device:"),
     Bench("priority_e2e", ("--quick",), headline=r"^figure: priority e2e"),
     Bench("e2e_vllm", ("--quick",), headline=r"mean TTFT / ", timeout_s=900),
     Bench(
