@@ -3,7 +3,8 @@ of an instrumented copy of the tree, stage by stage.
 
     .venv/bin/python benchmarks/latency_split.py                 # observe and enforce, ~6 min
     .venv/bin/python benchmarks/latency_split.py --modes enforce --seconds 3
-    .venv/bin/python benchmarks/latency_split.py --quick     # make bench: enforce, 1 s
+    .venv/bin/python benchmarks/latency_split.py --quick     # make bench: enforce, 1 s,
+                                                             # pure Python, no build
 
 A profiler's samples say where the CPU goes; they do not say what sits between a
 request's bytes arriving and the engine's request leaving, which is what the added latency
@@ -30,7 +31,11 @@ is made of. This measures that directly:
    says what the markers and perf cost; the steps' share is of the instrumented one's.
 
 Needs `perf` with tracepoint access (root, or `kernel.perf_event_paranoid` <= 1) and
-`taskset`. Every process it starts is stopped by pid; the worktree is removed. Ends with
+`taskset`. Every process it starts is stopped by pid; the worktree is removed. `--quick`
+runs both routers, the instrumented copy and the product, in pure Python
+(`RAMJET_NATIVE=0`): compiling the copy takes minutes, and the split of a pure-Python
+router is not the compiled product's (its steps are slower), so a quick run checks the
+method and prints its figures, and the full run measures the product. Ends with
 a `self-check:` line (every marker line found once and recorded at least 50 times per
 step, every reply checked) and each mode's added latency and steps as `figure:` lines.
 """
@@ -42,6 +47,7 @@ import asyncio
 import collections
 import importlib.util
 import itertools
+import os
 import re
 import shutil
 import statistics
@@ -238,10 +244,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="observe,enforce")
     ap.add_argument("--seconds", type=float, default=2.0, help="open-loop time per mode")
-    ap.add_argument("--quick", action="store_true", help="--modes enforce --seconds 1")
+    ap.add_argument(
+        "--quick", action="store_true", help="--modes enforce --seconds 1, pure Python, no build"
+    )
     args = ap.parse_args()
     if args.quick:
         args.modes, args.seconds = "enforce", 1.0
+        os.environ["RAMJET_NATIVE"] = "0"  # both routers (they inherit it); no build
     for tool in ("perf", "taskset", "git"):
         if shutil.which(tool) is None:
             raise SystemExit(f"latency_split: needs {tool}")
@@ -255,11 +264,14 @@ def main() -> int:
     try:
         (tree / ".venv").symlink_to(ROOT / ".venv")
         instrument(tree)
-        print("latency_split: building the instrumented copy ...", flush=True)
-        # the build script itself, not `make native`: make would see the fresh checkout's
-        # pyproject.toml newer than the shared venv's stamp and reinstall the package
-        # into that venv from the scratch copy
-        subprocess.run([sys.executable, "scripts/build_native.py"], cwd=tree, check=True)
+        if args.quick:
+            print("latency_split: --quick: both routers in pure Python (RAMJET_NATIVE=0)")
+        else:
+            print("latency_split: building the instrumented copy ...", flush=True)
+            # the build script itself, not `make native`: make would see the fresh
+            # checkout's pyproject.toml newer than the shared venv's stamp and reinstall
+            # the package into that venv from the scratch copy
+            subprocess.run([sys.executable, "scripts/build_native.py"], cwd=tree, check=True)
         po = load_module(tree / "benchmarks" / "proxy_overhead.py", "proxy_overhead_split")
         product = load_module(ROOT / "benchmarks" / "proxy_overhead.py", "proxy_overhead_product")
         checked = sum(
