@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/bench_all.py --quick --out out/bench [--only NAME,NAME]
 
-Quick mode is bounded (each benchmark in a minute or a few; the whole list in about
-25 minutes on two cores) and reports its figures without judging them: a quick run's
+Quick mode is bounded (each benchmark in seconds to about a minute; the whole list in
+about 8 minutes on two cores, with the native build) and reports its figures without judging them: a quick run's
 noise can cross a target that its full run (the command in each benchmark's docstring)
 holds, as `report_flood` once read +11.0% against its +10%. A benchmark fails here on
 what it verified (its `self-check:`), its exit status or its time limit.
