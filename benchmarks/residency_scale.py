@@ -48,7 +48,8 @@ import subprocess
 import sys
 import time
 from array import array
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
@@ -82,6 +83,7 @@ KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
 PROMPT_TOKENS = 50_000
 CHUNK = MAX_KEYS_PER_BODY  # keys per report: the most a body may carry
 TIERS = ("hbm", "host", "ssd")
+T = TypeVar("T")
 
 
 def rss_bytes() -> int:
@@ -138,6 +140,50 @@ class StallMonitor:
         self._stop = True
         assert self._task is not None
         await self._task
+
+
+async def sweep_phase(expire_step: Callable[[], bool]) -> dict[str, float]:
+    """The expiry sweep alone, in the tables' bounded steps with a turn for the loop
+    between, until nothing expired is left; its wall time and the loop's longest stall
+    (`sweep_s`, `sweep_stall_s`, `sweep_stall_cpu_s`). Shared with the Redis half
+    (`residency_scale_redis.py`)."""
+    async with StallMonitor() as mon:
+        t0 = time.perf_counter()
+        while expire_step():
+            await asyncio.sleep(0)
+        took = time.perf_counter() - t0
+    return {"sweep_s": took, "sweep_stall_s": mon.longest, "sweep_stall_cpu_s": mon.longest_cpu}
+
+
+async def snapshot_during_sweep(
+    apply: Callable[[], Awaitable[T]], expire_step: Callable[[], bool]
+) -> tuple[T, dict[str, float]]:
+    """`apply()` (a snapshot's apply) while the expiry sweep takes a bounded step every
+    loop turn (the ingest's tick, every turn instead of every second); its result, and
+    its wall and process CPU time and the loop's longest stall meanwhile (`snapshot2_s`,
+    `snapshot2_cpu_s`, `snapshot_stall_s`, `snapshot_stall_cpu_s`). Shared with the
+    Redis half, whose `apply` also waits for the write queue to reach Redis."""
+    done = False
+    out: dict[str, float] = {}
+
+    async def sweeper() -> None:
+        while not done:
+            expire_step()
+            await asyncio.sleep(0)
+
+    async with StallMonitor() as mon:
+        sweep = asyncio.create_task(sweeper())
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            res = await apply()
+            out["snapshot2_s"] = time.perf_counter() - t0
+            out["snapshot2_cpu_s"] = time.process_time() - c0
+        finally:
+            done = True
+            await sweep
+    out["snapshot_stall_s"] = mon.longest
+    out["snapshot_stall_cpu_s"] = mon.longest_cpu
+    return res, out
 
 
 class Loader:
@@ -316,13 +362,7 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
     # 3. the expiry sweep: the 1-hour blocks (the snapshot's and the first deltas') go
     ld.clock.offset = 2 * 3600.0
     before = ld.tables.size(Table.GLOBAL)
-    async with StallMonitor() as mon:
-        t0 = time.perf_counter()
-        while ld.tables.expire_step():
-            await asyncio.sleep(0)
-        out["sweep_s"] = time.perf_counter() - t0
-    out["sweep_stall_s"] = mon.longest
-    out["sweep_stall_cpu_s"] = mon.longest_cpu
+    out.update(await sweep_phase(ld.tables.expire_step))
     out["swept"] = before - ld.tables.size(Table.GLOBAL)
     checks.append(0 < out["swept"] <= loaded - 6000)
     keys_, tokens, hit = ld.prompt(block_tokens, ld.late)
@@ -347,23 +387,10 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
     del outcome
     ld.clock.offset += 73 * 3600.0
     gc.collect()
-    done = False
-
-    async def sweeper() -> None:  # the ingest's tick, every turn instead of every second
-        while not done:
-            ld.tables.expire_step()
-            await asyncio.sleep(0)
-
-    async with StallMonitor() as mon:
-        sweep = asyncio.create_task(sweeper())
-        t0, c0 = time.perf_counter(), time.process_time()
-        res = await ld.proc.submit_async(frame)
-        out["snapshot2_s"] = time.perf_counter() - t0
-        out["snapshot2_cpu_s"] = time.process_time() - c0
-        done = True
-        await sweep
-    out["snapshot_stall_s"] = mon.longest
-    out["snapshot_stall_cpu_s"] = mon.longest_cpu
+    res, figures = await snapshot_during_sweep(
+        lambda: ld.proc.submit_async(frame), ld.tables.expire_step
+    )
+    out.update(figures)
     checks.append(isinstance(res, Accepted) and ld.tables.size(Table.GLOBAL) == first)
     got = ld.tables.store.get_many(Table.GLOBAL, E0, probe, ld.clock(), False)
     checks.append(all(e is not None and e.tier is Tier.HBM for e in got))

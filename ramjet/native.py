@@ -56,7 +56,7 @@ LIB_SUFFIX = "__mypyc"  # the shared library of a group: <group>__mypyc<EXT_SUFF
 
 log = logging.getLogger("ramjet.native")
 
-# The request path, as profiled (docs/performance.md, "Compiled hot modules"), and what
+# The request path, as profiled (docs/native.md), and what
 # it calls per request (the fleet's state and signals, the residency view and tables).
 # A class on it is written for mypyc: a dataclass made per request has a written-out
 # `__init__` (`init=False`; the generated one stays interpreted), and a series the loop

@@ -158,6 +158,9 @@ class RedisSync:
         """Chunked replaces being replayed, swapped in when their last chunk arrives."""
         self._seeding: dict[EngineId, deque[Batch]] = {}
         """Chunks of a seed this replica won that Redis has not taken yet."""
+        self._seed_gens: dict[EngineId, int] = {}
+        """The log `gen` a seed this replica won ends at when nothing else was written
+        (its chunk count); 0: pull after it whatever the log shows."""
         self.wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._recovered = False
@@ -313,12 +316,26 @@ class RedisSync:
         copy is read in pieces, yielding to the loop every `PULL_STEP` entries (a large
         mirror is seconds of CPU), and cut into chunks as `_chunks` cuts it: one
         single-key put per entry, `snapshot_chunk_entries` to a chunk. A write made
-        meanwhile is in the queue behind the seed, so Redis ends with it either way."""
+        meanwhile is in the queue behind the seed, so Redis ends with it either way.
+
+        A seed this replica won leaves Redis holding this mirror, so the mirror is not
+        pulled back (`_finish_seed`): that pull, of everything the engine had so far,
+        came after every engine's first write (Redis answers `missing` for an engine it
+        never held) and stalled the loop mid-load (issue 33). A seed another replica won
+        (`dup`) is pulled, as is one whose log shows anything but this seed."""
         chunks: list[list[list[Any]]] = [[["P"]]]
         since = 0
+        over_cap = False
         for table in Table:
+            cap = (
+                self.settings.max_global_entries_per_engine
+                if table is Table.GLOBAL
+                else self.settings.max_swa_entries_per_engine
+            )
             for exact in (True, False):
+                count = 0
                 for piece in self.local.entry_steps(table, engine, exact):
+                    count += len(piece)
                     for key, e in piece:
                         if len(chunks[-1]) >= self.chunk:
                             chunks.append([])
@@ -337,26 +354,44 @@ class RedisSync:
                     if since >= PULL_STEP:
                         since = 0
                         await asyncio.sleep(0)
+                over_cap |= count > cap  # the script evicts: the mirror must learn which
         epoch, seq = self.cursor.get(engine, (-1, -1))
         lead = Batch(engine, "seed", epoch, seq, chunks[0])
         parts = [lead] + [Batch(engine, "free", ops=c, lead=lead) for c in chunks[1:]]
+        # re-read from Redis unless `_finish_seed` finds the log holds this seed alone
+        self.tails[engine] = Tail()
         status = await self._apply(parts[0])
         self.metrics.batches.labels(f"seed_{status}").inc()
         if status == "ok":  # this replica's seed won: the rest of it follows, in chunks
             self._seeding[engine] = deque(parts[1:])
+            self._seed_gens[engine] = 0 if over_cap else len(parts)
             await self._finish_seed(engine)
-        if status == "ok":
             self.metrics.resyncs.labels("push", "redis_empty").inc()
-        self.tails[engine] = Tail()  # re-read from Redis, whoever seeded
 
     async def _finish_seed(self, engine: EngineId) -> None:
         """Send the rest of a seed this replica won, in order; what a timeout leaves is
-        sent first thing next round (before any pull could read a half seed)."""
+        sent first thing next round (before any pull could read a half seed). Then, if
+        the engine's log holds nothing but the seed's chunks (its `gen` is their count:
+        the lead found no `gen`, so it wrote 1, and nobody wrote between or since),
+        Redis holds exactly what this mirror held when the seed read it, and the writes
+        made since are queued behind it: the mirror tails from there instead of pulling
+        everything back. Otherwise (another replica's write came between, a chunk was
+        resent after a timeout, the script evicted over a cap) the tail stays unsynced
+        and the engine is pulled."""
         rest = self._seeding.get(engine)
         while rest:
             self.metrics.batches.labels(f"seed_{await self._apply(rest[0])}").inc()
             rest.popleft()
         self._seeding.pop(engine, None)
+        want = self._seed_gens.pop(engine, 0)
+        if want <= 0:
+            return
+        gen, epoch, seq, last_id = await self._head(self.keys[engine])
+        if gen == want and last_id:
+            discard(self.staged, engine)  # a replayed replace's chunks: not in Redis now
+            self.tails[engine] = Tail(last_id=last_id, gen=gen, synced=True)
+            if epoch >= 0:
+                self.note_cursor(engine, epoch, seq)
 
     async def _tail(self, engine: EngineId) -> None:
         keys = self.keys[engine]
@@ -374,7 +409,8 @@ class RedisSync:
         if gen < 0:  # Redis lost this engine (restart, expiry): seed it, then pull
             if self.local.holds(engine) or engine in self.cursor:
                 await self._seed(engine)
-                await self._pull(engine, "redis_empty")
+                if not self.tails[engine].synced:  # another replica's seed, or a mixed log
+                    await self._pull(engine, "redis_empty")
             return False
         if not entries:
             if gen != tail.gen:
@@ -415,6 +451,8 @@ class RedisSync:
         if gen < 0:  # nothing in Redis for this engine
             if self.local.holds(engine) or engine in self.cursor:
                 await self._seed(engine)
+                if self.tails[engine].synced:  # Redis holds this mirror: nothing to pull
+                    return
                 gen, epoch, seq, last_id = await self._head(keys)
             if gen < 0:
                 self.tails[engine] = Tail(synced=True, last_id="0-0", gen=0)
@@ -529,16 +567,26 @@ class RedisSync:
         out: list[tuple[str, int, bytes | None]] = []
         cursor: int = 0
         now_ms = int(self.clocks.wall() * 1000)
+        count = PULL_PAGE // 16  # buckets a page asks for; sized below by what they hold
+        since = 0
         while True:
             cursor, page = await self.link.call(
-                lambda c, cur=cursor: c.hscan(name, cur, count=PULL_PAGE // 16)  # type: ignore[misc]
+                lambda c, cur=cursor, n=count: c.hscan(name, cur, count=n)  # type: ignore[misc]
             )
+            records = 0
             for field, value in page.items():
                 b = text(field)
                 if len(b) != 4 or len(value) % PACKED_RECORD:
                     self.metrics.rejected.labels("malformed").inc()
                     continue
+                records += len(value) // PACKED_RECORD
                 for hi16, hi32, tier, c_hi, c_lo, e_hi, e_lo, mac in _RECORD.iter_unpack(value):
+                    # a bucket holds ~300 records at 20M blocks, a page tens of thousands
+                    # (tens of ms to unpack): the loop gets a turn every `PULL_STEP`
+                    since += 1
+                    if since >= PULL_STEP:
+                        since = 0
+                        await asyncio.sleep(0)
                     exp_ms = (e_hi << 32) | e_lo
                     if exp_ms <= now_ms:
                         continue  # expired, not swept yet
@@ -547,6 +595,8 @@ class RedisSync:
                     out.append((f"{hi16:04x}{hi32:08x}{b}", exp_ms, rec))
             if cursor == 0:
                 return out
+            if page:  # about `PULL_PAGE` records a page, however full the buckets are
+                count = max(1, min(PULL_PAGE // 16, PULL_PAGE * len(page) // max(1, records)))
 
     async def _dump(self, keys: EngineKeys, kind: str) -> list[tuple[str, int, bytes | None]]:
         idx = keys.index(kind)

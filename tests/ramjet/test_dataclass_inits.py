@@ -1,5 +1,5 @@
 """The request path's dataclasses with a hand-written `__init__` (`init=False`: mypyc
-compiles a written-out one, never the generated one; docs/performance.md) take exactly
+compiles a written-out one, never the generated one; docs/native.md) take exactly
 their fields, in field order, with the fields' defaults (a `default_factory` field:
 None, for a fresh one), set every field, and keep what the decorator gave them (frozen
 stays frozen; eq, repr and replace() work)."""

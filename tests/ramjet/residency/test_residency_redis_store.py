@@ -695,3 +695,129 @@ async def test_queued_writes_give_the_cyclic_gc_no_item_per_key(
     await b.sync_once()  # what Redis took is the same
     assert b.local.size(Table.GLOBAL) == 30_000
     assert sorted(k for k, _ in b.local.entries(Table.GLOBAL, E0, True)) == sorted(keys[20_000:])
+
+
+def pulls(reg: CollectorRegistry) -> float:
+    """Full pulls of any engine, whatever the reason."""
+    return sum(
+        s.value
+        for fam in reg.collect()
+        for s in fam.samples
+        if s.name == "ramjet_redis_resyncs_total" and s.labels["direction"] == "pull"
+    )
+
+
+async def test_an_engines_first_write_seeds_redis_without_pulling_it_back(
+    server: RedisProcess,
+) -> None:
+    """An engine Redis never held: its first batch is answered `missing`, and the replica
+    seeds Redis from its mirror. The seed it won leaves Redis holding that mirror, so the
+    mirror is not pulled back (that pull of everything, mid-load, was the longest loop
+    stall over Redis at 2M and 20M blocks: issue 33); the next writes tail as usual and
+    the other replica pulls every entry."""
+    a, reg = make(server)
+    b, _ = make(server)
+    rng = random.Random(33)
+    ks = [PrefixKey(rng.getrandbits(64)) for _ in range(3 * PULL_STEP)]
+    try:
+        await a.sync_once()  # Redis holds nothing of e0: nothing to pull
+        now = a.clock()
+        with a.report(E0, 1, 1):
+            a.put(Table.GLOBAL, E0, ks, Tier.HOST, now, now + 600, True)
+        a.put(Table.SWA, E0, keys(77), Tier.HBM, now, now + 600, False)
+        while a.pending:
+            await a.sync_once()
+        assert metric(reg, "ramjet_redis_batches_total", result="seed_ok") >= 1  # missing
+        assert pulls(reg) == 0
+        with a.report(E0, 1, 2):
+            a.put(Table.GLOBAL, E0, keys(5), Tier.HBM, a.clock(), a.clock() + 600, True)
+        await sync(a, b)
+        assert pulls(reg) == 0  # the tail goes on from the seed
+        assert a.cursor(E0) == b.cursor(E0) == (1, 2)
+        for s in (a, b):
+            got = s.local.get_many(Table.GLOBAL, E0, [*ks, PrefixKey(5)], s.clock(), False)
+            assert all(e is not None for e in got)
+            assert s.get(Table.SWA, E0, PrefixKey(77), s.clock(), True) is not None
+    finally:
+        for s in (a, b):
+            await s.link.close()
+
+
+async def test_a_seed_with_another_replicas_write_between_its_chunks_is_pulled(
+    server: RedisProcess,
+) -> None:
+    """The seed's log is not this mirror alone when another replica wrote between its
+    chunks: the replica pulls the engine and ends with both writes."""
+    a, reg = make(server, snapshot_chunk_entries=100)
+    b, _ = make(server)
+    ks = [PrefixKey(k) for k in range(1000, 1300)]
+    script = a.link.script
+    calls = 0
+
+    async def between(s: Any, keys_: list[str], args: list[Any]) -> Any:
+        nonlocal calls
+        res = await script(s, keys_, args)
+        calls += args[0] == "seed"
+        if calls == 1 and args[0] == "seed":  # the seed's lead went in: b writes
+            calls += 1
+            b.put(Table.GLOBAL, E0, keys(9), Tier.SSD, b.clock(), b.clock() + 600, False)
+            await b.sync_once()
+        return res
+
+    a.link.script = between  # type: ignore[method-assign]
+    try:
+        await a.sync_once()
+        now = a.clock()
+        with a.report(E0, 1, 1):
+            a.put(Table.GLOBAL, E0, ks, Tier.HOST, now, now + 600, True)
+        while a.pending:
+            await a.sync_once()
+        await a.sync_once()
+        assert metric(reg, "ramjet_redis_batches_total", result="seed_ok") >= 2  # chunks
+        assert pulls(reg) == 1
+        got = a.local.get_many(Table.GLOBAL, E0, [*ks, PrefixKey(9)], a.clock(), True)
+        assert all(e is not None for e in got)
+    finally:
+        for s in (a, b):
+            await s.link.close()
+
+
+async def test_a_packed_pull_unpacks_a_full_bucket_in_steps(server: RedisProcess) -> None:
+    """At 20M blocks a packed bucket (hash field) holds ~300 records, so one HSCAN page
+    is tens of thousands of them: the pull unpacks a page with a turn for the loop every
+    `PULL_STEP` records (it was one stretch per page). Here every key is in one bucket:
+    between the global table's HSCAN and the next one, the loop gets turns."""
+    a, _ = make(server)  # packed, the default
+    rng = random.Random(12)
+    n = 6 * PULL_STEP
+    ks = [PrefixKey((rng.getrandbits(48) << 16) | 0x1234) for _ in range(n)]  # one bucket
+    now = a.clock()
+    a.replace_exact(Table.GLOBAL, E0, [(k, Tier.HOST, now + 3_600) for k in ks], now)
+    fresh, _ = make_from(a)
+    names: list[str] = []
+    in_flight = 0
+    hscan = fresh.link.client.hscan
+
+    async def traced(name: str, *args: Any, **kw: Any) -> Any:
+        nonlocal in_flight
+        names.append(name)
+        in_flight += 1
+        try:
+            return await hscan(name, *args, **kw)
+        finally:
+            in_flight -= 1
+
+    fresh.link.client.hscan = traced  # type: ignore[method-assign]
+    try:
+        while a.pending:
+            await a.sync_once()
+        seen = await turns_during(fresh.sync_once(), lambda: (len(names), in_flight))
+        assert names[0].endswith(":b:gx") and len(names) >= 4  # the other kinds follow
+        unpacking = sum(1 for s in seen if s == (1, 0))  # gx's page read, none in flight
+        assert unpacking >= n // PULL_STEP - 1, unpacking
+        got = fresh.local.get_many(Table.GLOBAL, E0, ks, fresh.clock(), False)
+        assert all(e is not None and e.tier is Tier.HOST for e in got)
+    finally:
+        await a.close()
+        await a.link.close()
+        await fresh.link.close()
