@@ -98,9 +98,15 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[engine,sim,dev,bench]'
 	touch $(BENCH_STAMP)
 
-## bench: the headline benchmarks in quick mode -> out/bench/summary.md and its plots
-## (redis-server and nginx-light from Debian, the `bench` extra: smg, httptools)
-bench: system-deps-bench $(BENCH_STAMP) $(NATIVE)
+## bench: every benchmark in benchmarks/ in quick mode, one after another (about 8 min on
+## 2 cores; the first time, building the venvs and the native build takes ~15 min more)
+## -> out/bench/summary.md, one log per benchmark and the plots. Needs redis-server,
+## nginx-light and perf (Debian), the `bench` extra (smg, py-spy), the real-vLLM venv
+## (e2e_vllm) and the native build.
+## Quick figures are printed, not judged (each full run judges its targets); a benchmark
+## fails on its self-check only. One benchmark: `$(BIN)/python benchmarks/bench_all.py
+## --quick --only NAME`; its full run: the command in its docstring.
+bench: system-deps-bench $(BENCH_STAMP) $(VLLM_STAMP) $(NATIVE)
 	$(BIN)/python benchmarks/bench_all.py --quick --out out/bench
 
 fmt: $(STAMP)

@@ -8,7 +8,11 @@ Three ways to serve the lookups a decision needs:
 - redis mirror: `ResidencyTables` over `RedisStore` (lookups read its local mirror, which
   the background sync keeps up with Redis; what `store.kind: redis` runs);
 - redis direct: the naive design for contrast: before each pick, fetch the request's
-  block entries from Redis (one MGET per engine), then score.
+  block entries from Redis (one MGET per engine), then score. One string key per entry
+  is what that design reads, so the store here writes the per-key encoding
+  (`encoding: keys`); the mirror's lookups do not depend on the encoding. (With the
+  packed default those keys do not exist: every direct read missed, and the pick check
+  below failed.)
 Each decision scores both `prefix_affinity` and `tier_aware` over two engines. Printed:
 p50 and p99 per decision, and the ratios against memory. Needs `redis-server` on PATH;
 starts one on a free port in a temp dir and stops it.
@@ -156,7 +160,7 @@ async def main() -> None:
     fill(memory, reqs)
     with redis_server() as server:
         reg = CollectorRegistry()
-        link = RedisLink(RedisSettings(url=server.url, timeout_ms=1000), reg)
+        link = RedisLink(RedisSettings(url=server.url, timeout_ms=1000, encoding="keys"), reg)
         store = RedisStore(link, CFG, ENGINES, reg)
         shared = ResidencyTables(CFG, store)
         t0 = time.perf_counter()
@@ -168,7 +172,10 @@ async def main() -> None:
             f"writing {store.size(Table.GLOBAL)} entries to Redis and syncing: {time.perf_counter() - t0:.2f} s"
         )
         other = RedisStore(
-            RedisLink(RedisSettings(url=server.url, timeout_ms=5000), CollectorRegistry()),
+            RedisLink(
+                RedisSettings(url=server.url, timeout_ms=5000, encoding="keys"),
+                CollectorRegistry(),
+            ),
             CFG,
             ENGINES,
         )

@@ -16,6 +16,8 @@ one request at a time, everything sent before cached).
     .venv/bin/python benchmarks/e2e_vllm.py                 # agent and moving shapes
     .venv/bin/python benchmarks/e2e_vllm.py --sessions 4 --turns 3 --only ramjet_enforce
     .venv/bin/python benchmarks/e2e_vllm.py --rounds 3     # docs/real-engines.md, section 6
+    .venv/bin/python benchmarks/e2e_vllm.py --quick        # make bench: agent shape, 3 x 3,
+                                                           # SMG and ramjet_enforce; bars not judged
 
 Environment: `scripts/vllm_env.sh` (built on first use: .venv-vllm and the tiny random
 Llama of scripts/build_tiny_model.py: 18 M parameters, hidden 512, 6 layers). Each
@@ -920,6 +922,11 @@ async def main() -> int:
     )
     ap.add_argument("--verbose", action="store_true", help="print every request's figures")
     ap.add_argument(
+        "--quick", action="store_true",
+        help="make bench: --shapes agent --sessions 3 --turns 3 --only "
+        "smg_cache_aware,ramjet_enforce; the figures printed, the bars not judged",
+    )  # fmt: skip
+    ap.add_argument(
         "--rounds", type=int, default=1,
         help="run every router this many times, interleaved (round 1: each router, round 2: ...)",
     )  # fmt: skip
@@ -932,6 +939,9 @@ async def main() -> int:
         return reprint(args.from_json)
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
+    if args.quick:
+        args.shapes, args.sessions, args.turns = "agent", 3, 3
+        args.only = "smg_cache_aware,ramjet_enforce"
     only = args.only.split(",")
     if len(set(only)) != len(only):
         raise SystemExit(f"--only names a router twice: {args.only!r}")
@@ -973,9 +983,18 @@ async def main() -> int:
                       "began_at": r.began_at, "wall_s": r.wall_s,
                       "requests": [vars(x) for x in r.results]} for r in runs],
         }  # fmt: skip
-    print("\nbars (issues 28, 31):")
-    for line in verdicts:
-        print("  " + line)
+    if args.quick:
+        print("\nbars (issues 28, 31): not judged in --quick (too few requests); figures:")
+        for shape, rs in results.items():
+            for name, sm in rs["summary"].items():
+                print(f"figure: e2e vLLM {shape}, mean TTFT / {name} = {sm['mean'] * 1e3:.1f} ms")
+                print(
+                    f"figure: e2e vLLM {shape}, prefilled / {name} = {sm['prefilled']:.0f} tokens"
+                )
+    else:
+        print("\nbars (issues 28, 31):")
+        for line in verdicts:
+            print("  " + line)
     checked = sum(len(rs["runs"]) for rs in results.values())
     print(f"self-check: every response of {checked} runs was 200 with content, usage and [DONE]")
     if args.out is not None:

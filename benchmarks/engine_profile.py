@@ -10,7 +10,10 @@ engine's own restore path (`PromptCache`) on the real model:
 - cold: no cache at all (the baseline: full prefill every turn).
 
 TTFT here is restore + prefill + the first token's logits (no HTTP, no queue).
-Run: .venv/bin/python benchmarks/engine_profile.py [--turns 20] [--window 128]
+Run: .venv/bin/python benchmarks/engine_profile.py [--turns 20] [--window 128] [--quick]
+(`--quick`, make bench: 6 turns). Self-check, or the run fails: every turn's first token
+is the same in the three regimes (a restore computes what a full prefill computes), warm
+turns after the first restore cached tokens and cold ones none.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def session(turns: int) -> list[list[dict[str, str]]]:
 
 def run(
     model: MiniV4, prompts: list[list[dict[str, str]]], regime: str, tmp: Path
-) -> list[tuple[float, PromptWork]]:
+) -> list[tuple[float, PromptWork, int]]:
     kv = GlobalKVStore(
         block_tokens=model.cfg.block_tokens,
         capacity_tokens=(1 << 20, 0, 0),
@@ -81,12 +84,12 @@ def run(
         else:
             st, start = cache.restore(ids, keys, work)
         logits = model.prefill(st, ids[start:])
-        int(logits.argmax())
+        token = int(logits.argmax())
         ttft = time.perf_counter() - t0
         work.prefilled_tokens = len(ids) - start
         if regime != "cold":
             cache.store(st, ids, keys)
-        out.append((ttft, work))
+        out.append((ttft, work, token))
     return out
 
 
@@ -95,7 +98,10 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="--turns 6 (make bench)")
     args = ap.parse_args()
+    if args.quick:
+        args.turns = 6
     torch.set_num_threads(args.threads)
     model = MiniV4(ModelConfig.tiny(window=args.window), seed=0)
     t0 = time.perf_counter()
@@ -109,7 +115,7 @@ def main() -> int:
         f"{'turn':>4} {'prompt':>6} | {'warm':>8} {'cached':>6} | {'swa-exp':>8} {'replay':>6} | {'cold':>8}"
     )
     for i in range(len(prompts)):
-        (tw, ww), (ts, ws), (tc, _) = (
+        (tw, ww, _), (ts, ws, _), (tc, _, _) = (
             results["warm"][i],
             results["swa-expired"][i],
             results["cold"][i],
@@ -118,12 +124,38 @@ def main() -> int:
         print(
             f"{i + 1:>4} {n:>6} | {tw * 1e3:>8.1f} {ww.cached_tokens:>6} | {ts * 1e3:>8.1f} {ws.replayed_tokens:>6} | {tc * 1e3:>8.1f}"
         )
-    mean = {r: statistics.mean(t for t, _ in v[1:]) for r, v in results.items()}
+    mean = {r: statistics.mean(t for t, _, _ in v[1:]) for r, v in results.items()}
     print(f"\nmean TTFT turns 2..{len(prompts)}: warm {mean['warm'] * 1e3:.1f} ms, "
           f"swa-expired {mean['swa-expired'] * 1e3:.1f} ms, cold {mean['cold'] * 1e3:.1f} ms")  # fmt: skip
     print(f"cold / warm = {mean['cold'] / mean['warm']:.1f}x; swa-expired / warm = {mean['swa-expired'] / mean['warm']:.2f}x "
           f"(replay floor {prof.profile.replay_floor_s * 1e3:.1f} ms)")  # fmt: skip
+    for regime, ms in mean.items():
+        print(
+            f"figure: engine restore TTFT, turns 2..{len(prompts)} / {regime} = {ms * 1e3:.1f} ms"
+        )
+    bad = check(results)
+    if bad:
+        print(f"self-check: FAILED: {'; '.join(bad[:3])}")
+        return 1
+    print(
+        f"self-check: {len(prompts)} turns: the first token is the same warm, SWA-expired and "
+        "cold; warm turns after the first restored cached tokens, cold ones none"
+    )
     return 0
+
+
+def check(results: dict[str, list[tuple[float, PromptWork, int]]]) -> list[str]:
+    bad = []
+    for i, ((_, ww, a), (_, _, b), (_, cw, c)) in enumerate(
+        zip(results["warm"], results["swa-expired"], results["cold"], strict=True)
+    ):
+        if not a == b == c:
+            bad.append(f"turn {i + 1}: first token warm {a}, swa-expired {b}, cold {c}")
+        if i > 0 and ww.cached_tokens <= 0:
+            bad.append(f"turn {i + 1}: the warm restore cached nothing")
+        if cw.cached_tokens:
+            bad.append(f"turn {i + 1}: cold cached {cw.cached_tokens} tokens")
+    return bad
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/fabric_grid.py run [--only NAME,...] [--seeds 0,1,2] [--fabric F]
     python benchmarks/fabric_grid.py run --one-cache only    # add the one-cache rows
-    python benchmarks/fabric_grid.py table                   # the table
+    python benchmarks/fabric_grid.py table                   # the table (make bench)
 
 `run` calls `python -m simulations run` once per (configuration, fabric, seed) and keeps
 each run's `results.csv` under `docs/results/fabric/<config>_<fabric>_s<seed>/` (a run
@@ -304,6 +304,7 @@ def cmd_table(a: argparse.Namespace) -> int:
     ]
     missing = failed_total = same = 0
     notes: list[str] = []
+    figs: list[str] = []
     for c in configs(a.sessions_swe, a.sessions_tau):
         shared, n_sh, f_sh = load_grid(c.name, "shared")
         sh_seeds, _, _ = load_seeds(c.name, "shared")
@@ -355,6 +356,10 @@ def cmd_table(a: argparse.Namespace) -> int:
                 )
             else:
                 islands_cols = "- | - | - | -"
+            if cand == "tier_aware":
+                figs.append(
+                    f"figure: fabric grid, TA over the oracle / {c.name} {load:g} = {r_or:.3f} x"
+                )
             lines.append(
                 f"| {c.name} | {'uncal.' if cand == UNCAL else 'default'} | {load:g} | {util:.0%} | {n_sh} | {r_or:.3f}{r_se} ({or_name.removeprefix('oracle:')}) | {ta_m / per_seed:.3f} | {r_own} | {r_m:.3f} ({peer_m}) "
                 f"| {r_p:.3f} | {oracle / bm:.3f} | {islands_cols} | {', '.join(bars)} |"
@@ -368,6 +373,8 @@ def cmd_table(a: argparse.Namespace) -> int:
     for b in beaten:
         print(f"below the oracle on the seeds' mean: {b}")
     ok = missing == 0 and not beaten
+    print()
+    print("\n".join(figs))
     print(
         f"\nself-check: {'ok' if ok else 'FAILED'}: {missing} configurations short of their "
         f"seeds; {len(beaten)} policies below the oracle's mean TTFT on the seeds' mean "

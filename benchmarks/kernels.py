@@ -13,13 +13,20 @@ one copy would sit in L2). Compute-heavy ops also print TFLOP/s. Each row checks
 Triton result against the reference (exact ops: "exact"; others: max abs error).
 
 Without a GPU the script still runs: tiny shapes, torch reference only (the Triton
-interpreter is a correctness tool, not a performance path), and it says so.
+interpreter is a correctness tool, not a performance path), and it says so. `--quick`
+(make bench) on a machine without a GPU also runs every Triton kernel once through the
+interpreter (`TRITON_INTERPRET=1`, set here before Triton is imported) and checks it
+against the reference at those tiny shapes; its timings are the reference's on the CPU
+and say nothing of the kernels: those need a GPU. With a GPU, `--quick` is the full run.
+Ends with `self-check:` (every case's Triton result matches the reference, where one
+ran) and, on a GPU, one `figure:` line per case.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+if "--quick" in sys.argv[1:] and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import dispatch as K
@@ -344,7 +354,7 @@ def _compare(a: Any, b: Any, exact: bool) -> str:
     return f"{err:.1e}"
 
 
-def run_case(case: Case, cuda: bool) -> None:
+def run_case(case: Case, cuda: bool, interpret: bool = False) -> None:
     first = case.make()
     sets = [first]
     per = nbytes(*first)
@@ -375,7 +385,10 @@ def run_case(case: Case, cuda: bool) -> None:
             "gbps": moved / sec / 1e9,
             "tflops": case.flops / sec / 1e12 if case.flops else None,
         }
-    if cuda:
+    if interpret:  # the Triton kernel once, through the interpreter: checked, not timed
+        with K.use_backend("triton"):
+            outs["triton"] = getattr(K, case.op)(*first)
+    if cuda or interpret:
         case.results["check"] = _compare(outs["triton"], outs["torch"], case.exact)
 
 
@@ -383,6 +396,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write all figures here")
     ap.add_argument("--only", help="comma-separated case names (prefix match)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="make bench: without a GPU, also check each Triton kernel in the interpreter",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -390,6 +408,10 @@ def main() -> int:
     peak = device_peak(name) if cuda else None
     import triton
 
+    interpret = args.quick and not cuda
+    if interpret and not K.triton_interpreted():
+        print("self-check: FAILED: triton was imported before TRITON_INTERPRET=1 could be set")
+        return 1
     print(f"device: {name}  torch {torch.__version__}  triton {triton.__version__}")
     if cuda:
         shown = f"{peak / 1e12:.2f} TB/s (datasheet)" if peak else "unknown (add to PEAK_BANDWIDTH)"
@@ -397,6 +419,9 @@ def main() -> int:
     else:
         print("NO CUDA DEVICE: tiny shapes, torch reference only; the Triton kernels are not")
         print("timed (the interpreter is a correctness tool). Figures below are not full size.")
+        if interpret:
+            print("--quick: each Triton kernel runs once in the interpreter and is checked")
+            print("against the reference; kernel timings need a GPU.")
     with torch.inference_mode():
         cases = build_cases(dev, full=cuda)
         if args.only:
@@ -404,7 +429,7 @@ def main() -> int:
             cases = [c for c in cases if any(c.name.startswith(k) for k in keys)]
         rows = []
         for case in cases:
-            run_case(case, cuda)
+            run_case(case, cuda, interpret)
             rows.append(case)
             _print_row(case, peak)
     if args.json:
@@ -420,7 +445,51 @@ def main() -> int:
                 indent=1,
             )
         )
+    return verdict(rows, cuda, peak)
+
+
+CHECK_TOL = 1e-2
+"""Largest absolute difference from the reference accepted for an inexact op at the
+benchmark's shapes (the tests hold each op to its own, tighter, tolerance)."""
+
+
+def verdict(rows: list[Case], cuda: bool, peak: float | None) -> int:
+    """`figure:` lines and the `self-check:` line; 1 when a Triton result is off."""
+    for c in rows if cuda else []:  # CPU timings of tiny shapes are no kernel's figure
+        r = c.results.get("triton")
+        if r is None:
+            continue
+        if peak:
+            print(
+                f"figure: kernels, share of peak bandwidth / {c.name} = {100 * r['gbps'] * 1e9 / peak:.1f} %"
+            )
+        else:
+            print(f"figure: kernels, Triton / {c.name} = {r['seconds'] * 1e3:.3f} ms")
+    checks = {c.name: c.results.get("check") for c in rows}
+    if all(v is None for v in checks.values()):
+        print(
+            f"self-check: {len(rows)} reference ops ran; no Triton kernel ran (no GPU, no --quick)"
+        )
+        return 0
+    bad = [f"{n}: {v}" for n, v in checks.items() if not _check_ok(v)]
+    if bad:
+        print(f"self-check: FAILED: Triton against the reference: {'; '.join(bad)}")
+        return 1
+    where = "on the GPU" if cuda else "in the interpreter (tiny shapes; timings need a GPU)"
+    print(
+        f"self-check: all {len(rows)} Triton kernels match the reference {where} "
+        f"(exact ops exactly, others within {CHECK_TOL:g})"
+    )
     return 0
+
+
+def _check_ok(v: object) -> bool:
+    if v == "exact":
+        return True
+    try:
+        return float(str(v)) <= CHECK_TOL
+    except ValueError:
+        return False
 
 
 def _fmt(r: dict[str, Any] | None, peak: float | None) -> str:

@@ -3,6 +3,8 @@ of an instrumented copy of the tree, stage by stage.
 
     .venv/bin/python benchmarks/latency_split.py                 # observe and enforce, ~6 min
     .venv/bin/python benchmarks/latency_split.py --modes enforce --seconds 3
+    .venv/bin/python benchmarks/latency_split.py --quick     # make bench: enforce, 1 s,
+                                                             # pure Python, no build
 
 A profiler's samples say where the CPU goes; they do not say what sits between a
 request's bytes arriving and the engine's request leaving, which is what the added latency
@@ -29,7 +31,13 @@ is made of. This measures that directly:
    says what the markers and perf cost; the steps' share is of the instrumented one's.
 
 Needs `perf` with tracepoint access (root, or `kernel.perf_event_paranoid` <= 1) and
-`taskset`. Every process it starts is stopped by pid; the worktree is removed.
+`taskset`. Every process it starts is stopped by pid; the worktree is removed. `--quick`
+runs both routers, the instrumented copy and the product, in pure Python
+(`RAMJET_NATIVE=0`): compiling the copy takes minutes, and the split of a pure-Python
+router is not the compiled product's (its steps are slower), so a quick run checks the
+method and prints its figures, and the full run measures the product. Ends with
+a `self-check:` line (every marker line found once and recorded at least 50 times per
+step, every reply checked) and each mode's added latency and steps as `figure:` lines.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import asyncio
 import collections
 import importlib.util
 import itertools
+import os
 import re
 import shutil
 import statistics
@@ -225,13 +234,23 @@ def report(
         f"({added / added_product:.2f}x: what the markers and perf cost)"
     )
     print(f"  the router's steps: {steps_us:.0f} us, {steps_us / added:.0%} of the added latency")
+    print(f"figure: latency split, {mode} / added p50, product router = {added_product:.0f} us")
+    print(f"figure: latency split, {mode} / added p50, instrumented under perf = {added:.0f} us")
+    for side in ("request", "response"):
+        print(f"figure: latency split, {mode} / {side} side steps = {sums[side]:.0f} us")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="observe,enforce")
     ap.add_argument("--seconds", type=float, default=2.0, help="open-loop time per mode")
+    ap.add_argument(
+        "--quick", action="store_true", help="--modes enforce --seconds 1, pure Python, no build"
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.modes, args.seconds = "enforce", 1.0
+        os.environ["RAMJET_NATIVE"] = "0"  # both routers (they inherit it); no build
     for tool in ("perf", "taskset", "git"):
         if shutil.which(tool) is None:
             raise SystemExit(f"latency_split: needs {tool}")
@@ -245,22 +264,30 @@ def main() -> int:
     try:
         (tree / ".venv").symlink_to(ROOT / ".venv")
         instrument(tree)
-        print("latency_split: building the instrumented copy ...", flush=True)
-        # the build script itself, not `make native`: make would see the fresh checkout's
-        # pyproject.toml newer than the shared venv's stamp and reinstall the package
-        # into that venv from the scratch copy
-        subprocess.run([sys.executable, "scripts/build_native.py"], cwd=tree, check=True)
+        if args.quick:
+            print("latency_split: --quick: both routers in pure Python (RAMJET_NATIVE=0)")
+        else:
+            print("latency_split: building the instrumented copy ...", flush=True)
+            # the build script itself, not `make native`: make would see the fresh
+            # checkout's pyproject.toml newer than the shared venv's stamp and reinstall
+            # the package into that venv from the scratch copy
+            subprocess.run([sys.executable, "scripts/build_native.py"], cwd=tree, check=True)
         po = load_module(tree / "benchmarks" / "proxy_overhead.py", "proxy_overhead_split")
         product = load_module(ROOT / "benchmarks" / "proxy_overhead.py", "proxy_overhead_product")
-        for mode in args.modes.split(","):
-            run_mode(po, product, mode, args.seconds, tmp)
+        checked = sum(
+            run_mode(po, product, mode, args.seconds, tmp) for mode in args.modes.split(",")
+        )
+        print(
+            f"self-check: all {len(MARKS)} marker lines found once; each step recorded at least "
+            f"50 times; {checked} replies of the instrumented routers checked (and the baselines')"
+        )
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)  # fmt: skip
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
-def run_mode(po: ModuleType, product: ModuleType, mode: str, seconds: float, tmp: Path) -> None:
+def run_mode(po: ModuleType, product: ModuleType, mode: str, seconds: float, tmp: Path) -> int:
     """`po`: the instrumented copy's proxy_overhead (its routers run the copy), `product`:
     this tree's (its routers run the product build), for the baselines."""
     ports = [po.free_port(), po.free_port()]
@@ -299,6 +326,7 @@ def run_mode(po: ModuleType, product: ModuleType, mode: str, seconds: float, tmp
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         report(mode, split(events(txt)), lat, direct, product_lat)
+        return len(lat)
     finally:
         if target is not None and target.proc is not None:
             po.stop(target.proc)

@@ -3,7 +3,7 @@ routing and every ordering, and a witness schedule that caps what any bound can 
 against the issue's goal of 0.6x the best FCFS peer's mean (docs/results/history-priority.md, "Is 0.6x
 reachable on the agent traces?").
 
-    .venv/bin/python benchmarks/priority_bound.py [--traces taubench,miniswe,mooncake]
+    .venv/bin/python benchmarks/priority_bound.py [--traces taubench,miniswe,mooncake] [--quick]
 
 Per trace at its middle load (`benchmarks.priority_sim.CASES`), for the set S of requests
 a run measures (the closed loop's steady-state window; open loop: all):
@@ -133,9 +133,11 @@ def witness(w: Workload, load: float, scheduler: str) -> Outcome:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--traces", default="taubench,miniswe,mooncake")
+    ap.add_argument("--quick", action="store_true", help="tau-bench only (make bench, ~1 min)")
     args = ap.parse_args(argv)
-    traces = trace_names(ap, args.traces)
+    traces = trace_names(ap, "taubench" if args.quick else args.traces)
     problems: list[str] = []
+    figs: list[str] = []
     for case in (c for c in CASES if c.name in traces):
         w = Workload(case, False)
         load = case.loads[1]
@@ -195,12 +197,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{GOAL * m:.4f} s; bound ({what}, over its requests) {bound:.4f} s = "
                 f"{bound / m:.2f}x the peer: {verdict}"
             )
+            ta = runs[f"tier_aware on {base}"][0]
+            figs += [
+                f"figure: priority bound over the best peer / {case.name} {base} bound = "
+                f"{bound / m:.3f} x",
+                f"figure: priority bound over the best peer / {case.name} {base} tier_aware = "
+                f"{ta / m:.3f} x",
+            ]
             if not open_loop:
                 ceiling = every_step_what_if(out, work)
                 print(
                     f"  what-if, not a bound: the queue bound with one decode step on every "
                     f"request, over the peer's arrivals: {ceiling:.4f} s = {ceiling / m:.2f}x"
                 )
+    print()
+    print("\n".join(figs))
     for p in problems:
         print(f"FAIL: {p}")
     if not problems:

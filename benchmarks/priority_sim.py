@@ -3,6 +3,8 @@ engine and vLLM's variant) on the Mooncake, tau-bench and mini-SWE traces at thr
 an aging sweep, and the worst wait of long cold prompts.
 
     .venv/bin/python benchmarks/priority_sim.py --out docs/results/priority [--quick]
+    .venv/bin/python benchmarks/priority_sim.py --quick --middle --no-sweep \\
+        --out out/bench/priority_sim                 # make bench: each middle load, ~1 min
 
 For each trace and load: every FCFS peer (`simulations.lineup`), and tier_aware (and
 prefix_affinity) under each scheduler of `simulations.engine`: `fcfs`, `priority`
@@ -624,8 +626,30 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print("FAILED: runs that beat a strict bound (the model is wrong):", *failed, sep="\n  ")
         return 3
+    for line in figure_lines(results[kept:]):
+        print(line)
     print("self-check: every run's mean TTFT respects bound:alone over the same requests")
     return 0
+
+
+def figure_lines(results: list[Result]) -> list[str]:
+    """Per trace and load: tier_aware's mean TTFT under each scheduler over the best FCFS
+    peer's (`fcfs` engine), as `figure:` lines."""
+    out = []
+    cells = sorted({(r.trace, r.load) for r in results})
+    for trace, load in cells:
+        rs = [r for r in results if (r.trace, r.load) == (trace, load) and r.aging == DEFAULT_AGING]
+        peers = [r.mean_s for r in rs if r.policy in PEERS and r.scheduler == "fcfs"]
+        if not peers:
+            continue
+        best = min(peers)
+        for r in rs:
+            if r.policy == "tier_aware":
+                out.append(
+                    f"figure: priority sim, tier_aware mean over the best FCFS peer / "
+                    f"{trace} {load:g} {r.scheduler} = {r.mean_s / best:.3f} x"
+                )
+    return out
 
 
 if __name__ == "__main__":

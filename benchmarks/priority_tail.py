@@ -5,6 +5,7 @@ each jump charged (`charge_jumps=True`, `ramjet.policy.cost.jump_seconds`), all 
 same priority engine, at each trace's middle load, per closed-loop seed.
 
     .venv/bin/python benchmarks/priority_tail.py [--traces taubench,miniswe] [--seeds 0,1]
+    .venv/bin/python benchmarks/priority_tail.py --quick    # make bench: taubench, seed 0
 
 Per run: mean / p99 TTFT and the session turns sent to another engine than their previous
 turn (moves); for the tail (TTFT at or over the p99) and for all measured requests: uncached
@@ -16,7 +17,9 @@ wait, each decision is also priced with FCFS waits (the same policy's `estimates
 choice is the engine with more queued prompt tokens, and how many queued requests it
 jumps there (`ramjet.policy.cost.keyed_jumped`: queued with a higher key, or a started
 prefill with a higher key where the engine preempts). Simulated time; everything is the
-repository's simulator and cost model.
+repository's simulator and cost model. Ends with `self-check:` (every request decided
+once and its decision found by its arrival; every measured request served) and the
+p99 of each wait as `figure:` lines.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def _overtaken(out: Outcome, i: int, by_engine: dict[int, list[int]]) -> tuple[i
 LABELS = {"": "FCFS wait       ", KEYED: "keyed wait      ", JUMPS: "keyed+jump charge"}
 
 
-def run(trace: str, scheduler: str, seed: int, variant: str) -> list[str]:
+def run(trace: str, scheduler: str, seed: int, variant: str) -> tuple[list[str], float]:
     """One run; `variant`: one of `WAITS` ("" FCFS wait, `KEYED`, `JUMPS`)."""
     [case] = [c for c in CASES if c.name == trace]
     w = Workload(case, False, seed)
@@ -146,6 +149,8 @@ def run(trace: str, scheduler: str, seed: int, variant: str) -> list[str]:
     for i in sorted(range(len(reqs)), key=lambda i: out.arrival[i]):
         by_engine.setdefault(out.engine[i], []).append(i)
     tt = sorted(out.ttft[i] for i in measured)
+    if not measured or any(t != t or t < 0 for t in tt):  # NaN: a request never served
+        raise SystemExit(f"{trace} seed {seed} {scheduler}: a measured request has no TTFT")
     p99 = percentile(tt, 99)
     pred = dict(zip(measured, (c.wait_s for c in choice), strict=True))
     mean = statistics.fmean
@@ -174,7 +179,7 @@ def run(trace: str, scheduler: str, seed: int, variant: str) -> list[str]:
                 f"{mean(c.jumped for c in diff):.2f} (unchanged decisions: "
                 f"{mean(c.jumped for c in choice if not c.differs):.2f})"
             )
-    return lines
+    return lines, p99
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,17 +187,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", default="taubench,miniswe")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--schedulers", default="priority,vllm-priority")
+    ap.add_argument(
+        "--quick", action="store_true", help="--traces taubench --seeds 0 --schedulers priority"
+    )
     args = ap.parse_args(argv)
+    if args.quick:
+        args.traces, args.seeds, args.schedulers = "taubench", "0", "priority"
     traces = trace_names(ap, args.traces)
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         ap.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+    figs, runs = [], 0
     for trace in traces:
         for seed in seeds:
             for scheduler in args.schedulers.split(","):
                 for variant in WAITS:
-                    print("\n".join(run(trace, scheduler, seed, variant)), flush=True)
+                    lines, p99 = run(trace, scheduler, seed, variant)
+                    print("\n".join(lines), flush=True)
+                    runs += 1
+                    figs.append(
+                        f"figure: priority tail p99 TTFT / {trace} s{seed} {scheduler} "
+                        f"{LABELS[variant].strip()} = {p99 * 1e3:.1f} ms"
+                    )
+    print("\n".join(figs))
+    print(
+        f"self-check: {runs} runs: every request decided once, each decision found by its "
+        "arrival, every measured request served"
+    )
     return 0
 
 

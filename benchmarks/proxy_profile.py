@@ -4,6 +4,7 @@ the request path.
 
     .venv/bin/python benchmarks/proxy_profile.py [--mode observe|enforce|round_robin]
                                                  [--seconds 6] [--rate 250]
+    .venv/bin/python benchmarks/proxy_profile.py --quick     # make bench: 2 s per phase
 
 The router runs pinned to CPU 0 (upstreams and load on the others). First its CPU per
 request is measured without the profiler (closed loop, 32 connections, every reply
@@ -25,7 +26,8 @@ A stage's us/request is its share of the busy samples times the unprofiled CPU p
 request (py-spy's own cost does not inflate it). Socket writes are counted where they are
 made (forward: the request to the engine; relay: the answer to the client). Samples of
 threads waiting (the decision log's writer idle) are left out. Every process started here
-is stopped by pid before exit.
+is stopped by pid before exit. Every reply of both phases is checked (status and body);
+then a `self-check:` line and each stage's us/request as `figure:` lines.
 """
 
 from __future__ import annotations
@@ -96,12 +98,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=["observe", "enforce", "round_robin"], default="observe")
     ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--quick", action="store_true", help="--seconds 2 (make bench)")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--raw", type=Path, help="also keep py-spy's raw samples here")
     ap.add_argument(
         "--stream", action="store_true", help=f"SSE requests ({po.CHUNKS} chunks) instead"
     )
     args = ap.parse_args()
+    if args.quick:
+        args.seconds = 2.0
     spy = shutil.which("py-spy") or str(Path(po.PY).parent / "py-spy")
     if not Path(spy).exists():
         print("FAILED: py-spy is not installed (pip install -e '.[bench]')", file=sys.stderr)
@@ -154,7 +159,7 @@ def main() -> int:
                 stderr=subprocess.DEVNULL,
             )
             time.sleep(0.5)
-            uvloop.run(po.closed_loop(router, raw_request, check, args.seconds, 32))
+            n2 = uvloop.run(po.closed_loop(router, raw_request, check, args.seconds, 32))
             if rec.wait(30) != 0 or not raw.exists():
                 print("FAILED: py-spy recorded nothing (ptrace allowed?)", file=sys.stderr)
                 return 1
@@ -179,6 +184,13 @@ def main() -> int:
     for s, k in per_stage.most_common():
         top = ", ".join(f"{f.split(' (')[0]} {c}" for f, c in leaves[s].most_common(3))
         print(f"{s:<16} {k / busy:6.1%} {cpu_us * k / busy:8.0f}   {top}")
+    print(f"figure: proxy profile, CPU per {what} / total, unprofiled = {cpu_us:.0f} us")
+    for s, k in per_stage.most_common():
+        print(f"figure: proxy profile, CPU per {what} / {s} = {cpu_us * k / busy:.0f} us")
+    print(
+        f"self-check: all {n + n2} replies checked (status, body), {n2} of them under py-spy; "
+        f"{busy} busy samples split by stage"
+    )
     return 0
 
 

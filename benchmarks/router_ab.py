@@ -1,6 +1,7 @@
 """A/B of the router's CPU per request: two source trees against one upstream, in one run.
 
     .venv/bin/python benchmarks/router_ab.py TREE_A TREE_B [--rounds 5] [--seconds 2] [--large-mb 4]
+    .venv/bin/python benchmarks/router_ab.py --quick   # make bench: this tree against itself
 
 Each tree is a checkout of this repository (e.g. `git archive HEAD~1 | tar -x -C /tmp/a`);
 its router runs as `python -m ramjet serve` with PYTHONPATH set to the tree, pinned to
@@ -11,6 +12,8 @@ median CPU us/request of each tree, B/A, and every round's figures (a lever that
 should win most rounds, not just the median). Every process started is stopped by pid.
 `--python-a` / `--python-b` run a tree's router under another interpreter (one with the
 project's dependencies installed), e.g. the same tree twice to compare two CPython builds.
+`--quick` (make bench) runs this checkout as both A and B, 2 rounds of 1 s: an A/A run,
+whose B/A is the noise a real A/B must clear; printed, not judged.
 """
 
 from __future__ import annotations
@@ -59,8 +62,11 @@ async def measure(target: po.Target, mode: str, args: argparse.Namespace) -> int
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("tree_a")
-    ap.add_argument("tree_b")
+    ap.add_argument("tree_a", nargs="?")
+    ap.add_argument("tree_b", nargs="?")
+    ap.add_argument(
+        "--quick", action="store_true", help="A/A on this checkout, 2 rounds of 1 s (make bench)"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -81,6 +87,12 @@ def main() -> int:
         "--python-b", default=po.PY, help="interpreter of tree B's router (default: this one)"
     )
     args = ap.parse_args()
+    if args.quick:
+        root = str(Path(__file__).resolve().parents[1])
+        args.tree_a, args.tree_b = args.tree_a or root, args.tree_b or root
+        args.rounds, args.seconds = 2, 1.0
+    if not (args.tree_a and args.tree_b):
+        ap.error("TREE_A and TREE_B are required (or --quick: this checkout twice)")
     pythons = [args.python_a, args.python_b]
     trees = [str(Path(args.tree_a).resolve()), str(Path(args.tree_b).resolve())]
     procs: list[subprocess.Popen[bytes]] = []
@@ -140,6 +152,7 @@ def main() -> int:
                         c0 = po.cpu_seconds([pid])
                         n = uvloop.run(measure(target, mode, args))
                         runs[(i, mode)].append((po.cpu_seconds([pid]) - c0) / n * 1e6)
+            figs: list[str] = []
             print(f"router CPU us/request, median of {args.rounds} interleaved rounds")
             print(f"  A = {trees[0]}\n  B = {trees[1]}")
             for mode in modes:
@@ -151,12 +164,15 @@ def main() -> int:
                 print(
                     f"  {mode:<9} A {a:6.0f}  B {b:6.0f}  B/A {b / a:5.3f}   rounds A/B: {rounds}"
                 )
+                figs.append(f"figure: router A/B, CPU per request / {mode} A = {a:.0f} us")
+                figs.append(f"figure: router A/B, CPU per request / {mode} B = {b:.0f} us")
             for name in "AB":
                 lats = LATENCIES.get(name, [])
                 if lats:
                     p50 = statistics.median(po.pct(x, 0.5) for x in lats) * 1e6
                     p99 = statistics.median(po.pct(x, 0.99) for x in lats) * 1e6
                     print(f"  open loop latency {name}: p50 {p50:.0f} us, p99 {p99:.0f} us")
+            print("\n".join(figs))
             print(f"self-check: every reply verified (status, body, chunks) in {len(modes)} modes")
         finally:
             for p in reversed(procs):

@@ -4,7 +4,8 @@
 #   scripts/system_deps.sh test   redis-server, redis-cli, prometheus, promtool, systemd-analyze
 #   scripts/system_deps.sh run    nothing beyond Python's venv module
 #   scripts/system_deps.sh bench  redis-server (benchmarks/decision_redis.py), nginx (the peer
-#                                 column of benchmarks/proxy_overhead.py; no test uses nginx)
+#                                 column of benchmarks/proxy_overhead.py; no test uses nginx),
+#                                 perf (benchmarks/latency_split.py)
 #   every target also: gcc and the Python headers (make native: the hot modules compiled
 #   with mypyc, scripts/build_native.py)
 #
@@ -14,6 +15,7 @@
 #   prometheus       -> prometheus     (/usr/bin/prometheus; tests/integration/test_ops_prometheus.py)
 #   promtool         -> prometheus     (/usr/bin/promtool; tests/deploy/test_deploy_static.py)
 #   nginx            -> nginx-light    (/usr/sbin/nginx; make bench only)
+#   perf             -> linux-perf     (/usr/bin/perf; make bench only)
 #   systemd-analyze  -> systemd        (/usr/bin/systemd-analyze; tests/deploy/test_deploy_static.py)
 #   python3 -m venv  -> python3-venv   (only when the Python that makes the venv lacks ensurepip)
 #   gcc              -> gcc            (/usr/bin/gcc; make native)
@@ -35,7 +37,7 @@ PY="${PY:-python3}"
 case "$target" in
     test) programs=(redis-server redis-cli prometheus promtool systemd-analyze gcc) ;;
     run) programs=(gcc) ;;
-    bench) programs=(redis-server nginx gcc) ;;
+    bench) programs=(redis-server nginx perf gcc) ;;
     *)
         echo "system_deps: unknown target '$target' (test|run|bench)" >&2
         exit 2
@@ -49,6 +51,7 @@ package_of() {
         prometheus | promtool) echo prometheus ;;
         systemd-analyze) echo systemd ;;
         nginx) echo nginx-light ;;
+        perf) echo linux-perf ;;
         gcc) echo gcc ;;
     esac
 }
