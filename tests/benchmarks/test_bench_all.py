@@ -4,10 +4,10 @@ the summary reads `figure:` lines as the benchmarks print them."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
+
+from bench_module import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -15,16 +15,7 @@ NOT_BENCHMARKS = {"bench_all", "loop_trace"}
 """`loop_trace.py` is the residency benchmarks' loop-turn tracer, not a benchmark."""
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_all", BENCH / "bench_all.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_all"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-B = _load()
+B = load_benchmark("bench_all")
 
 
 def test_every_benchmark_file_is_in_make_bench() -> None:

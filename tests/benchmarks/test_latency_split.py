@@ -4,29 +4,17 @@ instrumented copy still compiles, and a perf-script timeline is split into steps
 
 from __future__ import annotations
 
-import importlib.util
 import py_compile
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from bench_module import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "latency_split", ROOT / "benchmarks" / "latency_split.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["latency_split"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-L = _load()
+L = load_benchmark("latency_split")
 
 
 def test_every_marker_lands_once_and_the_copy_compiles(tmp_path: Path) -> None:

@@ -1,0 +1,6 @@
+"""The benchmark checks import `tests/helpers/` (`bench_module`), as the integration tests do."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
