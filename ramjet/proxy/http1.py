@@ -369,22 +369,9 @@ class _Conn(asyncio.Protocol):
         headers = self._headers
         conn_tokens = ",".join(headers.getall("Connection", ())).lower()
         self._keep_alive = version == "1.1" and "close" not in conn_tokens
-        te = ",".join(headers.getall("Transfer-Encoding", ())) or None
-        length: int | None = None
         self._until_close = False
         self._quiet = 0
-        if status in (204, 304):
-            pass
-        elif te is not None:
-            if te.lower().rsplit(",", 1)[-1].strip() != "chunked":
-                raise ValueError(f"unsupported Transfer-Encoding {te!r}")
-            if "Content-Length" in headers:  # both framings: a smuggling attempt or a bug
-                self._keep_alive = False
-        elif "Content-Length" in headers:
-            length = int(headers["Content-Length"])  # llhttp checked it: digits, one
-        else:
-            self._until_close = True
-            self._keep_alive = False
+        length = None if status in (204, 304) else self._framing(headers)  # 204/304: no body
         reason = self._reason
         text = (reason[0] if len(reason) == 1 else b"".join(reason)).decode(
             "utf-8", "surrogateescape"
@@ -394,6 +381,22 @@ class _Conn(asyncio.Protocol):
         w, self._head_waiter = self._head_waiter, None
         if w is not None and not w.done():
             w.set_result(resp)
+
+    def _framing(self, headers: CIMultiDict[str]) -> int | None:
+        """How the body is framed: its Content-Length, or None (chunked, or until the
+        connection closes: then not kept alive)."""
+        te = ",".join(headers.getall("Transfer-Encoding", ())) or None
+        if te is not None:
+            if te.lower().rsplit(",", 1)[-1].strip() != "chunked":
+                raise ValueError(f"unsupported Transfer-Encoding {te!r}")
+            if "Content-Length" in headers:  # both framings: a smuggling attempt or a bug
+                self._keep_alive = False
+            return None
+        if "Content-Length" in headers:
+            return int(headers["Content-Length"])  # llhttp checked it: digits, one
+        self._until_close = True
+        self._keep_alive = False
+        return None
 
     def on_body(self, data: bytes) -> None:
         self._pieces.append(data)
