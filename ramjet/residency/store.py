@@ -47,7 +47,7 @@ from operator import attrgetter
 from typing import NamedTuple, Protocol
 
 from ramjet.residency.config import RedisSettings
-from ramjet.residency.index import SHARDS, BlockIndex
+from ramjet.residency.index import RELEASE_BYTES, SHARDS, BlockIndex
 from ramjet.residency.redis_link import RedisLink
 from ramjet.types import EngineId, PrefixKey, Tier
 
@@ -523,11 +523,11 @@ class MemoryStore:
     about 0.7 ms compiled (2 shards a step measured 1.3 ms, 5.5 ms at worst, on the
     shared 2-core machine)."""
 
-    release_arrays: int = 512
-    """Arrays of a replaced or purged index freed per `expire_step` (`release_step`):
-    freeing a 10-20M-block index at once (4,096 shards of two arrays each, ~800 MB, and
-    a key array per run) took 10-15 ms of one loop turn; 512 arrays are about a
-    millisecond."""
+    release_bytes: int = RELEASE_BYTES
+    """Bytes of a replaced or purged index's arrays freed per `expire_step`
+    (`release_step`, `BlockIndex.release`). Counted in bytes, not arrays: a 20M-block
+    index is 4,096 shards of two arrays (~100 KB each) and a key array per run, and a
+    snapshot's run holds a whole part (4 MB at 524k keys) or more."""
 
     def __init__(self, caps: dict[Table, int]) -> None:
         for table in Table:
@@ -549,8 +549,8 @@ class MemoryStore:
         self._sweep_at: tuple[int, int] = (0, 0)
         """Where the expiry sweep resumes: (engine number, shard)."""
         self._retired: list[BlockIndex] = []
-        """Indexes a snapshot replaced or a purge dropped, no longer read: freed a few
-        arrays at a time by `expire_step` (`release_step`), not in the turn that
+        """Indexes a snapshot replaced or a purge dropped, no longer read: freed about
+        `release_bytes` at a time by `expire_step` (`release_step`), not in the turn that
         dropped them."""
 
     # -- caps -------------------------------------------------------------------------
@@ -819,22 +819,13 @@ class MemoryStore:
         self._rest.purge(engine)
 
     def release_step(self) -> bool:
-        """Free up to `release_arrays` arrays (shards, then run key lists) of the
-        indexes a snapshot replaced or a purge dropped; True while some are left."""
-        budget = self.release_arrays
+        """Free about `release_bytes` of the arrays of the indexes a snapshot replaced
+        or a purge dropped (`BlockIndex.release`); True while some are left."""
+        budget = self.release_bytes
         retired = self._retired
         while retired and budget > 0:
-            ix = retired[-1]
-            shards, runs = ix.shards, ix.run_keys
-            if shards:
-                n = min(len(shards), max(1, budget // 2))  # two arrays a shard
-                del shards[len(shards) - n :]
-                budget -= 2 * n
-            elif runs:
-                n = min(len(runs), budget)
-                del runs[len(runs) - n :]
-                budget -= n
-            else:
+            budget = retired[-1].release(budget)
+            if budget > 0:
                 retired.pop()  # what is left of it is a few small arrays
         return bool(retired)
 
@@ -848,11 +839,15 @@ class MemoryStore:
 
     def expire_step(self, now: float) -> int:
         """One bounded step of the expiry: a `release_step` while a dropped index is left
-        to free, the approximate and SWA entries as `DictStore` expires them (a few: the
+        to free, about `release_bytes` of each index's `garbage` (the key lists of runs
+        the sweep or removals emptied), the approximate and SWA entries as `DictStore` expires them (a few: the
         router's own routing), then `sweep_shards` shards of one index holding an expired
         block, resuming where the last step stopped."""
         if self._retired:
             self.release_step()
+        for ix in self._exact.values():
+            if ix.garbage:
+                ix.release_garbage(self.release_bytes)
         dropped = self._rest.expire(now)
         engines = list(self._exact)
         if not engines:
@@ -878,10 +873,11 @@ class MemoryStore:
         """Whether an index holds a block expired at `now` (the sweep has work left); for
         a few calls after a pass freed many runs, True while their entries are dropped
         from the expiry heap a bounded number a call (`BlockIndex.expiry_due`); True
-        while a dropped index is left to free (`release_step`)."""
+        while a dropped index (`release_step`) or a freed run's key list
+        (`BlockIndex.garbage`) is left to free."""
         if self._retired:
             return True  # a dropped index left to free (`release_step`)
-        return any(ix.count and ix.expiry_due(now) for ix in self._exact.values())
+        return any(ix.garbage or (ix.count and ix.expiry_due(now)) for ix in self._exact.values())
 
     def size(self, table: Table) -> int:
         if table is Table.GLOBAL:

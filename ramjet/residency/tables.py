@@ -58,7 +58,7 @@ from ramjet.keys.prefix import PrefixKeys, longest_prefix
 from ramjet.metric_catalogue import counter, family
 from ramjet.policy.base import GlobalMatch, ResidencyView
 from ramjet.residency.config import ResidencyConfig
-from ramjet.residency.index import BlockIndex
+from ramjet.residency.index import RELEASE_BYTES, BlockIndex
 from ramjet.residency.pending import PendingOverlay, PendingTicket
 from ramjet.residency.store import (
     Entry,
@@ -536,6 +536,8 @@ class SnapshotStaging:
                 store.remove(Table.SWA, engine, unvouched)
             yield len(keys)
         self._marks = None
+        while marks.release(RELEASE_BYTES) <= 0:
+            yield 0  # the marks (every key the parts named: 20M, ~600 MB) freed in steps
         self._confirm_pending()
 
     def commit(self) -> None:

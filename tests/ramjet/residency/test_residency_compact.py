@@ -350,18 +350,23 @@ def test_runs_freed_together_leave_the_expiry_heap_in_bounded_steps() -> None:
 def test_a_replaced_or_purged_index_is_freed_in_bounded_steps() -> None:
     """The index a snapshot replaces (or a purge drops) is not freed in the turn that
     drops it (a 10-20M-block index: 8,192 shard arrays, ~800 MB, 10-15 ms of one loop
-    turn), but by the expiry's steps, `release_arrays` arrays a step, while reads see
-    only the new content; `expire` frees it whole."""
+    turn), but by the expiry's steps, about `release_bytes` a step (one shard's arrays
+    over at most), a long run's key array cut from its end, while reads see only the
+    new content; `expire` frees it whole."""
     rng = random.Random(9)
     store = MemoryStore({Table.GLOBAL: 1 << 20, Table.SWA: 10})
+    store.release_bytes = 32 << 10
     e0, e1 = EngineId("e0"), EngineId("e1")
     old_keys = [PrefixKey(rng.getrandbits(64)) for _ in range(40_000)]
-    for i in range(0, len(old_keys), 1_000):  # a run (and its key array) per report
+    for i in range(0, 30_000, 1_000):  # a run (and its key array) per report
         store.put(Table.GLOBAL, e0, old_keys[i : i + 1_000], Tier.HOST, 0.0, 1e9, True)
+    # one long run: 10k keys, 80 KB of keys, more than a step frees
+    store.put(Table.GLOBAL, e0, old_keys[30_000:], Tier.HOST, 0.0, 1e9, True)
     store.put(Table.GLOBAL, e1, old_keys[:5_000], Tier.SSD, 0.0, 1e9, True)
     old = store._exact[e0]
     shards = sum(1 for sh in old.shards if sh is not None)
     assert shards == SHARDS
+    widest = max(8 * len(sh.keys) + 4 * len(sh.words) for sh in old.shards if sh is not None)
     new_keys = [PrefixKey(rng.getrandbits(64)) for _ in range(100)]
     store.replace_exact(Table.GLOBAL, e0, [(k, Tier.HBM, 1e9) for k in new_keys], 1.0)
     store.purge(e1)
@@ -372,15 +377,76 @@ def test_a_replaced_or_purged_index_is_freed_in_bounded_steps() -> None:
     assert store.get(Table.GLOBAL, e1, old_keys[0], 2.0, False) is None
     e = store.get(Table.GLOBAL, e0, new_keys[0], 2.0, False)
     assert e is not None and e.tier is Tier.HBM
+    before = old.nbytes()
     steps = 0
+    cuts = 0
     while store.sweeping(2.0):
-        held = len(old.shards) * 2 + len(old.run_keys)
+        held = old.nbytes()
+        long_run = old.run_keys[-1] if old.run_keys else None
         store.expire_step(2.0)
         steps += 1
-        assert held - (len(old.shards) * 2 + len(old.run_keys)) <= store.release_arrays
-    assert not old.shards and steps >= 2 * SHARDS // store.release_arrays
+        assert held - old.nbytes() <= store.release_bytes + widest
+        if long_run is not None and old.run_keys and old.run_keys[-1] is long_run:
+            cuts += 1  # the long run's array was cut, not freed whole
+    assert not old.shards and not old.run_keys
+    assert cuts >= 2 and steps >= before // (store.release_bytes + widest)
     assert store.size(Table.GLOBAL) == 100 and not store._retired
     # `expire` in one call frees what is left whole
     store.replace_exact(Table.GLOBAL, e0, [], 3.0)
     store.expire(4.0)
     assert not store._retired and store.size(Table.GLOBAL) == 0
+
+
+def test_a_dropped_index_releases_its_arrays_by_bytes() -> None:
+    """`BlockIndex.release(budget)`: frees about `budget` bytes a call (one shard's
+    arrays over at most), shards first, then run key lists, a list longer than the
+    budget cut from its end; returns a positive budget once nothing large is left."""
+    rng = random.Random(4)
+    ix = BlockIndex()
+    run = ix.new_run(0.0, 1e9)
+    ix.put_many([rng.getrandbits(64) for _ in range(30_000)], run, 1)
+    ix.close_run(run)
+    widest = max(8 * len(sh.keys) + 4 * len(sh.words) for sh in ix.shards if sh is not None)
+    total = ix.nbytes()
+    assert total > 8 * 30_000
+    freed: list[int] = []
+    left = 0
+    while left <= 0:
+        before = ix.nbytes()
+        left = ix.release(16 << 10)
+        freed.append(before - ix.nbytes())
+    assert ix.nbytes() == 0 and not ix.shards and not ix.run_keys
+    assert sum(freed) == total and max(freed) <= (16 << 10) + widest
+    # the run's 240 KB key list went in cuts of 16 KB, not at once
+    assert sum(1 for f in freed if f == 16 << 10) >= 10
+
+
+def test_the_key_lists_of_runs_a_sweep_empties_are_freed_in_bounded_steps() -> None:
+    """A sweep's pass empties its expired runs together in its last shards (at 20M
+    blocks a few dozen key lists of 4 MB: 6-10 ms freed at once); the long lists are
+    left in the index's `garbage` and freed about `release_bytes` a step, while
+    `sweeping` says so. Reads never see the expired blocks meanwhile."""
+    rng = random.Random(12)
+    store = MemoryStore({Table.GLOBAL: 1 << 20, Table.SWA: 10})
+    store.release_bytes = 32 << 10
+    e0 = EngineId("e0")
+    runs = [[PrefixKey(rng.getrandbits(64)) for _ in range(20_000)] for _ in range(3)]
+    for keys in runs:  # three runs of 160 KB of keys each, expiring at 10
+        store.put(Table.GLOBAL, e0, keys, Tier.HOST, 0.0, 10.0, True)
+    kept = [PrefixKey(rng.getrandbits(64)) for _ in range(100)]
+    store.put(Table.GLOBAL, e0, kept, Tier.HBM, 0.0, 1e9, True)
+    ix = store._exact[e0]
+    garbage_seen = 0
+    steps = 0
+    while store.sweeping(11.0):
+        before = sum(8 * len(k) for k in ix.garbage)
+        store.expire_step(11.0)
+        steps += 1
+        after = sum(8 * len(k) for k in ix.garbage)
+        garbage_seen = max(garbage_seen, after)
+        # what one step frees of the garbage is bounded (the sweep may add to it)
+        assert before - min(before, after) <= store.release_bytes
+        assert store.get(Table.GLOBAL, e0, runs[0][0], 11.0, False) is None
+    assert garbage_seen >= 3 * 8 * 20_000 - store.release_bytes
+    assert not ix.garbage and store.size(Table.GLOBAL) == len(kept)
+    assert steps >= 3 * 8 * 20_000 // store.release_bytes

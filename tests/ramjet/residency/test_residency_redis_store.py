@@ -644,8 +644,9 @@ async def test_a_replica_frees_a_replaced_index_in_steps_not_in_one_turn(
     pair: tuple[RedisStore, RedisStore],
 ) -> None:
     """Over Redis the tables' expiry steps as in process (`ResidencyStore.expire_step`):
-    the index a replayed snapshot replaced on a replica's mirror is freed a few hundred
-    arrays a step, not with the mirror's whole sweep in one call (one loop turn)."""
+    the index a replayed snapshot replaced on a replica's mirror is freed about
+    `release_bytes` a step, not with the mirror's whole sweep in one call (one loop
+    turn)."""
     a, b = pair
     rng = random.Random(33)
     now = time.monotonic()
@@ -658,13 +659,16 @@ async def test_a_replica_frees_a_replaced_index_in_steps_not_in_one_turn(
     await a.sync_once()
     await b.sync_once()  # b replays the replace: its old index is dropped, to be freed
     assert b.local.size(Table.GLOBAL) == 100
+    b.local.release_bytes = 64 << 10
+    (old,) = b.local._retired
+    held = old.nbytes()
     tables = ResidencyTables(CFG, b, clock=lambda: now)
     steps = 0
     while tables.expire_step(budget_s=0.0):  # one store step a call
         steps += 1
         assert steps < 1_000
-    assert steps >= 8  # 4,096 shards of two arrays, 512 arrays a step
-    assert not b.sweeping(now)
+    assert held > 8 * b.local.release_bytes and steps >= 8
+    assert not b.sweeping(now) and old.nbytes() == 0
     assert b.local.size(Table.GLOBAL) == 100
 
 
