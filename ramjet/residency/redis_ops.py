@@ -467,41 +467,59 @@ def weight(op: list[Any]) -> int:
     return 1
 
 
-def split_ops(ops: list[list[Any]], limit: int) -> list[list[list[Any]]]:
-    """Cut an ops list into chunks of at most `limit` entries, in order: a long put or
-    remove becomes several; a replace becomes an `R` (clear, first entries) and `E`
-    continuations. Applying the chunks in order gives what the whole list gives."""
-    chunks: list[list[list[Any]]] = []
-    cur: list[list[Any]] = []
-    room = limit
+class Chunker:
+    """Cuts ops, added one at a time, into chunks of at most `limit` entries, in order:
+    a long put or remove becomes several; a replace becomes an `R` (clear, first
+    entries) and `E` continuations. Applying the chunks in order gives what the ops
+    give (`split_ops`; a seed adds its ops piece by piece, yielding between)."""
 
-    def push(op: list[Any]) -> None:
-        nonlocal cur, room
+    __slots__ = ("_cur", "_room", "chunks", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.chunks: list[list[list[Any]]] = []
+        self._cur: list[list[Any]] = []
+        self._room = limit
+
+    def _push(self, op: list[Any]) -> None:
         w = weight(op)
-        if w > room and cur:
-            chunks.append(cur)
-            cur, room = [], limit
-        cur.append(op)
-        room -= w
+        if w > self._room and self._cur:
+            self.chunks.append(self._cur)
+            self._cur, self._room = [], self.limit
+        self._cur.append(op)
+        self._room -= w
 
-    for op in ops:
+    def add(self, op: list[Any]) -> None:
+        limit = self.limit
         code = op[0]
         if code == "p" and len(op[5]) > limit:
             for i in range(0, len(op[5]), limit):
-                push([*op[:5], op[5][i : i + limit]])
+                self._push([*op[:5], op[5][i : i + limit]])
         elif code == "r" and len(op[2]) > limit:
             for i in range(0, len(op[2]), limit):
-                push([op[0], op[1], op[2][i : i + limit]])
+                self._push([op[0], op[1], op[2][i : i + limit]])
         elif code == "R" and len(op[3]) > limit:
             more = (len(op[3]) - 1) // limit  # the E chunks that follow
-            push(["R", op[1], op[2], op[3][:limit], more])
+            self._push(["R", op[1], op[2], op[3][:limit], more])
             for i in range(limit, len(op[3]), limit):
-                push(["E", op[1], op[2], op[3][i : i + limit]])
+                self._push(["E", op[1], op[2], op[3][i : i + limit]])
         else:
-            push(op)
-    if cur:
-        chunks.append(cur)
-    return chunks
+            self._push(op)
+
+    def done(self) -> list[list[list[Any]]]:
+        """The chunks (the last one closed)."""
+        if self._cur:
+            self.chunks.append(self._cur)
+            self._cur, self._room = [], self.limit
+        return self.chunks
+
+
+def split_ops(ops: list[list[Any]], limit: int) -> list[list[list[Any]]]:
+    """`ops` cut into chunks of at most `limit` entries, in order (`Chunker`)."""
+    chunker = Chunker(limit)
+    for op in ops:
+        chunker.add(op)
+    return chunker.done()
 
 
 def keys_from16(hex_keys: Iterable[str]) -> list[PrefixKey]:

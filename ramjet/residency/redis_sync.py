@@ -54,6 +54,7 @@ from ramjet.residency.redis_ops import (
     CODE_TABLE,
     REJECT_REASONS,
     Batch,
+    Chunker,
     Clocks,
     InvalidEntry,
     Sealer,
@@ -74,7 +75,7 @@ from ramjet.residency.redis_scripts import (
     TAIL,
     EngineKeys,
 )
-from ramjet.residency.store import IndexStaging, MemoryStore, Table
+from ramjet.residency.store import Entry, IndexStaging, MemoryStore, Table
 from ramjet.types import EngineId, PrefixKey, Tier
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,23 @@ class StoreMetrics:
         self.rejected = counter(registry, "ramjet_redis_rejected_total")
         for reason in REJECT_REASONS:  # every reason exported from the start (alerts)
             self.rejected.labels(reason)
+
+
+def _grouped_puts(
+    clocks: Clocks, table: Table, exact: bool, piece: list[tuple[PrefixKey, Entry]]
+) -> list[list[Any]]:
+    """A piece of the mirror's entries as puts, one per (tier, confirmation, expiry)."""
+    groups: dict[tuple[Tier, float, float], list[PrefixKey]] = {}
+    for key, e in piece:
+        group = groups.get((e.tier, e.confirmed_at, e.expires_at))
+        if group is None:
+            groups[(e.tier, e.confirmed_at, e.expires_at)] = [key]
+        else:
+            group.append(key)
+    return [
+        put_op(clocks, table, exact, tier, conf, exp, keys)
+        for (tier, conf, exp), keys in groups.items()
+    ]
 
 
 class RedisSync:
@@ -314,8 +332,11 @@ class RedisSync:
     async def _seed(self, engine: EngineId) -> None:
         """Redis holds no copy of `engine`: offer it this mirror's (first seed wins). The
         copy is read in pieces, yielding to the loop every `PULL_STEP` entries (a large
-        mirror is seconds of CPU), and cut into chunks as `_chunks` cuts it: one
-        single-key put per entry, `snapshot_chunk_entries` to a chunk. A write made
+        mirror is seconds of CPU), and cut into chunks as `_chunks` cuts it: a put per
+        group of a piece's entries alike in tier, confirmation and expiry (a run of the
+        index; one per entry was a 6-item list and an array per block, gigabytes for a
+        20M-block mirror and young collections that walked them),
+        `snapshot_chunk_entries` entries to a chunk. A write made
         meanwhile is in the queue behind the seed, so Redis ends with it either way.
 
         A seed this replica won leaves Redis holding this mirror, so the mirror is not
@@ -323,7 +344,8 @@ class RedisSync:
         came after every engine's first write (Redis answers `missing` for an engine it
         never held) and stalled the loop mid-load (issue 33). A seed another replica won
         (`dup`) is pulled, as is one whose log shows anything but this seed."""
-        chunks: list[list[list[Any]]] = [[["P"]]]
+        chunker = Chunker(self.chunk)
+        chunker.add(["P"])
         since = 0
         over_cap = False
         for table in Table:
@@ -336,25 +358,14 @@ class RedisSync:
                 count = 0
                 for piece in self.local.entry_steps(table, engine, exact):
                     count += len(piece)
-                    for key, e in piece:
-                        if len(chunks[-1]) >= self.chunk:
-                            chunks.append([])
-                        chunks[-1].append(
-                            put_op(
-                                self.clocks,
-                                table,
-                                exact,
-                                e.tier,
-                                e.confirmed_at,
-                                e.expires_at,
-                                (key,),
-                            )
-                        )
+                    for op in _grouped_puts(self.clocks, table, exact, piece):
+                        chunker.add(op)
                     since += len(piece)
                     if since >= PULL_STEP:
                         since = 0
                         await asyncio.sleep(0)
                 over_cap |= count > cap  # the script evicts: the mirror must learn which
+        chunks = chunker.done()
         epoch, seq = self.cursor.get(engine, (-1, -1))
         lead = Batch(engine, "seed", epoch, seq, chunks[0])
         parts = [lead] + [Batch(engine, "free", ops=c, lead=lead) for c in chunks[1:]]

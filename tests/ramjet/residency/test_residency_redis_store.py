@@ -21,6 +21,7 @@ from redis_server import RedisProcess, redis_server
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.index import SHARDS
 from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
+from ramjet.residency.redis_ops import weight
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.redis_sync import PULL_STEP
 from ramjet.residency.store import Table
@@ -742,6 +743,53 @@ async def test_an_engines_first_write_seeds_redis_without_pulling_it_back(
             got = s.local.get_many(Table.GLOBAL, E0, [*ks, PrefixKey(5)], s.clock(), False)
             assert all(e is not None for e in got)
             assert s.get(Table.SWA, E0, PrefixKey(77), s.clock(), True) is not None
+    finally:
+        for s in (a, b):
+            await s.link.close()
+
+
+async def test_a_seed_sends_a_put_per_group_of_alike_entries_not_per_key(
+    server: RedisProcess,
+) -> None:
+    """A seed reads the mirror a piece (an index shard) at a time and sends one put per
+    group of entries alike in tier, confirmation and expiry, cut into chunks of
+    `snapshot_chunk_entries`: a single-key put per entry was a list and an array per
+    block, gigabytes for a 20M-block mirror (a Redis restart). What Redis ends with is
+    the mirror: the other replica pulls every entry with its tier."""
+    a, reg = make(server)
+    b, _ = make(server)
+    sent: list[Any] = []
+    apply = a.sync._apply
+
+    async def spy(batch: Any) -> str:
+        sent.append(batch)
+        return await apply(batch)
+
+    a.sync._apply = spy  # type: ignore[method-assign]
+    # 6,000 keys of one index shard (the same low 12 bits), in two runs of two tiers
+    host = [PrefixKey(i << 12 | 7) for i in range(1, 3_001)]
+    ssd = [PrefixKey(i << 12 | 7) for i in range(3_001, 6_001)]
+    try:
+        now = a.clock()
+        with a.report(E0, 1, 1):
+            a.put(Table.GLOBAL, E0, host, Tier.HOST, now, now + 600, True)
+            a.put(Table.GLOBAL, E0, ssd, Tier.SSD, now, now + 900, True)
+        while a.pending:
+            await a.sync_once()
+        assert metric(reg, "ramjet_redis_batches_total", result="seed_ok") >= 1
+        seed = [
+            x for x in sent if x.mode == "seed" or (x.lead is not None and x.lead.mode == "seed")
+        ]
+        puts = [op for x in seed for op in x.ops if op[0] == "p"]
+        chunk = a.settings.snapshot_chunk_entries
+        assert sum(len(op[5]) for op in puts) == len(host) + len(ssd)
+        assert len(puts) <= 2 * (len(host) // chunk + 1)  # a put per chunk of a group
+        assert all(sum(weight(op) for op in x.ops) <= chunk for x in seed)
+        await sync(a, b)
+        for s in (a, b):
+            for ks, tier in ((host, Tier.HOST), (ssd, Tier.SSD)):
+                got = s.local.get_many(Table.GLOBAL, E0, ks, s.clock(), False)
+                assert all(e is not None and e.tier is tier for e in got)
     finally:
         for s in (a, b):
             await s.link.close()
