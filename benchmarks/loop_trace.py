@@ -6,7 +6,9 @@ callback it ran (`asyncio.Handle._run`), the cyclic GC's time by generation
 (`gc.callbacks`), and stacks sampled every ~2 ms by a thread while the loop has been
 out of `select()` for over 4 ms (`sys._current_frames`; compiled modules show no frames of their own,
 so a sample names the innermost Python frame that called into them). `report()` prints
-the `keep` longest iterations by CPU, those over the threshold counted.
+the `keep` longest iterations by CPU, those over the threshold counted, each with its start on
+CLOCK_MONOTONIC (`time.perf_counter`), so samples of `perf record -k CLOCK_MONOTONIC`
+taken meanwhile can be cut to that iteration.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class LoopTracer:
             try:
                 orig_once()
             finally:
-                self._end(time.thread_time() - c0, time.perf_counter() - w0)
+                self._end(time.thread_time() - c0, time.perf_counter() - w0, w0)
 
         def handle_run(h: asyncio.Handle) -> None:
             c0 = time.thread_time()
@@ -123,7 +125,7 @@ class LoopTracer:
                 samples = self._samples
                 samples.append(_where(sys._current_frames().get(main)))
 
-    def _end(self, cpu: float, wall: float) -> None:
+    def _end(self, cpu: float, wall: float, start: float) -> None:
         self.turns += 1
         if self.paused() or cpu < self.threshold_s / 4:
             return
@@ -132,6 +134,7 @@ class LoopTracer:
         rec = {
             "cpu_ms": cpu * 1e3,
             "wall_ms": wall * 1e3,
+            "start": start,
             "gc_ms": [(g, round(t * 1e3, 2)) for g, t in self._gc],
             "callbacks": sorted(self._cbs, reverse=True)[:3],
             "samples": Counter(self._samples).most_common(4),
@@ -156,7 +159,8 @@ class LoopTracer:
         for cpu, turn, rec in sorted(self._top, reverse=True):
             print(
                 f"    #{turn}: {cpu * 1e3:.1f} ms CPU (wall {rec['wall_ms']:.1f}), "
-                f"gc {rec['gc_ms']}",
+                f"gc {rec['gc_ms']}, at {rec['start']:.6f} s (CLOCK_MONOTONIC: "
+                f"`perf record -k CLOCK_MONOTONIC` samples line up)",
                 file=sys.stderr,
             )
             for c, r in rec["callbacks"]:
