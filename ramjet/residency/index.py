@@ -45,6 +45,22 @@ RELEASE_BYTES: Final = 8 << 20
 millisecond; 150 MB at once (38 run arrays of a 20M-block snapshot) was a 25 ms turn."""
 
 
+def _free_tail(arrays: list[array[int] | None], budget: int) -> int:
+    """Free about `budget` bytes of the key lists at the end of `arrays`: whole lists
+    popped, a longer one cut from its end (its memory returned a slice at a time). Returns
+    what is left of `budget`: above 0 once `arrays` is empty, at most 0 while some is
+    left."""
+    while arrays and budget > 0:
+        keys = arrays[-1]
+        held = 0 if keys is None else 8 * len(keys)
+        if keys is not None and held > budget:
+            del keys[len(keys) - budget // 8 :]
+            return 0
+        arrays.pop()
+        budget -= held
+    return budget
+
+
 def _slots(used: int) -> int:
     """Slots for a shard of `used` blocks: 50 % load right after a rehash."""
     return max(_MIN_SLOTS, used * 2)
@@ -92,7 +108,7 @@ class BlockIndex:
         """Min-heap of (seq, run), cleaned lazily: the oldest live run first."""
         self._expiry: list[tuple[float, int, int]] = []
         """Min-heap of (expires_at, seq, run), cleaned lazily."""
-        self.garbage: list[array[int]] = []
+        self.garbage: list[array[int] | None] = []
         """Key lists of runs no block uses any more, left for `release_garbage`: a
         sweep's pass drops its expired runs together in its last shards, at 20M blocks
         a few dozen lists of 4 MB (a snapshot part's run), 6-10 ms to free at once."""
@@ -548,22 +564,13 @@ class BlockIndex:
         """Bytes of the index's large arrays (shards, runs' key lists, `garbage`): what
         `release` frees."""
         held = sum(8 * len(sh.keys) + 4 * len(sh.words) for sh in self.shards if sh is not None)
-        held += sum(8 * len(keys) for keys in self.garbage)
-        return held + sum(8 * len(keys) for keys in self.run_keys if keys is not None)
+        lists = (self.garbage, self.run_keys)
+        return held + sum(8 * len(keys) for ks in lists for keys in ks if keys is not None)
 
     def release_garbage(self, budget: int) -> int:
         """Free about `budget` bytes of `garbage`, a long list cut from its end; returns
         what is left of `budget` (above 0 once none is left)."""
-        garbage = self.garbage
-        while garbage and budget > 0:
-            keys = garbage[-1]
-            held = 8 * len(keys)
-            if held > budget:
-                del keys[len(keys) - budget // 8 :]
-                return 0
-            garbage.pop()
-            budget -= held
-        return budget
+        return _free_tail(self.garbage, budget)
 
     def release(self, budget: int) -> int:
         """Free about `budget` bytes of this index's arrays, for an index no longer read
@@ -573,23 +580,12 @@ class BlockIndex:
         is a few small arrays, freed with the index), at most 0 while some is. Freeing
         a 20M-block index at once is about 600 MB and a 15-25 ms loop turn."""
         budget = self.release_garbage(budget)
-        shards, runs = self.shards, self.run_keys
-        while budget > 0:
-            if shards:
-                sh = shards.pop()
-                if sh is not None:
-                    budget -= 8 * len(sh.keys) + 4 * len(sh.words)
-            elif runs:
-                keys = runs[-1]
-                held = 0 if keys is None else 8 * len(keys)
-                if keys is not None and held > budget:  # cut from its end
-                    del keys[len(keys) - budget // 8 :]
-                    return 0
-                runs.pop()
-                budget -= held
-            else:
-                return budget  # nothing large left
-        return budget
+        shards = self.shards
+        while budget > 0 and shards:
+            sh = shards.pop()
+            if sh is not None:
+                budget -= 8 * len(sh.keys) + 4 * len(sh.words)
+        return _free_tail(self.run_keys, budget) if budget > 0 else budget
 
     def sweep(self, now: float, start: int, shards: int) -> tuple[int, int]:
         """Tombstone the expired blocks of shards `start` .. `start + shards - 1`;
