@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -30,6 +34,7 @@ from ramjet.sidecar.runner import Sidecar, SidecarSettings
 from ramjet.sidecar.wire import AllBlocksCleared, BlockStored
 
 pytestmark = pytest.mark.timeout(30)
+ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "s3cret-sidecar-token-0123"
 METRICS = b'vllm:num_requests_running{model_name="m"} 3\nvllm:num_requests_waiting 2\n'
 
@@ -255,3 +260,14 @@ def test_a_bad_engine_url_is_refused_at_once(url: str) -> None:
         engine_base(url)
     with pytest.raises(ValueError, match="http"):
         Sidecar(_settings("ipc:///nowhere", "ipc:///nowhere", url), Ed25519PrivateKey.generate())
+
+
+def test_the_command_refuses_a_bad_engine_url(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "ramjet", "sidecar", "--engine-kind", "vllm",
+            "--engine-id", "v0", "--engine-url", "127.0.0.1:8000", "--events", "ipc:///x",
+            "--key", str(tmp_path / "none.key"), "--key-id", "v0-sc", "--model", "m",
+            "--port", "0"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    bad = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert bad.returncode == 2, bad.stderr
+    assert "--engine-url" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
