@@ -90,8 +90,13 @@ def _fail(msg: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ramjet.sidecar.engine_client import engine_base
     from ramjet.sidecar.runner import Sidecar, SidecarSettings
 
+    try:
+        engine_base(args.engine_url)
+    except ValueError as exc:
+        return _fail(f"--engine-url: {exc}")
     for name, value in (("--engine-id", args.engine_id), ("--key-id", args.key_id)):
         if not ID_PATTERN.fullmatch(value):
             return _fail(f"{name} {value!r}: must match {ID_PATTERN.pattern}")

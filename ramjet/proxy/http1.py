@@ -29,10 +29,10 @@ blank lines, which llhttp skips) retire the connection.
 - `UpstreamResponse.close()` before the body ended closes the connection, which is how
   an engine's request is aborted (client gone, stream cut, shutdown); a reader waiting
   on it is woken with `UpstreamClosed`.
-- Errors are `OSError`s: `UpstreamConnectError` (refused, unreachable, or not connected
-  within `connect_s`), `UpstreamClosed` (the engine closed or broke the connection, or
-  sent something that is not HTTP/1.x). Timeouts other than connect are the caller's
-  (`asyncio.timeout` around `request`/`readany`).
+- Errors are `OSError`s: `UpstreamConnectError` (refused, with `refused` set;
+  unreachable; or not connected within `connect_s`), `UpstreamClosed` (the engine
+  closed or broke the connection, or sent something that is not HTTP/1.x). Timeouts
+  other than connect are the caller's (`asyncio.timeout` around `request`/`readany`).
 """
 
 from __future__ import annotations
@@ -560,7 +560,12 @@ class EnginePool:
                 f"connect to {self.host}:{self.port} timed out after {self.connect_s}s"
             ) from None
         except OSError as exc:
-            raise UpstreamConnectError(f"connect to {self.host}:{self.port}: {exc}") from None
+            # asyncio folds the errors of a name with several addresses (localhost as
+            # ::1 and 127.0.0.1) into one plain OSError, which does not count as refused
+            raise UpstreamConnectError(
+                f"connect to {self.host}:{self.port}: {exc}",
+                refused=isinstance(exc, ConnectionRefusedError),
+            ) from None
         finally:
             self._connecting -= 1
             if len(self._open) + self._connecting < self.limit:

@@ -30,7 +30,8 @@ else):
   connection to the pool). Cancelling a `request` call aborts it the same way.
 - **Error kinds.** Every failure is an `OSError`:
   `UpstreamConnectError`: nothing was sent (refused, unreachable, not connected in time);
-  safe to retry anywhere.
+  safe to retry anywhere. Its `refused` is True when the engine's host refused the
+  connection (nothing listens: the engine is gone) and False for the other causes.
   `UpstreamClosed`: the engine closed or broke the exchange, or answered something that
   is not HTTP; it may have seen the request.
   Timeouts other than connect belong to the caller (`asyncio.timeout` around `request`,
@@ -52,7 +53,13 @@ from ramjet.errors import ProxyError
 
 
 class UpstreamConnectError(ProxyError, OSError):
-    """The connection to the engine could not be made (refused, unreachable, timed out)."""
+    """The connection to the engine could not be made (refused, unreachable, timed out).
+    `refused`: the engine's host answered that nothing listens on the port (the engine's
+    process is gone), rather than not answering at all."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class UpstreamClosed(ProxyError, OSError):
@@ -219,13 +226,16 @@ async def fetch(
     path_qs: str,
     *,
     timeout_s: float,
+    headers: Iterable[tuple[str, str]] = (),
+    body: bytes = b"",
     max_bytes: int = 1 << 20,
 ) -> tuple[int, bytes]:
-    """One whole small exchange (a probe, `/v1/models`): the status and the body, within
-    `timeout_s` (else `TimeoutError`); a body over `max_bytes` is `UpstreamClosed`. The
-    response is always closed (aborted if unfinished)."""
+    """One whole small exchange (a probe, `/v1/models`, a metrics scrape, a control
+    POST): sends `headers` and `body`, returns the status and the whole answer body,
+    within `timeout_s` in all (else `TimeoutError`); a body over `max_bytes` is
+    `UpstreamClosed`. The response is always closed (aborted if unfinished)."""
     async with asyncio.timeout(timeout_s):
-        resp = await transport.request(method, path_qs, (), b"")
+        resp = await transport.request(method, path_qs, headers, body)
         try:
             parts: list[bytes] = []
             size = 0

@@ -26,10 +26,14 @@ whenever an operator asks (`--profile probe`):
 Each timing is the best of `repeats` (each repeat with a fresh nonce, so cold stays
 cold). Sizes in bytes of the KV (`global_kv_bytes_per_token`) and tier bandwidths are
 the model's and the machine's, given by the operator.
+
+The requests go through the router's engine-facing client
+(`ramjet.sidecar.engine_client`), each within `timeout_s`.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import statistics
 import time
@@ -37,10 +41,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from ramjet.errors import RamjetError
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
+from ramjet.sidecar.engine_client import EngineClient, engine_client
 
 DEFAULT_SIZES = (256, 1024, 4096, 16384, 65536, 131072)
 """Probe sizes in tokens when none are given: clamped to the engine's limit, which is
@@ -67,15 +70,15 @@ def filler(words: int, nonce: str) -> str:
     return nonce + " " + " ".join(f"w{(i * 7919) % 1000}" for i in range(max(1, words)))
 
 
-async def max_model_len(session: aiohttp.ClientSession, url: str, model: str) -> int | None:
+async def max_model_len(engine: EngineClient, model: str) -> int | None:
     """The engine's maximum model length from `/v1/models` (vLLM: `max_model_len`), or
-    None when it does not say."""
+    None when it does not say (or cannot be reached: the probes will say why)."""
     try:
-        async with session.get(url.rstrip("/") + "/v1/models") as resp:
-            if resp.status != 200:
-                return None
-            data: Any = await resp.json(content_type=None)
-    except (aiohttp.ClientError, ValueError):
+        status, body = await engine.request("GET", "/v1/models")
+        if status != 200:
+            return None
+        data: Any = json.loads(body)
+    except (OSError, ValueError):
         return None
     cards = data.get("data") if isinstance(data, dict) else None
     if not isinstance(cards, list):
@@ -136,22 +139,22 @@ def fit_curve(samples: Sequence[tuple[int, float]]) -> list[CurvePoint]:
 
 
 async def probe_once(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int = 1
+    engine: EngineClient, model: str, prompt: str, max_tokens: int = 1
 ) -> ProbeResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     t0 = time.perf_counter()
-    async with session.post(url.rstrip("/") + "/v1/completions", json=body) as resp:
-        data: Any = await resp.json(content_type=None)
-        if resp.status != 200:
-            text = str(data)
-            # vLLM says "context length" past its limit; at exactly the limit it clamps
-            # max_tokens to the room left (0) and names max_tokens instead
-            if resp.status == 400 and (
-                "context length" in text or "max_tokens must be at least 1" in text
-            ):
-                raise PromptTooLong(f"probe prompt too long: {text[:200]}")
-            raise RuntimeError(f"probe request failed: HTTP {resp.status}: {text[:200]}")
+    status, answer = await engine.request("POST", "/v1/completions", body)
     dt = time.perf_counter() - t0
+    if status != 200:
+        text = answer.decode("utf-8", "replace")
+        # vLLM says "context length" past its limit; at exactly the limit it clamps
+        # max_tokens to the room left (0) and names max_tokens instead
+        if status == 400 and ("context length" in text or "max_tokens must be at least 1" in text):
+            raise PromptTooLong(f"probe prompt too long: {text[:200]}")
+        raise RuntimeError(f"probe request failed: HTTP {status}: {text[:200]}")
+    data: Any = json.loads(answer)
+    if not isinstance(data, dict):
+        raise ValueError(f"probe answer is not a JSON object: {answer[:200]!r}")
     usage = data.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
     return ProbeResult(
@@ -175,13 +178,12 @@ async def probe_profile(
 ) -> EngineProfile:
     if sizes is not None and (not sizes or sorted(set(sizes)) != list(sizes) or sizes[0] <= 0):
         raise ValueError("probe sizes must be positive and strictly increasing")
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
-        plan = plan_sizes(sizes, await max_model_len(s, url, model))
+    async with engine_client(url, timeout_s) as s:
+        plan = plan_sizes(sizes, await max_model_len(s, model))
         # tokens per filler word, in the engine's own tokenizer
         calib_words = 64
-        calib = await probe_once(s, url, model, filler(calib_words, secrets.token_hex(8)))
-        fixed = (await probe_once(s, url, model, filler(1, secrets.token_hex(8)))).prompt_tokens
+        calib = await probe_once(s, model, filler(calib_words, secrets.token_hex(8)))
+        fixed = (await probe_once(s, model, filler(1, secrets.token_hex(8)))).prompt_tokens
         per_word = max(1e-3, (calib.prompt_tokens - fixed) / (calib_words - 1))
 
         def words_for(tokens: int) -> int:
@@ -196,20 +198,20 @@ async def probe_profile(
                     # own way: a prompt sized at the limit can come out a few tokens over
                     prompt = filler(words, secrets.token_hex(8))
                     try:
-                        c = await probe_once(s, url, model, prompt, max_tokens)
+                        c = await probe_once(s, model, prompt, max_tokens)
                         break
                     except PromptTooLong:
                         if shrink == 3:
                             raise
                         words = max(1, int(words * 0.98) - LIMIT_MARGIN)
-                w = await probe_once(s, url, model, prompt, max_tokens)
+                w = await probe_once(s, model, prompt, max_tokens)
                 cold = c if cold is None or c.seconds < cold.seconds else cold
                 warm = w if warm is None or w.seconds < warm.seconds else warm
             assert cold is not None and warm is not None
             return cold, warm
 
         # one request first, unmeasured: connection setup must not count as overhead
-        await probe_once(s, url, model, filler(4, secrets.token_hex(8)))
+        await probe_once(s, model, filler(4, secrets.token_hex(8)))
         tiny, _ = await best(4)
         overhead = tiny.seconds
         measured: list[tuple[ProbeResult, ProbeResult]] = [await best(words_for(n)) for n in plan]

@@ -16,7 +16,8 @@ the engine in its `keys:` section. Each burst of events becomes one delta. A res
 the engine or lost history starts a new epoch (`ReportPublisher.new_epoch`): routers
 purge what the sidecar said before and take its snapshot. Load comes from scraping the
 engine's `/metrics` (`ramjet.sidecar.scrape`), the profile from timed probe requests
-(`ramjet.sidecar.probe`) or a JSON file.
+(`ramjet.sidecar.probe`) or a JSON file. Every request to the engine goes through the
+router's engine-facing client (`ramjet.sidecar.engine_client`).
 
 Tolerance: events the decoder could not take (`ramjet.sidecar.wire`: unknown fields and
 types, malformed events) are counted (`ramjet.sidecar.metrics`, served on `/metrics`);
@@ -52,16 +53,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import aiohttp
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ramjet.policy.profile import EngineProfile, TierCost
+from ramjet.proxy.transport import UpstreamConnectError
 from ramjet.reports.bodies import DeltaBuilder, LoadBody, SwaStates, TierKeys
 from ramjet.reports.publisher import ReportPublisher
 from ramjet.runtime.probe_lock import async_host_lock
 from ramjet.runtime.tasks import cancel_and_wait
+from ramjet.sidecar.engine_client import engine_base, engine_client
 from ramjet.sidecar.metrics import SidecarMetrics
 from ramjet.sidecar.probe import probe_profile
 from ramjet.sidecar.scrape import LoadScraper
@@ -121,6 +123,7 @@ class Sidecar:
         private_key: Ed25519PrivateKey,
         registry: CollectorRegistry | None = None,
     ) -> None:
+        engine_base(settings.engine_url)  # a bad URL fails here, not in each request
         self.settings = settings
         self.metrics = SidecarMetrics(CollectorRegistry() if registry is None else registry)
         self.tracker = ResidencyTracker(
@@ -271,21 +274,19 @@ class Sidecar:
         path = RESET_PATHS[s.engine_kind]
         with self._lock:
             before = self.tracker.stats["cleared"]
-        timeout = aiohttp.ClientTimeout(total=s.reset_timeout_s)
         deadline = time.monotonic() + s.reset_timeout_s
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+        async with engine_client(s.engine_url, s.reset_timeout_s) as engine:
             # vLLM refuses the reset while any block is still held (a request that has
             # just answered frees its blocks at the engine's next step) and says so only
             # in the body, {"success": false}, with status 200: retry until it succeeds.
             while True:
                 try:
-                    async with http.post(s.engine_url.rstrip("/") + path) as resp:
-                        text = await resp.text()
-                        status = resp.status
-                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    status, body = await engine.request("POST", path)
+                except (OSError, TimeoutError) as exc:
                     return web.json_response(
                         {"error": f"engine {path}: unreachable: {exc!r}"}, status=502
                     )
+                text = body.decode("utf-8", "replace")
                 if status != 200:
                     return web.json_response(
                         {"error": f"engine {path}: HTTP {status}: {text[:300]}"}, status=502
@@ -314,12 +315,9 @@ class Sidecar:
                     )
                 if now >= next_nudge:
                     next_nudge = now + 1.0
-                    body = {"model": s.model, "prompt": ".", "max_tokens": 1}
-                    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                        async with http.post(
-                            s.engine_url.rstrip("/") + "/v1/completions", json=body
-                        ) as r:
-                            await r.read()
+                    nudge = {"model": s.model, "prompt": ".", "max_tokens": 1}
+                    with contextlib.suppress(OSError, TimeoutError):
+                        await engine.request("POST", "/v1/completions", nudge)
                 await asyncio.sleep(0.02)
         seq = self.flush()
         with self._lock:
@@ -453,7 +451,7 @@ class Sidecar:
                     global_kv_bytes_per_token=s.global_kv_bytes_per_token,
                     tiers=s.tiers,
                 )
-        except (aiohttp.ClientError, OSError, RuntimeError, ValueError, TimeoutError) as exc:
+        except (OSError, RuntimeError, ValueError, TimeoutError) as exc:
             log.error("profile probe failed: %s", exc)
             return
         self.publisher.publish_profile(self.profile)
@@ -498,25 +496,24 @@ class Sidecar:
 
     async def _scrape_loop(self) -> None:
         scraper = LoadScraper()
-        url = self.settings.engine_url.rstrip("/") + "/metrics"
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.settings.load_interval_s))
+        interval = self.settings.load_interval_s
         down = False
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with engine_client(self.settings.engine_url, max(1.0, interval)) as engine:
             while True:
                 try:
-                    async with session.get(url) as resp:
-                        text = await resp.text()
-                        if resp.status == 200:
-                            self._load = scraper.load(text, time.monotonic())
+                    status, body = await engine.request("GET", "/metrics")
+                    if status == 200:
+                        text = body.decode("utf-8", "replace")
+                        self._load = scraper.load(text, time.monotonic())
                     down = False
-                except aiohttp.ClientConnectorError as exc:
+                except UpstreamConnectError as exc:
                     log.debug("metrics scrape failed: %s", exc)
-                    if isinstance(exc.os_error, ConnectionRefusedError) and not down:
+                    if exc.refused and not down:
                         down = True
                         self._engine_gone(str(exc))
-                except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+                except (OSError, TimeoutError, ValueError) as exc:
                     log.debug("metrics scrape failed: %s", exc)
-                await asyncio.sleep(self.settings.load_interval_s)
+                await asyncio.sleep(interval)
 
 
 def _reset_refused(body: str) -> bool:

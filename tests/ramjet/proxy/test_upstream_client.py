@@ -149,6 +149,30 @@ async def test_refused_connect() -> None:
     await pool.close()
 
 
+async def test_a_refused_connect_says_refused_and_a_cut_one_is_no_connect_error(
+    closing: list[object],
+) -> None:
+    # the sidecar takes a refused port for a gone engine (ramjet.sidecar.runner)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = EnginePool(f"http://127.0.0.1:{port}", limit=1, connect_s=1.0)
+    closing.append(pool)
+    with pytest.raises(UpstreamConnectError) as refused:
+        await pool.request("GET", "/", [], b"")
+    assert refused.value.refused is True
+
+    async def hang_up(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+
+    srv, url, _ = await _serve(hang_up)
+    cut = EnginePool(url, limit=1, connect_s=1.0)
+    closing += [cut, srv]
+    with pytest.raises(UpstreamClosed):
+        await _body(cut)
+    assert UpstreamConnectError("x").refused is False
+
+
 async def test_pool_limit_queues_requests_and_close_aborts(closing: list[object]) -> None:
     release = asyncio.Event()
 
