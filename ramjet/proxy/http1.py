@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
+import re
 import socket
 import ssl
 import time
@@ -471,6 +473,22 @@ class _Conn(asyncio.Protocol):
         return w
 
 
+_ERRNO = re.compile(r"\[Errno (\d+)\]")
+
+
+def _refused(exc: OSError) -> bool:
+    """Whether a failed connect was refused at every address tried (nothing listens:
+    the engine is gone). Python 3.11's asyncio folds the errors of a name with several
+    addresses (localhost as ::1 and 127.0.0.1) into one plain `OSError` whose message
+    lists each as `[Errno N] ...`: refused when every one is ECONNREFUSED."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    if exc.errno is not None or not str(exc).startswith("Multiple exceptions: "):
+        return False
+    codes = _ERRNO.findall(str(exc))
+    return bool(codes) and all(int(c) == errno.ECONNREFUSED for c in codes)
+
+
 class EnginePool:
     """Keep-alive connections to one engine (`url`: http(s)://host[:port]), at most
     `limit` open."""
@@ -560,11 +578,8 @@ class EnginePool:
                 f"connect to {self.host}:{self.port} timed out after {self.connect_s}s"
             ) from None
         except OSError as exc:
-            # asyncio folds the errors of a name with several addresses (localhost as
-            # ::1 and 127.0.0.1) into one plain OSError, which does not count as refused
             raise UpstreamConnectError(
-                f"connect to {self.host}:{self.port}: {exc}",
-                refused=isinstance(exc, ConnectionRefusedError),
+                f"connect to {self.host}:{self.port}: {exc}", refused=_refused(exc)
             ) from None
         finally:
             self._connecting -= 1

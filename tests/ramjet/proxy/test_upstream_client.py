@@ -5,13 +5,14 @@ refused connects and the pool's connection limit."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from ramjet.proxy.http1 import EnginePool, UpstreamClosed, UpstreamConnectError
+from ramjet.proxy.http1 import EnginePool, UpstreamClosed, UpstreamConnectError, _refused
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -430,3 +431,22 @@ async def test_a_sink_takes_pieces_from_the_callback_in_order(closing: list[obje
     assert b"".join(taken[:2] + read[:1] + taken[2:] + read[1:]) == b"".join(pieces[1:])
     assert read[-1] == pieces[-1]  # the last piece is never given to the sink
     assert pieces[-1] not in taken
+
+
+def test_a_name_refused_at_every_address_counts_as_refused() -> None:
+    # Python 3.11's asyncio folds a multi-address name's connect errors (localhost as ::1
+    # and 127.0.0.1) into one plain OSError; its message is built as asyncio builds it
+    refused = [
+        ConnectionRefusedError(errno.ECONNREFUSED, f"Connect call failed ({a!r}, 8000)")
+        for a in ("::1", "127.0.0.1")
+    ]
+    unreachable = OSError(errno.ENETUNREACH, "Connect call failed ('::1', 8000)")
+
+    def folded(errors: list[OSError]) -> OSError:
+        return OSError("Multiple exceptions: {}".format(", ".join(str(e) for e in errors)))
+
+    assert _refused(refused[0])
+    assert _refused(folded(refused))
+    assert not _refused(folded([unreachable, refused[1]]))  # some host may still listen
+    assert not _refused(unreachable)
+    assert not _refused(OSError("Multiple exceptions: "))
