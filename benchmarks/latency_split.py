@@ -96,7 +96,7 @@ MARKS: list[tuple[str, str, int, bool]] = [
         11,
         False,
     ),
-    ("ramjet/proxy/http1.py", "conn = await self._acquire()", 12, False),
+    ("ramjet/transport/http1.py", "conn = await self._acquire()", 12, False),
     ("ramjet/proxy/forward.py", "exchange.upstream = upstream", 43, False),
     ("ramjet/proxy/forward.py", "first = await upstream.readany()", 44, True),
     ("ramjet/proxy/forward.py", "if opened is None:", 45, False),

@@ -20,7 +20,7 @@ other CPUs. Targets: `direct` (no hop: the latency baseline), nginx (if installe
 round_robin and cache_aware, if installed), `ramjet_observe` (prefix_affinity live,
 tier_aware recorded, decision log on) and `ramjet_enforce` (tier_aware live). With
 `--layers`, `layer_aiohttp` and `layer_httptools`: a server and Ramjet's engine client
-(`ramjet.proxy.http1.EnginePool`) and nothing else, aiohttp's server or an
+(`ramjet.transport.http1.EnginePool`) and nothing else, aiohttp's server or an
 asyncio.Protocol on httptools; what choosing Ramjet's HTTP layer could save (either is
 also started when named in `--only`). With `--opt-python PYTHON`, `ramjet_observe_opt`
 and `ramjet_enforce_opt`: the same routers under that interpreter (the same source tree),
@@ -292,10 +292,10 @@ def run_bare(port: int, upstreams: list[str]) -> None:
 
 def run_layer(kind: str, port: int, upstreams: list[str]) -> None:
     """A hop that is only a server in front of Ramjet's engine client
-    (`ramjet.proxy.http1.EnginePool`): `aiohttp` (the server Ramjet runs) or `httptools`
+    (`ramjet.transport.http1.EnginePool`): `aiohttp` (the server Ramjet runs) or `httptools`
     (an asyncio.Protocol on llhttp). The two differ in the client-facing server alone,
     which is what choosing Ramjet's HTTP layer needs measured."""
-    from ramjet.proxy.http1 import EnginePool
+    from ramjet.transport.http1 import EnginePool
 
     pools: list[EnginePool] = []
     turn = [0]

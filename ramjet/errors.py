@@ -22,8 +22,8 @@ catch what they caught. The groups are new: nothing caught them before.
     │   └── ResponseTooLarge                 ramjet.reports.ingest: a pull answer over the cap
     ├── ProxyError                         forwarding to an engine failed
     │   ├── UpstreamError                    ramjet.proxy.exchange: an attempt failed (`kind`)
-    │   ├── UpstreamConnectError (OSError)   ramjet.proxy.transport: no connection
-    │   └── UpstreamClosed (OSError)         ramjet.proxy.transport: closed, broken, not HTTP
+    │   ├── UpstreamConnectError (OSError)   ramjet.transport.base: no connection
+    │   └── UpstreamClosed (OSError)         ramjet.transport.base: closed, broken, not HTTP
     ├── RedisUnavailable                   ramjet.residency.redis_link: fail open to local state
     │   └── RedisCommandError                an error reply (OOM, script error): a failure
     ├── InvalidEntry (ValueError)          ramjet.residency.redis_ops: Redis data failing its checks

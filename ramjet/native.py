@@ -65,12 +65,13 @@ log = logging.getLogger("ramjet.native")
 # define pydantic models (policy/profile, and policy/params: the policies' parameter
 # models, moved out of tier_aware and baselines so that their pick code compiles),
 # policy/base (a runtime-checkable Protocol; the views and Decision it exports are
-# defined in policy/views, compiled) and proxy/transport (exceptions that subclass
+# defined in policy/views, compiled) and transport/base (exceptions that subclass
 # OSError). No compiled class is subclassed by interpreted code (tests and
 # simulations/probes.py wrap one instead), so none carries a compiler attribute.
 COMPILED: tuple[str, ...] = (
     "ramjet.types",
     "ramjet.metrics",
+    "ramjet.transport.http1",
     "ramjet.policy.baselines",
     "ramjet.policy.candidates",
     "ramjet.policy.cost",
@@ -96,7 +97,6 @@ COMPILED: tuple[str, ...] = (
     "ramjet.proxy.exchange",
     "ramjet.proxy.forward",
     "ramjet.proxy.headers",
-    "ramjet.proxy.http1",
     "ramjet.proxy.stream",
     "ramjet.decisions.accounting",
     "ramjet.decisions.log",

@@ -64,7 +64,6 @@ from ramjet.policy.candidates import uncached_prompt_tokens
 from ramjet.policy.fleet_stats import WorkRates, decided_work, fleet_stats
 from ramjet.proxy.exchange import Exchange, ForwardResult
 from ramjet.proxy.forward import Proxy, Transports, generation_deadline
-from ramjet.proxy.transport import EngineTransport, fetch
 from ramjet.request.admission import Admission, charged_here, client_of, reject
 from ramjet.request.client import ClientExchange
 from ramjet.request.openai_errors import json_error
@@ -79,6 +78,7 @@ from ramjet.request.parse import (
 )
 from ramjet.request.precheck import Prechecker
 from ramjet.residency.source import ResidencySource
+from ramjet.transport.base import EngineTransport, fetch
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)

@@ -70,8 +70,6 @@ from ramjet.policy.calibration import Calibrations
 from ramjet.policy.fleet_stats import WorkRates
 from ramjet.policy.registry import create_policy
 from ramjet.proxy.forward import Proxy, Transports
-from ramjet.proxy.http1 import EnginePool
-from ramjet.proxy.transport import EngineTransport
 from ramjet.reports.runtime import ReportsRuntime
 from ramjet.request.admission import Admission
 from ramjet.request.parse import ParseLimits
@@ -79,6 +77,8 @@ from ramjet.request.precheck import Prechecker
 from ramjet.residency.factory import ResidencyRuntime, build_residency
 from ramjet.residency.source import NoResidency, ResidencySource
 from ramjet.residency.tables import ResidencyTables
+from ramjet.transport.base import EngineTransport
+from ramjet.transport.http1 import EnginePool
 from ramjet.types import EngineId
 
 
@@ -98,7 +98,7 @@ class Wired:
 
 
 def http1_transports(config: PolicyConfig) -> Transports:
-    """HTTP/1.1 pools (`ramjet.proxy.http1.EnginePool`) for each use of an engine: the
+    """HTTP/1.1 pools (`ramjet.transport.http1.EnginePool`) for each use of an engine: the
     proxy's (`limits.connections_per_engine`), and small pools of their own for health
     probes (4) and `/v1/models` (2), so that neither queues behind forwards nor a flood
     of one starves the other."""

@@ -264,7 +264,7 @@ class Fleet:
 ProbeFn = Callable[["EngineState"], Awaitable[bool]]
 """Asks one engine whether it is healthy; True for yes. Any `OSError` or `TimeoutError`
 counts as no. The router's goes through the engine transport seam
-(`ramjet.proxy.transport.fetch`)."""
+(`ramjet.transport.base.fetch`)."""
 
 
 class HealthProber:

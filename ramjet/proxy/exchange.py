@@ -9,7 +9,7 @@ import collections
 from dataclasses import dataclass, field
 
 from ramjet.errors import ProxyError
-from ramjet.proxy.transport import EngineResponse
+from ramjet.transport.base import EngineResponse
 from ramjet.types import EngineId
 
 

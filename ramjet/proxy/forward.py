@@ -25,9 +25,9 @@ request may be retried on another engine:
   engine's request by closing its connection.
 
 Headers are cleaned both ways by `ramjet.proxy.headers`; the record of a forward is
-`ramjet.proxy.exchange`. Engines are reached through `ramjet.proxy.transport`'s
+`ramjet.proxy.exchange`. Engines are reached through `ramjet.transport.base`'s
 `EngineTransport`, each made by the `transports` the proxy is given (HTTP/1.1 pools,
-`ramjet.proxy.http1`, from `ramjet.app.wiring`; in-memory engines in unit tests). `Proxy.open` is everything up to the first byte (attempts, retries,
+`ramjet.transport.http1`, from `ramjet.app.wiring`; in-memory engines in unit tests). `Proxy.open` is everything up to the first byte (attempts, retries,
 in-flight counts) and writes nothing to the client, so it is unit-tested over in-memory
 engines; `Proxy.forward` is `open`, then the stream, then `finish`.
 """
@@ -50,9 +50,9 @@ from ramjet.proxy.exchange import Attempt, Exchange, ForwardResult, UpstreamErro
 from ramjet.proxy.headers import upstream_request_headers
 from ramjet.proxy.retries import FREE_RETRIES, RETRY_STATUSES, RetryBudget, parse_retry_after
 from ramjet.proxy.stream import StreamWriter
-from ramjet.proxy.transport import EngineResponse, EngineTransport, UpstreamConnectError
 from ramjet.request.client import ClientExchange
 from ramjet.request.openai_errors import json_error
+from ramjet.transport.base import EngineResponse, EngineTransport, UpstreamConnectError
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class Proxy:
         transports: TransportFactory,
     ) -> None:
         """`transports`: how each engine is reached (HTTP/1.1 pools from
-        `ramjet.app.wiring`, a `ramjet.proxy.transport.MemoryTransport` in unit tests)."""
+        `ramjet.app.wiring`, a `ramjet.transport.base.MemoryTransport` in unit tests)."""
         self._cfg = config
         self._fleet = fleet
         self._metrics = metrics

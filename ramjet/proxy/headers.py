@@ -39,7 +39,7 @@ def upstream_request_headers(
     client: CIMultiDictProxy[str], request_id: str
 ) -> list[tuple[str, str]]:
     """What the engine sees of the client's headers (in their order), plus the router's
-    own; `ramjet.proxy.http1` writes them as they are."""
+    own; `ramjet.transport.http1` writes them as they are."""
     drop = _DROP_TO_ENGINE
     if "Connection" in client:
         drop = drop | _connection_tokens(client)

@@ -2,7 +2,7 @@
 
 It writes through the two seams only: the client side is a `ClientExchange`
 (`ramjet.request.client`; `respond` starts the answer, whichever server read the
-request) and the engine side an `EngineResponse` (`ramjet.proxy.transport`). When the
+request) and the engine side an `EngineResponse` (`ramjet.transport.base`). When the
 answer offers direct writes (`ClientResponse.direct`, the fast server's), body pieces
 go to the client from the engine connection's callback (`EngineResponse.set_sink`),
 else every piece goes through the read loop below.
@@ -10,7 +10,7 @@ else every piece goes through the read loop below.
 Nothing is retried once the first byte was sent (`ramjet.proxy.forward`). Then:
 
 - Writes to the client wait on the transport's high-water mark (`stream_buffer_bytes`),
-  which pauses the upstream read (`ramjet.proxy.http1` stops reading the engine's socket
+  which pauses the upstream read (`ramjet.transport.http1` stops reading the engine's socket
   when its own buffer fills); a write blocked longer than `send_s` ends the exchange (`slow_reader`).
 - Each read takes everything the engine has delivered in one piece, waiting at most
   `idle_s` only when nothing is buffered. Bodies are forwarded byte-exact (no
@@ -38,10 +38,10 @@ from ramjet.metrics import RouterMetrics
 from ramjet.proxy.exchange import Exchange, ForwardResult, UpstreamError
 from ramjet.proxy.headers import client_response_headers
 from ramjet.proxy.retries import RETRY_STATUSES
-from ramjet.proxy.transport import EngineResponse
 from ramjet.request.client import ClientExchange, ClientResponse
 from ramjet.request.framing import FRAMING_BYTES, BodyFramer, Connection
 from ramjet.request.openai_errors import error_body
+from ramjet.transport.base import EngineResponse
 from ramjet.types import EngineId
 
 

@@ -1,10 +1,10 @@
 """The sidecar's requests to its engine (the metrics scrape, a cache reset and its nudges,
 the profile probe) go through the router's engine-facing client: an `EngineTransport`
-(`ramjet.proxy.transport`), HTTP/1.1's `ramjet.proxy.http1.EnginePool`, one small pool
+(`ramjet.transport.base`), HTTP/1.1's `ramjet.transport.http1.EnginePool`, one small pool
 per use, closed when that use ends (`engine_client`).
 
 Each call is one whole exchange within `timeout_s` in all, connect included
-(`ramjet.proxy.transport.fetch`): the status and the whole body, at most `MAX_BODY`
+(`ramjet.transport.base.fetch`): the status and the whole body, at most `MAX_BODY`
 bytes. Failures are the transport's: `UpstreamConnectError` (nothing was sent; its
 `refused` says the engine's port refused, i.e. the engine is gone), `UpstreamClosed`
 (both `OSError`s), and `TimeoutError`.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from yarl import URL
 
-from ramjet.proxy.http1 import EnginePool
-from ramjet.proxy.transport import EngineTransport, fetch
+from ramjet.transport.base import EngineTransport, fetch
+from ramjet.transport.http1 import EnginePool
 
 MAX_BODY = 16 << 20
 """The longest answer read from the engine (vLLM's `/metrics` is some 100 KB)."""

@@ -58,7 +58,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ramjet.policy.profile import EngineProfile, TierCost
-from ramjet.proxy.transport import UpstreamConnectError
 from ramjet.reports.bodies import DeltaBuilder, LoadBody, SwaStates, TierKeys
 from ramjet.reports.publisher import ReportPublisher
 from ramjet.runtime.probe_lock import async_host_lock
@@ -70,6 +69,7 @@ from ramjet.sidecar.scrape import LoadScraper
 from ramjet.sidecar.stream import EventStream
 from ramjet.sidecar.tracker import MEDIA, ResidencyTracker
 from ramjet.sidecar.wire import Message
+from ramjet.transport.base import UpstreamConnectError
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)

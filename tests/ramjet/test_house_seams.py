@@ -1,11 +1,11 @@
 """The seams of the router's house, read from the source (ast; nothing is imported), in
 the style of tests/ramjet/test_import_graph.py:
 
-1. Seams, not type checks: no `isinstance`/`issubclass` in `ramjet/proxy/` or
-   `ramjet/app/` over a server, request, response or transport class (ours, aiohttp's or
+1. Seams, not type checks: no `isinstance`/`issubclass` in `ramjet/proxy/`,
+   `ramjet/transport/` or `ramjet/app/` over a server, request, response or transport class (ours, aiohttp's or
    asyncio's). The relay and the servers go through `ClientExchange` / `ClientResponse`
    (`ramjet.request.client`) and `EngineResponse` / `EngineTransport`
-   (`ramjet.proxy.transport`) instead.
+   (`ramjet.transport.base`) instead.
 2. One composition root: `Router.__init__` builds nothing. It calls nothing imported
    from `ramjet`, and reads its parameters only to keep them whole (`self.x = x`):
    every part is built by `ramjet.app.wiring.build`.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tests.ramjet.test_import_graph import FILES, ROOT, type_checks_over
 
-SEAM_DIRS = ("ramjet/proxy/", "ramjet/app/")
+SEAM_DIRS = ("ramjet/proxy/", "ramjet/transport/", "ramjet/app/")
 
 SEEDS = frozenset(
     {

@@ -30,6 +30,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("identifiers", ("ramjet", "ramjet.types", "ramjet.errors")),
     ("config", ("ramjet.config", "ramjet.*.config")),
     ("base", ("ramjet.metrics", "ramjet.metric_catalogue", "ramjet.runtime")),
+    ("transport", ("ramjet.transport",)),
     ("policy", ("ramjet.policy",)),
     ("keys/request", ("ramjet.keys", "ramjet.request")),
     ("fleet/residency/reports", ("ramjet.fleet", "ramjet.residency", "ramjet.reports")),

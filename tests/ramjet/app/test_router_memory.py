@@ -25,7 +25,8 @@ from ramjet.config import PolicyConfig, parse_policy
 from ramjet.decisions.record import DecisionRecord
 from ramjet.fleet.engines import EngineState
 from ramjet.keys.tokens import ByteTokenizer
-from ramjet.proxy.transport import (
+from ramjet.request.client import BodyReader, ClientResponse, WholeBody
+from ramjet.transport.base import (
     EngineTransport,
     MemoryReply,
     MemoryRequest,
@@ -33,7 +34,6 @@ from ramjet.proxy.transport import (
     UpstreamClosed,
     UpstreamConnectError,
 )
-from ramjet.request.client import BodyReader, ClientResponse, WholeBody
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 SSE = "text/event-stream"

@@ -1,6 +1,6 @@
 """The forward path up to the first byte (`Proxy.open`: attempts, retries, error kinds,
 in-flight counts, aborts), `fetch` and the health prober over in-memory engines
-(`ramjet.proxy.transport.MemoryTransport`): no sockets. The same path over real sockets is tests/integration/test_proxy_faults.py."""
+(`ramjet.transport.base.MemoryTransport`): no sockets. The same path over real sockets is tests/integration/test_proxy_faults.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from ramjet.fleet.views import retry_engine
 from ramjet.metrics import RouterMetrics
 from ramjet.proxy.exchange import Exchange, ForwardResult
 from ramjet.proxy.forward import Opened, Proxy
-from ramjet.proxy.http1 import EnginePool
-from ramjet.proxy.transport import (
+from ramjet.transport.base import (
     EngineTransport,
     MemoryReply,
     MemoryRequest,
@@ -27,6 +26,7 @@ from ramjet.proxy.transport import (
     UpstreamConnectError,
     fetch,
 )
+from ramjet.transport.http1 import EnginePool
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 REPLY = b'{"id":"x","choices":[]}'

@@ -1,4 +1,4 @@
-"""The lean engine client (`ramjet.proxy.http1`) against raw loopback servers: framing
+"""The lean engine client (`ramjet.transport.http1`) against raw loopback servers: framing
 (Content-Length, chunked split anywhere, until-close), keep-alive reuse, cut bodies,
 refused connects and the pool's connection limit."""
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from ramjet.proxy.http1 import EnginePool, UpstreamClosed, UpstreamConnectError, _refused
+from ramjet.transport.http1 import EnginePool, UpstreamClosed, UpstreamConnectError, _refused
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -366,7 +366,7 @@ class _Wire:
 
 
 async def test_a_head_sent_a_byte_at_a_time_costs_linear_cpu() -> None:
-    from ramjet.proxy.http1 import _Conn
+    from ramjet.transport.http1 import _Conn
 
     pool = EnginePool("http://127.0.0.1:9", limit=1, connect_s=1.0)
     conn = _Conn(pool)

@@ -1,4 +1,4 @@
-"""The engine client (`ramjet.proxy.http1`) on random responses: well-formed ones (interim
+"""The engine client (`ramjet.transport.http1`) on random responses: well-formed ones (interim
 heads, any status, odd but legal header bytes, Content-Length, chunked with extensions and
 trailers, until-close, 204/304), the same cut short, with bytes past the body, or broken
 one way each (a bare LF, a NUL, a bad name, version, status, Content-Length, chunk size or
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ramjet.proxy.http1 import EnginePool, UpstreamClosed, UpstreamResponse, _Conn
+from ramjet.transport.http1 import EnginePool, UpstreamClosed, UpstreamResponse, _Conn
 
 _TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _VALUE_BYTES = bytes(range(0x21, 0x7F)) + bytes(range(0x80, 0x100))

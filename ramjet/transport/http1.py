@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 client for the router's hop to an engine: one keep-alive pool per
 engine, on an `asyncio.Protocol`. `EnginePool` is the HTTP/1.1 `EngineTransport` and
-`UpstreamResponse` its `EngineResponse` (`ramjet.proxy.transport` holds the contract).
+`UpstreamResponse` its `EngineResponse` (`ramjet.transport.base` holds the contract).
 
 Per request: the head and the body leave in one write. The response is parsed by
 httptools' `HttpResponseParser` (llhttp, strict: a bare CR or LF, a NUL or other control
@@ -55,8 +55,8 @@ from httptools import (
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from ramjet.proxy.transport import UpstreamClosed as UpstreamClosed
-from ramjet.proxy.transport import UpstreamConnectError as UpstreamConnectError
+from ramjet.transport.base import UpstreamClosed as UpstreamClosed
+from ramjet.transport.base import UpstreamConnectError as UpstreamConnectError
 
 _MAX_HEAD_BYTES = 64 * 1024
 """A response head (status line and headers) longer than this is refused."""

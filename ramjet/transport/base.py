@@ -1,7 +1,7 @@
 """The seam between the router and an engine: `EngineTransport` (one engine's requests)
 and `EngineResponse` (one answer, its body as it arrives), with an in-memory
 implementation for tests that need no sockets. The HTTP/1.1 implementation is
-`ramjet.proxy.http1.EnginePool`.
+`ramjet.transport.http1.EnginePool`.
 
 The contract (every implementation keeps it; `ramjet.proxy.forward` relies on nothing
 else):
@@ -21,7 +21,7 @@ else):
   callable that returns True when it wrote the piece to the client) before they are
   buffered; a piece it takes is not read again. An implementation may ignore the sink
   (every piece is then buffered and read as usual); HTTP/1.1's uses it
-  (`ramjet.proxy.http1`, which also says when a piece is never offered).
+  (`ramjet.transport.http1`, which also says when a piece is never offered).
 - **Backpressure.** An implementation stops reading the engine while its buffer of unread
   body bytes is full, and resumes when the reader takes them.
 - **Abort.** `close()` on a response whose body has not ended aborts the engine's request
