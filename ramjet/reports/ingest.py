@@ -15,6 +15,13 @@ replica's claim has made unnecessary is then no error. Errors back off exponenti
 (`poll.backoff_min_s` .. `poll.backoff_max_s`); a response bigger than a batch may be
 is cut off unread.
 
+The pulls go through the router's engine-facing client (`ramjet.transport`): one
+`EnginePool` per pull target (its base URL, whose path every request is put under), made
+at its first pull and closed by `stop()`. Each request, connect included, is bounded by
+`poll.timeout_s` in all and carries `Authorization: Bearer <pull_token>` when one is set;
+a status other than 200 is an error (`RuntimeError`, the body unread), an answer over the
+cap is `ResponseTooLarge`.
+
 Push: `POST /ramjet/reports` on the push listener (`ramjet.reports.push`), never on the
 client port, and only when `reports.push.port` is set (off by default); each frame is
 counted against its source address's token bucket before it is read, then goes through
@@ -24,7 +31,7 @@ Fault injection (tests): `drop`, when set, is asked about every pulled frame bef
 is submitted; a frame it returns True for is discarded as if lost in transit.
 
 `start()` launches the pull loops, a 1 s tick (staleness, expiry) and the push listener
-when configured; `stop()` cancels them, closes the listener and the HTTP session.
+when configured; `stop()` cancels them, closes the listener and the pull targets' pools.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
+from urllib.parse import urlencode
 
-import aiohttp
+from multidict import CIMultiDictProxy
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from yarl import URL
 
 from ramjet.errors import ReportError
 from ramjet.metric_catalogue import counter, family
@@ -47,6 +56,8 @@ from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.push import PushListener
 from ramjet.reports.verify import Accepted, Reason, Rejected
 from ramjet.runtime.tasks import cancel_and_wait
+from ramjet.transport.base import read_body
+from ramjet.transport.http1 import EnginePool
 from ramjet.types import EngineId
 
 SubmitFn = Callable[[bytes, EngineId | None], Awaitable[Accepted | Rejected]]
@@ -59,13 +70,8 @@ class ResponseTooLarge(ReportError):
     """An engine's reports response exceeded the size cap; nothing of it was parsed."""
 
 
-async def _read_limited(stream: aiohttp.StreamReader, limit: int) -> bytes:
-    buf = bytearray()
-    async for chunk in stream.iter_chunked(1 << 16):
-        buf += chunk
-        if len(buf) > limit:
-            raise ResponseTooLarge(f"more than {limit} bytes")
-    return bytes(buf)
+PULL_CONNECTIONS = 4
+"""Connections kept open to one pull target at most (a pull loop uses one at a time)."""
 
 
 PULL_WARN_EVERY_S = 60.0
@@ -98,7 +104,9 @@ class ReportIngest:
     ) -> None:
         """`pull_token`: sent as `Authorization: Bearer` with every pull."""
         self.processor = processor
-        self._headers = {} if pull_token is None else {"Authorization": f"Bearer {pull_token}"}
+        self._headers: tuple[tuple[str, str], ...] = (
+            () if pull_token is None else (("Authorization", f"Bearer {pull_token}"),)
+        )
         self.submit: SubmitFn = submit if submit is not None else processor.submit_async
         cfg = processor.config
         self.engines: dict[EngineId, str] = (
@@ -110,7 +118,8 @@ class ReportIngest:
         self._batch_limit = (16 << 20) + cfg.max_report_bytes
         self._tick_interval = tick_interval_s
         self._rng = random.Random(seed)
-        self._session: aiohttp.ClientSession | None = None
+        self._pools: dict[str, tuple[EnginePool, str]] | None = None
+        """Pull target (base URL) -> its pool and base path; None until `start()`."""
         self._tasks: list[asyncio.Task[None]] = []
         self.polls: dict[EngineId, int] = {}
         self.drop: Callable[[EngineId, bytes], bool] | None = None
@@ -158,10 +167,8 @@ class ReportIngest:
             self._started = self.clock()
         if self.push is not None:
             await self.push.start()
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self._poll.timeout_s), headers=self._headers
-            )
+        if self._pools is None:
+            self._pools = {}
         for engine, url in self.engines.items():
             self._tasks.append(asyncio.create_task(self._pull_loop(engine, url.rstrip("/"))))
         self._tasks.append(asyncio.create_task(self._tick_loop()))
@@ -171,9 +178,10 @@ class ReportIngest:
         await cancel_and_wait(tasks)
         if self.push is not None:
             await self.push.stop()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pools is not None:
+            pools, self._pools = self._pools, None
+            for pool, _ in pools.values():
+                await pool.close()
 
     async def _tick_loop(self) -> None:
         while True:
@@ -226,15 +234,36 @@ class ReportIngest:
             engine, base, since, exc, engine,
         )  # fmt: skip
 
+    async def _get(
+        self, base: str, path_qs: str, limit: int, what: str
+    ) -> tuple[CIMultiDictProxy[str], bytes]:
+        """GET `path_qs` under the pull target `base`, within `poll.timeout_s` in all:
+        the answer's headers and body. RuntimeError for a status other than 200 (the body
+        unread), `ResponseTooLarge` for a body over `limit` bytes."""
+        assert self._pools is not None, "start() first"
+        target = self._pools.get(base)
+        if target is None:  # ValueError for a URL that is not http(s)://host[:port][/path]
+            pool = EnginePool(base, limit=PULL_CONNECTIONS, connect_s=self._poll.timeout_s)
+            target = self._pools[base] = (pool, URL(base).raw_path.rstrip("/"))
+        pool, prefix = target
+        async with asyncio.timeout(self._poll.timeout_s):
+            resp = await pool.request("GET", prefix + path_qs, self._headers, b"")
+            try:
+                if resp.status != 200:
+                    raise RuntimeError(f"{what}: HTTP {resp.status}")
+                data = await read_body(resp, limit)
+                if data is None:
+                    raise ResponseTooLarge(f"more than {limit} bytes")
+                return resp.headers, data
+            finally:
+                resp.close()
+
     async def fetch_snapshot(self, engine: EngineId, base: str) -> bool:
         """Fetch and submit one snapshot; True when it was accepted, False when it was
         refused as replayed but none is needed any more."""
-        assert self._session is not None, "start() first"
+        assert self._pools is not None, "start() first"
         cap = self.processor.config.max_report_bytes
-        async with self._session.get(base + tp.SNAPSHOT_PATH) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"snapshot: HTTP {resp.status}")
-            frame = await _read_limited(resp.content, cap + 1)
+        _, frame = await self._get(base, tp.SNAPSHOT_PATH, cap + 1, "snapshot")
         self.processor.metrics.snapshots_fetched.labels(engine).inc()
         outcome = await self.submit(frame, engine)
         if isinstance(outcome, Rejected):
@@ -246,7 +275,7 @@ class ReportIngest:
     async def poll_once(self, engine: EngineId, base: str, wait_s: float | None = None) -> int:
         """One long-poll (after a snapshot when one is needed); returns the number of
         frames accepted."""
-        assert self._session is not None, "start() first"
+        assert self._pools is not None, "start() first"
         if self.processor.snapshot_needed(engine):
             await self.fetch_snapshot(engine, base)
         cursor = self.processor.cursor(engine)
@@ -257,11 +286,9 @@ class ReportIngest:
         }
         if cursor is not None:
             params["epoch"] = str(cursor.epoch)
-        async with self._session.get(base + tp.REPORTS_PATH, params=params) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"reports: HTTP {resp.status}")
-            snapshot_needed = resp.headers.get(tp.H_SNAPSHOT) == "1"
-            data = await _read_limited(resp.content, self._batch_limit)
+        path_qs = f"{tp.REPORTS_PATH}?{urlencode(params)}"
+        headers, data = await self._get(base, path_qs, self._batch_limit, "reports")
+        snapshot_needed = headers.get(tp.H_SNAPSHOT) == "1"
         self.polls[engine] = self.polls.get(engine, 0) + 1
         if snapshot_needed:
             await self.fetch_snapshot(engine, base)

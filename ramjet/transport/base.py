@@ -237,13 +237,23 @@ async def fetch(
     async with asyncio.timeout(timeout_s):
         resp = await transport.request(method, path_qs, headers, body)
         try:
-            parts: list[bytes] = []
-            size = 0
-            while piece := resp.read_nowait() or await resp.readany():
-                size += len(piece)
-                if size > max_bytes:
-                    raise UpstreamClosed(f"{path_qs}: answer over {max_bytes} bytes")
-                parts.append(piece)
-            return resp.status, b"".join(parts)
+            data = await read_body(resp, max_bytes)
+            if data is None:
+                raise UpstreamClosed(f"{path_qs}: answer over {max_bytes} bytes")
+            return resp.status, data
         finally:
             resp.close()
+
+
+async def read_body(resp: EngineResponse, max_bytes: int) -> bytes | None:
+    """The rest of `resp`'s body, or None as soon as it passes `max_bytes` (the rest is
+    left unread; closing the response then aborts it). No timeout of its own: the
+    caller's `asyncio.timeout` bounds it (`fetch`)."""
+    parts: list[bytes] = []
+    size = 0
+    while piece := resp.read_nowait() or await resp.readany():
+        size += len(piece)
+        if size > max_bytes:
+            return None
+        parts.append(piece)
+    return b"".join(parts)
