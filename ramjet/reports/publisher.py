@@ -38,16 +38,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import io
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import aiohttp
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from yarl import URL
 
 from ramjet.policy.profile import EngineProfile
 from ramjet.reports import transport as tp
@@ -63,6 +62,8 @@ from ramjet.reports.bodies import (
 )
 from ramjet.reports.envelope import Envelope, ReportKind, sign
 from ramjet.runtime.tasks import cancel_and_wait
+from ramjet.transport.base import fetch
+from ramjet.transport.http1 import EnginePool
 from ramjet.types import EngineId
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,21 @@ SNAPSHOT_PART_KEYS = 1 << 18
 """Keys per snapshot part by default: the router's default `reports.max_keys` (a part of
 262,144 keys is a 2.8 MB frame, under the default `reports.max_report_bytes`)."""
 LoadSource = Callable[[], LoadBody]
+PUSH_TIMEOUT_S = 10.0
+"""One push (connect, the POST and its whole answer) within this long, else it failed."""
+_PUSH_HEADERS = (("Content-Type", tp.FRAME_TYPE),)
+
+
+def push_path(url: str) -> str:
+    """The path and query a push to `url` is POSTed to; ValueError when `url` is not
+    http(s)://host[:port]/path."""
+    try:
+        u = URL(url)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"push_url: not an http(s) URL: {url!r} ({exc})") from None
+    if u.scheme not in ("http", "https") or not u.host or u.fragment:
+        raise ValueError(f"push_url: not http(s)://host[:port]/path: {url!r}")
+    return u.raw_path_qs
 
 
 class ReportPublisher:
@@ -104,6 +120,8 @@ class ReportPublisher:
         many (set it to the routers' `reports.max_keys` or less)."""
         if snapshot_part_keys < 1:
             raise ValueError("snapshot_part_keys must be at least 1")
+        if push_url is not None:
+            push_path(push_url)
         self.snapshot_part_keys = snapshot_part_keys
         self.engine_id = engine_id
         self.key_id = key_id
@@ -400,11 +418,14 @@ class ReportPublisher:
 
     async def _push_loop(self, url: str) -> None:
         """POST every new report, in order; a periodic snapshot heals what a router
-        missed (pushes lost while it was down, a full push queue)."""
+        missed (pushes lost while it was down, a full push queue). The POSTs go through
+        the router's engine-facing client (`ramjet.transport`), one connection kept to
+        `url` while the loop runs, each within `PUSH_TIMEOUT_S`."""
         backoff = 0.2
         next_snapshot = time.monotonic()
-        timeout = aiohttp.ClientTimeout(total=10)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        path_qs = push_path(url)
+        pool = EnginePool(url, limit=1, connect_s=PUSH_TIMEOUT_S)
+        try:
             while True:
                 if self._snapshot is not None and time.monotonic() >= next_snapshot:
                     self._push_q.extend(self.snapshot_frames())
@@ -417,16 +438,19 @@ class ReportPublisher:
                     continue
                 frame = self._push_q[0]
                 try:
-                    async with session.post(
-                        url, data=io.BytesIO(frame), headers={"Content-Type": tp.FRAME_TYPE}
-                    ) as resp:
-                        await resp.read()
-                        # 429: over the router's per-source push limit; keep the frame
-                        if resp.status >= 500 or resp.status == 429:
-                            raise aiohttp.ClientResponseError(
-                                resp.request_info, (), status=resp.status
-                            )
-                except (aiohttp.ClientError, OSError, TimeoutError):
+                    status, _ = await fetch(
+                        pool,
+                        "POST",
+                        path_qs,
+                        timeout_s=PUSH_TIMEOUT_S,
+                        headers=_PUSH_HEADERS,
+                        body=frame,
+                    )
+                    # 429: over the router's per-source push limit; keep the frame
+                    failed = status >= 500 or status == 429
+                except (OSError, TimeoutError):  # the transport's errors are OSErrors
+                    failed = True
+                if failed:
                     self.push_failures += 1
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
@@ -435,3 +459,5 @@ class ReportPublisher:
                 if self._push_q and self._push_q[0] is frame:
                     self._push_q.popleft()
                 self.pushed += 1
+        finally:
+            await pool.close()
