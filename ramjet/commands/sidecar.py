@@ -90,6 +90,7 @@ def _fail(msg: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from ramjet.reports.publisher import push_path
     from ramjet.sidecar.engine_client import engine_base
     from ramjet.sidecar.runner import Sidecar, SidecarSettings
 
@@ -97,6 +98,11 @@ def _run(args: argparse.Namespace) -> int:
         engine_base(args.engine_url)
     except ValueError as exc:
         return _fail(f"--engine-url: {exc}")
+    if args.push_url is not None:
+        try:
+            push_path(args.push_url)
+        except ValueError as exc:
+            return _fail(f"--push-url: {exc}")
     for name, value in (("--engine-id", args.engine_id), ("--key-id", args.key_id)):
         if not ID_PATTERN.fullmatch(value):
             return _fail(f"{name} {value!r}: must match {ID_PATTERN.pattern}")

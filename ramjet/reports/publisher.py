@@ -84,9 +84,9 @@ def push_path(url: str) -> str:
     try:
         u = URL(url)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"push_url: not an http(s) URL: {url!r} ({exc})") from None
+        raise ValueError(f"not an http(s) URL: {url!r} ({exc})") from None
     if u.scheme not in ("http", "https") or not u.host or u.fragment:
-        raise ValueError(f"push_url: not http(s)://host[:port]/path: {url!r}")
+        raise ValueError(f"not http(s)://host[:port]/path: {url!r}")
     return u.raw_path_qs
 
 
@@ -121,7 +121,10 @@ class ReportPublisher:
         if snapshot_part_keys < 1:
             raise ValueError("snapshot_part_keys must be at least 1")
         if push_url is not None:
-            push_path(push_url)
+            try:
+                push_path(push_url)
+            except ValueError as exc:
+                raise ValueError(f"push_url: {exc}") from None
         self.snapshot_part_keys = snapshot_part_keys
         self.engine_id = engine_id
         self.key_id = key_id

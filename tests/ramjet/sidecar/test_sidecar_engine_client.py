@@ -271,3 +271,14 @@ def test_the_command_refuses_a_bad_engine_url(tmp_path: Path) -> None:
     bad = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
     assert bad.returncode == 2, bad.stderr
     assert "--engine-url" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_the_command_refuses_a_bad_push_url(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "ramjet", "sidecar", "--engine-kind", "vllm",
+            "--engine-id", "v0", "--engine-url", "http://127.0.0.1:9", "--events", "ipc:///x",
+            "--key", str(tmp_path / "none.key"), "--key-id", "v0-sc", "--model", "m",
+            "--port", "0", "--push-url", "127.0.0.1:8080/ramjet/reports"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    bad = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert bad.returncode == 2, bad.stderr
+    assert "--push-url" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
