@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 SHARD_BITS: Final = 12
 SHARDS: Final = 1 << SHARD_BITS
@@ -40,9 +40,20 @@ _TOMB: Final = 1
 _MIN_SLOTS: Final = 8
 _DUE_POPS: Final = 256
 _GARBAGE_KEYS: Final = 8192
+OBJECT_BYTES: Final = 128
+"""What `release` counts for an entry of a run heap (a tuple and its float and ints)."""
 RELEASE_BYTES: Final = 8 << 20
 """Bytes of a dropped index's arrays freed in one step (`BlockIndex.release`): about a
 millisecond; 150 MB at once (38 run arrays of a 20M-block snapshot) was a 25 ms turn."""
+
+
+def _cut_objects(items: list[Any], budget: int) -> int:
+    """Drop about `budget` bytes of `items` (`OBJECT_BYTES` each) from its end; returns
+    what is left of `budget`: above 0 once `items` is empty."""
+    n = len(items)
+    cut = min(n, max(1, budget // OBJECT_BYTES))
+    del items[n - cut :]
+    return budget - cut * OBJECT_BYTES if cut == n else 0
 
 
 def _free_tail(arrays: list[array[int] | None], budget: int) -> int:
@@ -561,11 +572,12 @@ class BlockIndex:
         return dropped, looked, end
 
     def nbytes(self) -> int:
-        """Bytes of the index's large arrays (shards, runs' key lists, `garbage`): what
-        `release` frees."""
+        """Bytes of the index's large arrays (shards, runs' key lists, `garbage`) and of
+        its runs' heaps and free list (`OBJECT_BYTES` an entry): what `release` frees."""
         held = sum(8 * len(sh.keys) + 4 * len(sh.words) for sh in self.shards if sh is not None)
         lists = (self.garbage, self.run_keys)
-        return held + sum(8 * len(keys) for ks in lists for keys in ks if keys is not None)
+        held += sum(8 * len(keys) for ks in lists for keys in ks if keys is not None)
+        return held + OBJECT_BYTES * (len(self._order) + len(self._expiry) + len(self._free))
 
     def release_garbage(self, budget: int) -> int:
         """Free about `budget` bytes of `garbage`, a long list cut from its end; returns
@@ -585,7 +597,17 @@ class BlockIndex:
             sh = shards.pop()
             if sh is not None:
                 budget -= 8 * len(sh.keys) + 4 * len(sh.words)
-        return _free_tail(self.run_keys, budget) if budget > 0 else budget
+        if budget > 0:
+            budget = _free_tail(self.run_keys, budget)
+        # the runs' heaps and free list: a Python tuple or int per run, ~100k runs at 20M
+        # blocks (a run per report piece), 35 ms to free at once (a tuple's dealloc each)
+        if budget > 0:
+            budget = _cut_objects(self._order, budget)
+        if budget > 0:
+            budget = _cut_objects(self._expiry, budget)
+        if budget > 0:
+            budget = _cut_objects(self._free, budget)
+        return budget
 
     def sweep(self, now: float, start: int, shards: int) -> tuple[int, int]:
         """Tombstone the expired blocks of shards `start` .. `start + shards - 1`;
