@@ -56,7 +56,7 @@ from ramjet.reports.processor import ReportProcessor
 from ramjet.reports.push import PushListener
 from ramjet.reports.verify import Accepted, Reason, Rejected
 from ramjet.runtime.tasks import cancel_and_wait
-from ramjet.transport.base import read_body
+from ramjet.transport.base import exchange
 from ramjet.transport.http1 import EnginePool
 from ramjet.types import EngineId
 
@@ -246,17 +246,15 @@ class ReportIngest:
             pool = EnginePool(base, limit=PULL_CONNECTIONS, connect_s=self._poll.timeout_s)
             target = self._pools[base] = (pool, URL(base).raw_path.rstrip("/"))
         pool, prefix = target
-        async with asyncio.timeout(self._poll.timeout_s):
-            resp = await pool.request("GET", prefix + path_qs, self._headers, b"")
-            try:
-                if resp.status != 200:
-                    raise RuntimeError(f"{what}: HTTP {resp.status}")
-                data = await read_body(resp, limit)
-                if data is None:
-                    raise ResponseTooLarge(f"more than {limit} bytes")
-                return resp.headers, data
-            finally:
-                resp.close()
+        status, headers, data = await exchange(
+            pool, "GET", prefix + path_qs, timeout_s=self._poll.timeout_s,
+            headers=self._headers, max_bytes=limit, read_status=200,
+        )  # fmt: skip
+        if status != 200:
+            raise RuntimeError(f"{what}: HTTP {status}")
+        if data is None:
+            raise ResponseTooLarge(f"more than {limit} bytes")
+        return headers, data
 
     async def fetch_snapshot(self, engine: EngineId, base: str) -> bool:
         """Fetch and submit one snapshot; True when it was accepted, False when it was

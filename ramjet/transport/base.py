@@ -234,13 +234,35 @@ async def fetch(
     POST): sends `headers` and `body`, returns the status and the whole answer body,
     within `timeout_s` in all (else `TimeoutError`); a body over `max_bytes` is
     `UpstreamClosed`. The response is always closed (aborted if unfinished)."""
+    status, _, data = await exchange(
+        transport, method, path_qs, timeout_s=timeout_s, headers=headers, body=body,
+        max_bytes=max_bytes,
+    )  # fmt: skip
+    if data is None:
+        raise UpstreamClosed(f"{path_qs}: answer over {max_bytes} bytes")
+    return status, data
+
+
+async def exchange(
+    transport: EngineTransport,
+    method: str,
+    path_qs: str,
+    *,
+    timeout_s: float,
+    headers: Iterable[tuple[str, str]] = (),
+    body: bytes = b"",
+    max_bytes: int,
+    read_status: int | None = None,
+) -> tuple[int, CIMultiDictProxy[str], bytes | None]:
+    """`fetch` with the answer's headers: (status, headers, body), the body None when it
+    passed `max_bytes`, or when `read_status` is given and the status is another (the
+    body left unread). Within `timeout_s` in all; the response always closed."""
     async with asyncio.timeout(timeout_s):
         resp = await transport.request(method, path_qs, headers, body)
         try:
-            data = await read_body(resp, max_bytes)
-            if data is None:
-                raise UpstreamClosed(f"{path_qs}: answer over {max_bytes} bytes")
-            return resp.status, data
+            if read_status is not None and resp.status != read_status:
+                return resp.status, resp.headers, None
+            return resp.status, resp.headers, await read_body(resp, max_bytes)
         finally:
             resp.close()
 

@@ -104,6 +104,16 @@ def _settings(ev: str, rp: str, url: str, **kw: Any) -> SidecarSettings:
     )  # fmt: skip
 
 
+async def _scraping(events: tuple[str, str, ZmqEventPublisher]) -> tuple[MetricsEngine, Sidecar]:
+    """A started `MetricsEngine` and a started sidecar scraping it every 50 ms."""
+    ev, rp, _ = events
+    engine = MetricsEngine()
+    await engine.start()
+    sc = Sidecar(_settings(ev, rp, engine.url, load_interval_s=0.05), Ed25519PrivateKey.generate())
+    await sc.start()
+    return engine, sc
+
+
 async def _hold_a_block(sc: Sidecar, pub: ZmqEventPublisher) -> None:
     await asyncio.sleep(0.3)  # slow joiner
     pub.publish([BlockStored((1,), None, (1, 2, 3, 4), 4, medium="GPU")])
@@ -113,11 +123,8 @@ async def _hold_a_block(sc: Sidecar, pub: ZmqEventPublisher) -> None:
 async def test_the_scrape_tells_a_refusing_engine_from_a_failing_one(
     events: tuple[str, str, ZmqEventPublisher],
 ) -> None:
-    ev, rp, pub = events
-    engine = MetricsEngine()
-    await engine.start()
-    sc = Sidecar(_settings(ev, rp, engine.url, load_interval_s=0.05), Ed25519PrivateKey.generate())
-    await sc.start()
+    pub = events[2]
+    engine, sc = await _scraping(events)
     try:
         await _until(lambda: sc._load.running_requests == 3, "the engine's load")
         assert sc._load.waiting_requests == 2
@@ -142,11 +149,7 @@ async def test_the_scrape_tells_a_refusing_engine_from_a_failing_one(
 async def test_the_scrape_connection_closes_with_the_sidecar(
     events: tuple[str, str, ZmqEventPublisher],
 ) -> None:
-    ev, rp, _ = events
-    engine = MetricsEngine()
-    await engine.start()
-    sc = Sidecar(_settings(ev, rp, engine.url, load_interval_s=0.05), Ed25519PrivateKey.generate())
-    await sc.start()
+    engine, sc = await _scraping(events)
     try:
         await _until(lambda: engine.requests >= 3, "three scrapes")
         assert len(engine.conns) == 1  # kept alive between scrapes
