@@ -46,7 +46,6 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from yarl import URL
 
 from ramjet.policy.profile import EngineProfile
 from ramjet.reports import transport as tp
@@ -62,7 +61,7 @@ from ramjet.reports.bodies import (
 )
 from ramjet.reports.envelope import Envelope, ReportKind, sign
 from ramjet.runtime.tasks import cancel_and_wait
-from ramjet.transport.base import fetch
+from ramjet.transport.base import fetch, http_url
 from ramjet.transport.http1 import EnginePool
 from ramjet.types import EngineId
 
@@ -80,14 +79,8 @@ _PUSH_HEADERS = (("Content-Type", tp.FRAME_TYPE),)
 
 def push_path(url: str) -> str:
     """The path and query a push to `url` is POSTed to; ValueError when `url` is not
-    http(s)://host[:port]/path."""
-    try:
-        u = URL(url)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"not an http(s) URL: {url!r} ({exc})") from None
-    if u.scheme not in ("http", "https") or not u.host or u.fragment:
-        raise ValueError(f"not http(s)://host[:port]/path: {url!r}")
-    return u.raw_path_qs
+    http(s)://host[:port]/path (`ramjet.transport.base.http_url`)."""
+    return http_url(url).raw_path_qs
 
 
 class ReportPublisher:

@@ -20,9 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from yarl import URL
-
-from ramjet.transport.base import EngineTransport, fetch
+from ramjet.transport.base import EngineTransport, fetch, http_url
 from ramjet.transport.http1 import EnginePool
 
 MAX_BODY = 16 << 20
@@ -35,12 +33,9 @@ _JSON = (("Content-Type", "application/json"),)
 
 def engine_base(url: str) -> str:
     """The base path of the engine at `url` ("" for none); ValueError when `url` is not
-    http(s)://host[:port][/path] with no query or fragment."""
-    try:
-        u = URL(url)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"not an http(s) URL: {url!r} ({exc})") from None
-    if u.scheme not in ("http", "https") or not u.host or u.query_string or u.fragment:
+    http(s)://host[:port][/path] with no query or fragment (`transport.base.http_url`)."""
+    u = http_url(url)
+    if u.query_string:
         raise ValueError(f"not http(s)://host[:port][/path]: {url!r}")
     return u.path.rstrip("/")
 

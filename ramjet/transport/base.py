@@ -48,8 +48,21 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from ramjet.errors import ProxyError
+
+
+def http_url(url: str) -> URL:
+    """`url` parsed: ValueError unless it is http(s)://host[:port][/path][?query] with no
+    fragment (an engine's, a pull target's or a push URL)."""
+    try:
+        u = URL(url)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not an http(s) URL: {url!r} ({exc})") from None
+    if u.scheme not in ("http", "https") or not u.host or u.fragment:
+        raise ValueError(f"not http(s)://host[:port][/path]: {url!r}")
+    return u
 
 
 class UpstreamConnectError(ProxyError, OSError):

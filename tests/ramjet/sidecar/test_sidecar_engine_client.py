@@ -74,7 +74,7 @@ class MetricsEngine:
                 w.write(b"Content-Length: %d\r\n\r\n%s" % (len(METRICS), METRICS))
                 await w.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+            return  # the sidecar closed the connection
         finally:
             self.conns.discard(w)
             w.close()
