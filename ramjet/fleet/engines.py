@@ -78,7 +78,13 @@ class EngineState:
     inflight_jobs: dict[int, tuple[int, int]] = field(default_factory=dict)
     """(new tokens, context tokens) of each request counted in `inflight_prompt_tokens`,
     in send order, by ticket: the wait prices each at its own context
-    (`EngineLoad.inflight_jobs`)."""
+    (`EngineLoad.inflight_jobs`). Changed only by `Ticket`, which drops `jobs_view`."""
+    jobs_view: tuple[tuple[int, int], ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """`inflight_jobs`' values as a tuple (`jobs`), made once per change of the jobs: the
+    same tuple in every view until then, so the cost model keeps its sum over them by
+    the tuple (`PrefillCurve.jobs_seconds`). None: to be made."""
     started_at: float = float("-inf")
     """When (the fleet's clock) a request here last got its first byte: a load report
     received before then may still count work that has since started
@@ -93,6 +99,14 @@ class EngineState:
 
     def __post_init__(self) -> None:
         self.id = EngineId(self.config.id)
+
+    def jobs(self) -> tuple[tuple[int, int], ...]:
+        """`inflight_jobs`' values, oldest first, as one tuple kept until they change."""
+        view = self.jobs_view
+        if view is None:
+            view = tuple(self.inflight_jobs.values())
+            self.jobs_view = view
+        return view
 
     @property
     def url(self) -> str:
@@ -153,6 +167,7 @@ class Ticket:
         self._job = next(_JOBS)
         if prompt_tokens > 0:
             engine.inflight_jobs[self._job] = (prompt_tokens, max(context_tokens, 0))
+            engine.jobs_view = None
 
     def first_byte(self, now: float | None = None) -> None:
         """The engine has started answering (at `now`, the fleet's clock; None: the
@@ -163,6 +178,7 @@ class Ticket:
         if self._tokens:
             self._engine.inflight_prompt_tokens -= self._tokens
             self._engine.inflight_jobs.pop(self._job, None)
+            self._engine.jobs_view = None
             self._tokens = 0
 
     def close(self) -> None:

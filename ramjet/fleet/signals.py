@@ -94,7 +94,7 @@ class NoSignals:
             inflight_requests=engine.inflight_requests,
             inflight_prompt_tokens=engine.inflight_prompt_tokens,
             busy_s=busy_seconds(engine, now),
-            inflight_jobs=tuple(engine.inflight_jobs.values()),
+            inflight_jobs=engine.jobs(),
         )
 
 
@@ -120,7 +120,7 @@ class ReportSignals:
                 inflight_requests=engine.inflight_requests,
                 inflight_prompt_tokens=engine.inflight_prompt_tokens,
                 busy_s=busy_seconds(engine, now),
-                inflight_jobs=tuple(engine.inflight_jobs.values()),
+                inflight_jobs=engine.jobs(),
             )
         received = self.processor.load_received_at(engine.id)
         if received is not None and received < engine.started_at:
@@ -131,7 +131,7 @@ class ReportSignals:
                 running_requests=reported.running_requests,
                 kv_utilization=reported.kv_utilization,
                 busy_s=busy_seconds(engine, now),
-                inflight_jobs=tuple(engine.inflight_jobs.values()),
+                inflight_jobs=engine.jobs(),
             )
         queued = reported.queued_prompt_tokens
         # the reported queue is what was left when the report came: progress since then
@@ -144,7 +144,7 @@ class ReportSignals:
             kv_utilization=reported.kv_utilization,
             waiting_requests=reported.waiting_requests,
             busy_s=busy_seconds(engine, now, since),
-            inflight_jobs=tuple(engine.inflight_jobs.values()),
+            inflight_jobs=engine.jobs(),
         )
 
 

@@ -115,6 +115,7 @@ from ramjet.policy.base import (
 )
 from ramjet.policy.calibration import CONTEXT_SCALE, PROFILE, TtftWeights
 from ramjet.policy.candidates import outstanding_prompt_tokens
+from ramjet.policy.curve import PrefillCurve
 from ramjet.policy.priority_key import hint_key_s
 from ramjet.policy.profile import CurvePoint, EngineProfile, TierCost
 from ramjet.types import EngineId, TrustGrade
@@ -178,6 +179,29 @@ class Work:
         return self.restore_s + self.replay_s + self.prefill_s
 
 
+_CURVES: dict[int, tuple[EngineProfile, PrefillCurve]] = {}
+"""`EngineProfile.curve()` by the profile's identity (the entry holds the profile, so its
+id is not reused while kept): the cost model asks for a profile's curve several times
+per engine per request, and `curve()` is a method of an interpreted pydantic model
+(~0.3 us a call), this a dict look-up. A profile is frozen (a `model_copy` is another
+object), so its curve is the one `curve()` made first. Forgotten at once at
+`_CURVES_SIZE`."""
+_CURVES_SIZE = 256
+
+
+def _curve(profile: EngineProfile) -> PrefillCurve:
+    """`profile.curve()`, kept by the profile's identity (`_CURVES`)."""
+    key = id(profile)
+    kept = _CURVES.get(key)
+    if kept is not None and kept[0] is profile:
+        return kept[1]
+    curve = profile.curve()
+    if len(_CURVES) >= _CURVES_SIZE:
+        _CURVES.clear()
+    _CURVES[key] = (profile, curve)
+    return curve
+
+
 def _restore(profile: EngineProfile, host: float, ssd: float) -> float:
     total = 0.0
     bpt = profile.global_kv_bytes_per_token
@@ -234,7 +258,7 @@ def prompt_work(
     # Only the winner becomes a `Work` (this runs per engine per decision); each point is
     # compared by its sum restore + replay + prefill, as `Work.work_s` adds it.
     resume, tokens, restore, replay = "cold", 0, 0.0, 0.0
-    curve = profile.curve()  # the compiled curve, asked up to three times here
+    curve = _curve(profile)  # the compiled curve, asked up to three times here
     prefill = curve.seconds(n, 0)
     best = restore + replay + prefill
     if g > 0:
@@ -337,17 +361,13 @@ def queued_seconds(
     """The prefill time of `queued` outstanding prompt tokens: each of the router's `jobs`
     (new tokens, context tokens) at its own context, and the tokens beyond theirs (another
     router's, a reported queue's) as one prompt from context 0; one prefill overhead."""
-    curve = profile.curve()  # the compiled curve: asked once per job in flight
+    curve = _curve(profile)
     if not jobs:
         return curve.seconds(queued, 0)
-    over = curve.overhead_s
-    total, counted = over, 0
-    for n, context in jobs:
-        if n > 0:
-            total += curve.seconds(n, context) - over
-            counted += n
+    # the jobs' sum, job by job in order, kept while the engine's jobs are unchanged
+    total, counted = curve.jobs_seconds(jobs)
     if queued > counted:
-        total += curve.seconds(queued - counted, 0) - over
+        total += curve.seconds(queued - counted, 0) - curve.overhead_s
     return total
 
 
@@ -362,7 +382,7 @@ def packing_room(
         return 0.0
     used = (outstanding_prompt_tokens(load) + max(new_tokens, 0)) % chunk_tokens
     room = chunk_tokens - used if used else 0
-    return profile.prefill_seconds(room, 0) - profile.prefill_overhead_s if room else 0.0
+    return _curve(profile).seconds(room, 0) - profile.prefill_overhead_s if room else 0.0
 
 
 def _decoding(load: EngineLoad) -> int:
@@ -582,7 +602,7 @@ class EngineEstimate:
         work = w.restore_s + w.replay_s + w.prefill_s  # the properties' sums, in their order
         ttft = self.wait_s + work + self.packing_s + self.fixed_s
         x_prefill, x_context, x_resume, x_wait, x_packing = self.raw
-        return {
+        out: dict[str, float] = {
             "hbm_tokens": float(m.hbm),
             "host_tokens": float(m.host),
             "ssd_tokens": float(m.ssd),
@@ -616,7 +636,10 @@ class EngineEstimate:
             "w_wait": self.weights.wait,
             "w_packing": self.weights.packing,
             "calibration_samples": float(self.weights.samples),
-        } | ({} if self.jump_s is None else {"jump_s": self.jump_s})
+        }
+        if self.jump_s is not None:  # last, as a merge put it (a merge copied the dict)
+            out["jump_s"] = self.jump_s
+        return out
 
 
 def externality_rate(fleet: FleetStats, scale: float = 1.0) -> float:
@@ -631,11 +654,11 @@ def _stand_in(
     request's cold prefill, of the default and every profile measured in the fleet, so
     an engine is never cheaper for lack of a measurement; and whose it is (None: the
     default's)."""
-    best, cost, owner = default, default.prefill_seconds(n, 0), None
+    best, cost, owner = default, _curve(default).seconds(n, 0), None
     for e in engines:
         p = e.profile
         if p is not None and e.trust != TrustGrade.DEGRADED:
-            c = p.prefill_seconds(n, 0)
+            c = _curve(p).seconds(n, 0)
             if c > cost:
                 best, cost, owner = p, c, e.id
     return best, owner
@@ -711,7 +734,7 @@ def estimate(
             )
         w = fleet.calibration.get(e.id, PROFILE) if fleet.calibration else PROFILE
         # the context feature: prefill at context 0 scaled by the context it runs on
-        context = profile.prefill_seconds(new_tokens, 0) * raw_work.resume_tokens / CONTEXT_SCALE
+        context = _curve(profile).seconds(new_tokens, 0) * raw_work.resume_tokens / CONTEXT_SCALE
         work, wait, packing, fixed = _calibrated(raw_work, context, w), 0.0, 0.0, w.fixed_s
         wait, packing = w.wait * raw_wait, w.packing * raw_packing
         predicted: float | None = None

@@ -15,13 +15,16 @@ from typing import Final
 
 MEMO_SIZE: Final = 4096
 """Answers kept per curve before they are forgotten at once."""
+JOBS_MEMO_SIZE: Final = 256
+"""Sums over jobs in flight (`PrefillCurve.jobs_seconds`) kept per curve before they are
+forgotten at once."""
 
 
 class PrefillCurve:
     """Piecewise-linear seconds per token through (`xs`, `ys`), `xs` strictly increasing
     (the profile validates it), plus a fixed `overhead_s` per prefill."""
 
-    __slots__ = ("_answers", "overhead_s", "xs", "ys")
+    __slots__ = ("_answers", "_jobs", "overhead_s", "xs", "ys")
 
     def __init__(self, xs: tuple[float, ...], ys: tuple[float, ...], overhead_s: float) -> None:
         if not xs or len(xs) != len(ys):
@@ -30,6 +33,7 @@ class PrefillCurve:
         self.ys = ys
         self.overhead_s = overhead_s
         self._answers: dict[tuple[int, int], float] = {}
+        self._jobs: dict[int, tuple[tuple[tuple[int, int], ...], float, int]] = {}
 
     def __reduce__(
         self,
@@ -73,6 +77,38 @@ class PrefillCurve:
             got = self.integral(new_tokens, context_tokens)
             answers[key] = got
         return got
+
+    def jobs_seconds(self, jobs: tuple[tuple[int, int], ...]) -> tuple[float, int]:
+        """(the overhead plus, job by job in order, each job's `seconds` less the overhead;
+        the new tokens of the jobs counted) over `jobs`, (new tokens, context tokens) each
+        (a job of no new tokens adds nothing): `cost.queued_seconds`' sum over the
+        router's requests in flight on an engine, added in that order, so the figure is
+        the same float. Kept by the tuple's identity (up to `JOBS_MEMO_SIZE`, then
+        forgotten at once; the entry holds the tuple, so its id is not reused while kept):
+        an engine's jobs tuple is made once per change (`EngineState.jobs`), so each
+        request's pick pays for the engines whose jobs changed since the last, not for
+        every job of every engine. A new tuple of the same jobs is summed again."""
+        memo = self._jobs
+        key = id(jobs)
+        kept = memo.get(key)
+        if kept is not None and kept[0] is jobs:
+            return kept[1], kept[2]
+        answers = self._answers
+        over = self.overhead_s
+        total = over
+        counted = 0
+        for job in jobs:
+            n = job[0]
+            if n > 0:
+                got = answers.get(job)  # the job is the memo's key: (new, context)
+                if got is None:
+                    got = self.seconds(n, job[1])
+                total += got - over
+                counted += n
+        if len(memo) >= JOBS_MEMO_SIZE:
+            memo.clear()
+        memo[key] = (jobs, total, counted)
+        return total, counted
 
     def integral(self, new_tokens: int, context_tokens: int) -> float:
         """`seconds` without the memo: the overhead plus the exact integral of the rate

@@ -187,6 +187,8 @@ def test_the_jump_charge_sends_a_turn_where_the_fleet_waits_less() -> None:
     assert ca["externality_s"] == pytest.approx(3 * work_a)  # part of the externality
     assert ca["cost_s"] == pytest.approx(ca["ttft_s"] + 3 * work_a)
     assert "jump_s" not in charged.components["b"]  # b serves by no key: priced as before
+    # the decision line writes the components in their order: the jump term comes last
+    assert list(ca)[-1] == "jump_s" and list(charged.components["b"])[-1] == "calibration_samples"
 
 
 def test_the_jump_charge_scales_with_the_externality_and_is_zero_with_nothing_to_jump() -> None:
