@@ -51,7 +51,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -174,14 +174,21 @@ def _rounded(c: Mapping[str, float], memo: dict[float, float]) -> dict[str, floa
     """`{k: _round(v)}` over `c`, `_round` inline. `memo` holds formatted figures (the
     line's, or `_FIGURES`): a prediction repeats its figures (`prefill_s` = `work_s`
     without a restore, `ttft_s` = `cost_s` without an externality), and equal numbers
-    format alike. Zeros never reach it (-0.0 == 0.0). A plain dict (every policy's
-    components are) is walked as one, which compiles to a direct walk."""
-    out: dict[str, float] = {}
+    format alike. Zeros never reach it (-0.0 == 0.0). The out dict is a copy of `c`
+    (same keys in the same order, made at its size, no growing) whose values are
+    replaced where the figure differs: a float that is already its figure (a zero, a
+    whole number: most of a line's) stays the same object; an int or bool becomes a
+    float as `_round` makes it. A plain dict (every policy's components are) is walked
+    as one, which compiles to a direct walk."""
     items: dict[str, float] = c if isinstance(c, dict) else dict(c)
-    for k, v in items.items():
-        f = float(v)
+    out: dict[str, float] = items.copy()
+    raw = cast(dict[str, object], items)  # the values as they are: no float made per figure
+    for k, v in raw.items():
+        exact = type(v) is float
+        f = cast(float, v) if exact else float(cast(Any, v))
         if f == 0.0 or (-1e6 < f < 1e6 and f == int(f)):
-            out[k] = f
+            if not exact:
+                out[k] = f
         else:
             r = memo.get(f)
             if r is None:
