@@ -2,8 +2,9 @@
 as a plain class the build compiles (`ramjet.native`).
 
 `EngineProfile` is a pydantic model, so its module stays interpreted; the cost model
-asks its curve for a prefill time several times per engine per request, once more for
-each of the router's requests in flight there (`cost.queued_seconds`). The profile
+asks its curve for a prefill time several times per engine per request, and sums one
+for each of the router's requests in flight there (`cost.queued_seconds`: the sum is
+kept by the engine's jobs tuple, `PrefillCurve.jobs_seconds`). The profile
 builds one `PrefillCurve` from its points and overhead (`EngineProfile.curve`) and its
 `prefill_seconds` and `_rate` answer through it, so both ways of asking give the same
 figures from one implementation.
