@@ -807,8 +807,9 @@ async def measure_round(
             cells[t.name].add("cpu_open_us", used / (len(lat) + OPEN_WARM) * 1e6)
         cells[t.name].add("p50_us", (pct(lat, 0.5) - pct(base, 0.5)) * 1e6)
         cells[t.name].add("p99_us", (pct(lat, 0.99) - pct(base, 0.99)) * 1e6)
-    # large prompts
-    for mb, count in ((1, args.large), (4, max(1, args.large // 2))):
+    # large prompts (none with --large 0)
+    sizes = ((1, args.large), (4, max(1, args.large // 2))) if args.large > 0 else ()
+    for mb, count in sizes:
         content = "p" * (mb << 20)
         raw = raw_post(chat_body(content, False))
         for t in targets:
@@ -894,7 +895,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=3.0, help="per timed cell")
     ap.add_argument("--rate", type=float, default=500.0, help="open-loop req/s for latency")
-    ap.add_argument("--large", type=int, default=10, help="1 MB prompts per round (4 MB: half)")
+    ap.add_argument(
+        "--large",
+        type=int,
+        default=10,
+        help="1 MB prompts per round (4 MB: half; 0: no large-prompt cells)",
+    )
     ap.add_argument(
         "--only", default="", help="comma-separated targets (direct is always measured)"
     )
@@ -923,6 +929,8 @@ def main() -> int:
         "_base2, _base3, ...",
     )
     args = ap.parse_args()
+    if args.large < 0 or args.rounds < 1:
+        ap.error("--large must be >= 0 and --rounds >= 1")
     if args.upstream:
         run_upstream([int(p) for p in args.upstream.split(",")])
         return 0
