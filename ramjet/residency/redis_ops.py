@@ -33,10 +33,12 @@ import hashlib
 import hmac
 import json
 import re
+import sys
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 from ramjet.errors import RamjetError
@@ -189,6 +191,8 @@ REJECT_REASONS = ("mac", "malformed", "op", "kind", "tier", "epoch")
 `kind` unknown table or kind, `tier` unknown tier, `epoch` an epoch in the future."""
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEXRUN = re.compile(r"[0-9a-f]*")
+_LITTLE = sys.byteorder == "little"
 _TIERS = frozenset(int(t) for t in Tier)
 
 
@@ -269,12 +273,44 @@ def _int(v: Any) -> int:
 def _keys16(v: Any) -> list[PrefixKey]:
     if not isinstance(v, list):
         raise InvalidEntry("malformed", "keys are not a list")
+    # a logged chunk's keys (hundreds) checked and converted in a few C passes: every
+    # key exactly 16 lowercase hex digits, the whole run one hex string; anything else
+    # goes the key-by-key way below, which names the bad key (and decides alike)
+    if all(type(k) is str for k in v) and all(len(k) == 16 for k in v):
+        joined = "".join(v)
+        if _HEXRUN.fullmatch(joined):
+            keys = array("Q", bytes.fromhex(joined))
+            if _LITTLE:
+                keys.byteswap()
+            return keys.tolist()  # type: ignore[return-value]  # PrefixKey is an int
     out = []
     for k in v:
         if not isinstance(k, str) or not _HEX16.match(k):
             raise InvalidEntry("malformed", f"bad key16 {k!r}")
         out.append(PrefixKey(int(k, 16)))
     return out
+
+
+_TIER_OF = {int(t): t for t in Tier}
+
+
+def _entries_fast(raw: list[Any]) -> list[tuple[PrefixKey, Tier, int]] | None:
+    """A replace chunk's entries ([key16, tier, expires_ms(, mac)]...) checked and
+    converted with the keys in one pass (`_keys16`); None if any entry is not exactly
+    right (the caller then goes entry by entry and raises on the first bad one)."""
+    if not all(type(e) is list and 3 <= len(e) <= 4 for e in raw):
+        return None
+    tiers = [e[1] for e in raw]
+    exps = [e[2] for e in raw]
+    if not all(type(t) is int and t in _TIER_OF for t in tiers):
+        return None
+    if not all(type(x) is int for x in exps):
+        return None
+    try:
+        keys = _keys16([e[0] for e in raw])
+    except InvalidEntry:
+        return None
+    return list(zip(keys, map(_TIER_OF.__getitem__, tiers), exps, strict=True))
 
 
 def _table(code: Any) -> Table:
@@ -324,11 +360,13 @@ def decode_ops(raw: str) -> list[tuple[Any, ...]]:
         elif (code == "R" and len(op) in (4, 5)) or (code == "E" and len(op) == 4):
             if not isinstance(op[3], list):
                 raise InvalidEntry("malformed", "replace entries are not a list")
-            entries = []
-            for e in op[3]:
-                if not isinstance(e, list) or len(e) not in (3, 4):
-                    raise InvalidEntry("malformed", f"bad replace entry {e!r:.80}")
-                entries.append((_keys16([e[0]])[0], _tier(e[1]), _int(e[2])))
+            entries = _entries_fast(op[3])
+            if entries is None:  # something is wrong: key by key, to name it
+                entries = []
+                for e in op[3]:
+                    if not isinstance(e, list) or len(e) not in (3, 4):
+                        raise InvalidEntry("malformed", f"bad replace entry {e!r:.80}")
+                    entries.append((_keys16([e[0]])[0], _tier(e[1]), _int(e[2])))
             more = _int(op[4]) if len(op) == 5 else 0
             if more < 0:
                 raise InvalidEntry("malformed", "negative chunk count")
@@ -422,8 +460,7 @@ def replay(
         if code == "E" and (engine, op[1]) in staged:
             settle(staged, engine, keep=(engine, op[1]))
             st = staged[(engine, op[1])]
-            for k, t, e in op[3]:
-                st.stager.add((k,), t, loc(e))
+            _stage(st.stager, op[3], loc)
             st.remaining -= 1
             if st.remaining <= 0:
                 staged.pop((engine, op[1])).stager.commit()
@@ -440,8 +477,7 @@ def replay(
                 entries = [(k, t, loc(e)) for k, t, e in op[3]]
                 local.replace_exact(op[1], engine, entries, loc(op[2]))
             else:
-                for k, t, e in op[3]:
-                    stager.add((k,), t, loc(e))
+                _stage(stager, op[3], loc)
                 staged[(engine, op[1])] = StagedReplace(stager, op[4])
         elif code == "E":  # its R was not seen here (a pull came between): plain puts
             now = loc(op[2])
@@ -453,6 +489,21 @@ def replay(
         settle(staged, engine)
     for table, keys in evictions:
         local.remove(table, engine, keys)
+
+
+def _stage(
+    stager: ExactStager, entries: list[tuple[PrefixKey, Tier, int]], loc: Callable[[int], float]
+) -> None:
+    """A replace chunk's entries into `stager` in order, a run of entries alike in tier
+    and expiry per `add` (a chunk's entries nearly all are: a snapshot group's): what
+    an `add` per entry gives (consecutive keys of one expiry share a run either way),
+    without a call per key."""
+    for (t, e), run in groupby(entries, key=_tier_exp):
+        stager.add([k for k, _, _ in run], t, loc(e))
+
+
+def _tier_exp(entry: tuple[PrefixKey, Tier, int]) -> tuple[Tier, int]:
+    return entry[1], entry[2]
 
 
 def weight(op: list[Any]) -> int:
