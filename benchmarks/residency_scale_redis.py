@@ -36,7 +36,8 @@ skipped above `--keys-max`, 2M by default). `measure_redis(n_blocks, encoding)` 
   wall) while the snapshot's parts, the deltas, the sweep, and the snapshot + sweep
   run; `stall_cpu_ms` / `stall_ms` the longest of all (bar: <= 10 ms CPU)
   (`RAMJET_TRACE_TURNS_MS=8` prints the longest loop iterations, what ran in them and
-  where: `benchmarks/loop_trace.py`);
+  where: `benchmarks/loop_trace.py`; the router's loop is uvloop, as `ramjet serve`
+  runs it, but asyncio's own under the tracer, which hooks that loop);
   `max_call_ms`: the slowest single Redis call (each must fit `timeout_ms`).
 
 Self-check: every report accepted, the snapshot complete, no batch dropped, the writer
