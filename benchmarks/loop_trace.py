@@ -3,7 +3,8 @@ CPU went. Diagnostic only (a benchmark turns it on with `RAMJET_TRACE_TURNS_MS`)
 
 Per loop iteration (`BaseEventLoop._run_once`): the loop thread's CPU, the CPU of each
 callback it ran (`asyncio.Handle._run`), the cyclic GC's time by generation
-(`gc.callbacks`), and stacks sampled every ~2 ms by a thread while the loop has been
+(`gc.callbacks`), its minor page faults (first touches of fresh memory:
+`getrusage(RUSAGE_THREAD)`), and stacks sampled every ~2 ms by a thread while the loop has been
 out of `select()` for over 4 ms (`sys._current_frames`; compiled modules show no frames of their own,
 so a sample names the innermost Python frame that called into them). `report()` prints
 the `keep` longest iterations by CPU, those over the threshold counted, each with its start on
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import heapq
+import resource
 import sys
 import threading
 import time
@@ -23,6 +25,9 @@ from collections import Counter
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+"""The loop thread's own minor page faults (Linux), else the process's."""
 
 
 def _where(frame: FrameType | None, depth: int = 6) -> str:
@@ -69,11 +74,13 @@ class LoopTracer:
 
         def run_once() -> None:
             self._cbs, self._gc, self._samples = [], [], []
+            f0 = resource.getrusage(_THREAD).ru_minflt
             c0, w0 = time.thread_time(), time.perf_counter()
             try:
                 orig_once()
             finally:
-                self._end(time.thread_time() - c0, time.perf_counter() - w0, w0)
+                cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
+                self._end(cpu, wall, w0, resource.getrusage(_THREAD).ru_minflt - f0)
 
         def handle_run(h: asyncio.Handle) -> None:
             c0 = time.thread_time()
@@ -125,7 +132,7 @@ class LoopTracer:
                 samples = self._samples
                 samples.append(_where(sys._current_frames().get(main)))
 
-    def _end(self, cpu: float, wall: float, start: float) -> None:
+    def _end(self, cpu: float, wall: float, start: float, faults: int) -> None:
         self.turns += 1
         if self.paused() or cpu < self.threshold_s / 4:
             return
@@ -134,6 +141,7 @@ class LoopTracer:
         rec = {
             "cpu_ms": cpu * 1e3,
             "wall_ms": wall * 1e3,
+            "faults": faults,
             "start": start,
             "gc_ms": [(g, round(t * 1e3, 2)) for g, t in self._gc],
             "callbacks": sorted(self._cbs, reverse=True)[:3],
@@ -159,7 +167,7 @@ class LoopTracer:
         for cpu, turn, rec in sorted(self._top, reverse=True):
             print(
                 f"    #{turn}: {cpu * 1e3:.1f} ms CPU (wall {rec['wall_ms']:.1f}), "
-                f"gc {rec['gc_ms']}, at {rec['start']:.6f} s (CLOCK_MONOTONIC: "
+                f"{rec['faults']:,} page faults, gc {rec['gc_ms']}, at {rec['start']:.6f} s (CLOCK_MONOTONIC: "
                 f"`perf record -k CLOCK_MONOTONIC` samples line up)",
                 file=sys.stderr,
             )

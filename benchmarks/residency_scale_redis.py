@@ -36,7 +36,8 @@ skipped above `--keys-max`, 2M by default). `measure_redis(n_blocks, encoding)` 
   wall) while the snapshot's parts, the deltas, the sweep, and the snapshot + sweep
   run; `stall_cpu_ms` / `stall_ms` the longest of all (bar: <= 10 ms CPU)
   (`RAMJET_TRACE_TURNS_MS=8` prints the longest loop iterations, what ran in them and
-  where: `benchmarks/loop_trace.py`);
+  where: `benchmarks/loop_trace.py`; the router's loop is uvloop, as `ramjet serve`
+  runs it, but asyncio's own under the tracer, which hooks that loop);
   `max_call_ms`: the slowest single Redis call (each must fit `timeout_ms`).
 
 Self-check: every report accepted, the snapshot complete, no batch dropped, the writer
@@ -58,8 +59,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import CollectorRegistry
@@ -73,6 +75,8 @@ from ramjet.native import install_ramjet
 # the hot modules as `ramjet serve` runs them (ramjet/native.py): before any other
 # ramjet module is imported
 NATIVE = install_ramjet().line()
+TRACE_MS = float(os.environ.get("RAMJET_TRACE_TURNS_MS", "0"))
+TRACED = TRACE_MS > 0
 
 from benchmarks.loop_trace import LoopTracer  # noqa: E402
 from benchmarks.residency_scale import (  # noqa: E402
@@ -103,6 +107,7 @@ PROMPT_BLOCKS = 50_000 // BLOCK_TOKENS  # a 50k-token prompt
 SECRET = "benchmark-shared-secret-0123456789"
 KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
 PART_KEYS = MAX_KEYS_PER_BODY
+T = TypeVar("T")
 
 
 def _settings(url: str, encoding: str, n: int) -> RedisSettings:
@@ -231,8 +236,7 @@ async def _measure(url: str, n: int, encoding: str, seed: int, part_keys: int) -
                 )
 
         async with StallMonitor() as mon:
-            trace_ms = float(os.environ.get("RAMJET_TRACE_TURNS_MS", "0"))
-            tracer = LoopTracer(trace_ms / 1e3, lambda: mon.paused).start() if trace_ms else None
+            tracer = LoopTracer(TRACE_MS / 1e3, lambda: mon.paused).start() if TRACED else None
             for part in range(parts):
                 mon.paused = True  # the engine's making of the frame is not the router's
                 size = min(part_keys, snap_n - part * part_keys)
@@ -322,8 +326,8 @@ async def _measure(url: str, n: int, encoding: str, seed: int, part_keys: int) -
         # expire on its clock: the phases are the router's loop
         trace = None
         making = [False]  # the engine's making of the last frame: not the router's turn
-        if trace_ms:
-            trace = LoopTracer(trace_ms / 1e3, lambda: making[0]).start()
+        if TRACED:
+            trace = LoopTracer(TRACE_MS / 1e3, lambda: making[0]).start()
         gc.collect()
         clock.offset = 2 * 3600.0
         before_sweep = writer.local.size(Table.GLOBAL)
@@ -443,7 +447,22 @@ def measure_redis(
     """Load `n_blocks` for one engine into a fresh redis-server in `encoding` through
     signed reports; see the module docstring for what the dict holds."""
     with redis_server() as server:
-        return asyncio.run(_measure(server.url, n_blocks, encoding, seed, part_keys))
+        return run_as_served(_measure(server.url, n_blocks, encoding, seed, part_keys))
+
+
+def run_as_served(main: Coroutine[Any, Any, T]) -> T:
+    """`main` on the event loop `ramjet serve` runs: uvloop (`ramjet.commands.serve`);
+    on asyncio's own loop under the loop tracer (`RAMJET_TRACE_TURNS_MS`), which hooks
+    that loop's iterations. The two differ in what a socket read allocates (asyncio's
+    loop: a fresh buffer of up to 256 KB a read, from the C heap)."""
+    if TRACED:
+        return asyncio.run(main)
+    import uvloop
+
+    return uvloop.run(main)
+
+
+LOOP = "asyncio's loop (traced)" if TRACED else "uvloop, as `ramjet serve`"
 
 
 def main() -> None:
@@ -471,6 +490,7 @@ def main() -> None:
     n = 20_000_000 if args.full else 50_000 if args.quick else args.blocks
     keys_n = args.keys_blocks if args.keys_blocks is not None else n
     print(NATIVE)
+    print(f"event loop: {LOOP}")
     print(
         f"blocks: {n:,} for one engine through signed reports (a snapshot in parts of "
         f"{args.part_keys:,} keys, then deltas); 50k-token prompt = {PROMPT_BLOCKS} blocks"

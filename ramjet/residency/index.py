@@ -47,6 +47,10 @@ RELEASE_BYTES: Final = 8 << 20
 millisecond; 150 MB at once (38 run arrays of a 20M-block snapshot) was a 25 ms turn."""
 
 
+_ZERO_Q: Final = array("Q", [0])
+_ZERO_I: Final = array("I", [0])
+
+
 def _cut_objects(items: list[Any], budget: int) -> int:
     """Drop about `budget` bytes of `items` (`OBJECT_BYTES` each) from its end; returns
     what is left of `budget`: above 0 once `items` is empty."""
@@ -81,8 +85,12 @@ class _Shard:
     __slots__ = ("filled", "keys", "limit", "used", "words")
 
     def __init__(self, slots: int, s: int) -> None:
-        self.keys: array[int] = array("Q", bytes(8 * slots))
-        self.words: array[int] = array("I", bytes(4 * slots))
+        # made at their size, zeroed, by repeating one zero: `array(code, bytes(n))`
+        # allocated and freed a zeroed temporary of the same size per array, whose freed
+        # chunks (a reserved index's first growths: thousands at once) fragmented the C
+        # heap, and later allocations searched them
+        self.keys: array[int] = _ZERO_Q * slots
+        self.words: array[int] = _ZERO_I * slots
         self.used = 0
         """Live blocks."""
         self.filled = 0

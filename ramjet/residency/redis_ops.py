@@ -33,10 +33,12 @@ import hashlib
 import hmac
 import json
 import re
+import sys
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 from ramjet.errors import RamjetError
@@ -132,33 +134,57 @@ class StagedEntries:
     expires_ms) tuple per key, held from the first piece until Redis took the last
     chunk, was walked item by item by every collection that reached it: 6.5 ms of a
     young pass in the commit's turn at 450k keys (its 900 chunk slices were young), as
-    much per gen-2 pass. Slicing gives a `StagedEntries`; iterating gives (key16, tier,
-    expires_ms) as a replace op's list holds them, made only for the chunk being sent
-    (`Sealer.seal`)."""
+    much per gen-2 pass. Slicing gives a `StagedEntries` that is a view of the same
+    arrays (a chunk of the replace: no copy; a 524k-entry replace cut into 1,049 chunks
+    of copied arrays, two C-heap allocations each, took 2.7-23 ms of the commit's turn);
+    iterating gives (key16, tier, expires_ms) as a replace op's list holds them, made
+    only for the chunk being sent (`Sealer.seal`)."""
 
-    __slots__ = ("exps", "keys", "tiers")
+    __slots__ = ("exps", "hi", "keys", "lo", "tiers")
 
     def __init__(self) -> None:
         self.keys: array[int] = array("Q")
         self.tiers: array[int] = array("B")
         self.exps: array[int] = array("q")
+        self.lo = 0
+        self.hi = -1
+        """The view's entries are `lo` .. `hi` - 1 of the arrays; -1: to their end (the
+        staged whole, which `add` extends)."""
 
     def add(self, keys: Sequence[PrefixKey], tier: int, expires_ms: int) -> None:
+        if self.hi >= 0:
+            raise RuntimeError("a slice of staged entries is a view: add to the whole")
         n = len(keys)
         self.keys.extend(keys)
         self.tiers.extend(array("B", (tier,)) * n)
         self.exps.extend(array("q", (expires_ms,)) * n)
 
+    def _end(self) -> int:
+        return len(self.keys) if self.hi < 0 else self.hi
+
     def __len__(self) -> int:
-        return len(self.keys)
+        return self._end() - self.lo
 
     def __getitem__(self, i: slice) -> StagedEntries:
-        out = StagedEntries()
-        out.keys, out.tiers, out.exps = self.keys[i], self.tiers[i], self.exps[i]
+        r = range(self.lo, self._end())[i]
+        out = StagedEntries.__new__(StagedEntries)
+        out.keys, out.tiers, out.exps = self.keys, self.tiers, self.exps
+        if r.step == 1:
+            out.lo, out.hi = r.start, max(r.start, r.stop)
+        else:  # not what the chunking takes: a copy
+            out.keys, out.tiers, out.exps = (
+                array("Q", map(self.keys.__getitem__, r)),
+                array("B", map(self.tiers.__getitem__, r)),
+                array("q", map(self.exps.__getitem__, r)),
+            )
+            out.lo, out.hi = 0, -1
         return out
 
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
-        return zip(map(key16, self.keys), self.tiers, self.exps, strict=True)
+        if self.lo == 0 and self.hi < 0:
+            return zip(map(key16, self.keys), self.tiers, self.exps, strict=True)
+        lo, hi = self.lo, self._end()
+        return zip(map(key16, self.keys[lo:hi]), self.tiers[lo:hi], self.exps[lo:hi], strict=True)
 
 
 def _spelled(op: list[Any]) -> list[Any]:
@@ -189,6 +215,8 @@ REJECT_REASONS = ("mac", "malformed", "op", "kind", "tier", "epoch")
 `kind` unknown table or kind, `tier` unknown tier, `epoch` an epoch in the future."""
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEXRUN = re.compile(r"[0-9a-f]*")
+_LITTLE = sys.byteorder == "little"
 _TIERS = frozenset(int(t) for t in Tier)
 
 
@@ -237,20 +265,35 @@ class Sealer:
 
     def seal(self, engine: str, ops: list[list[Any]]) -> list[list[Any]]:
         """The ops as sent to Redis: each record carries its MAC (puts: a parallel list
-        as item 7; replace entries: item 4). Unchanged without a secret."""
-        if self.key is None:
+        as item 7; replace entries: item 4). Unchanged without a secret.
+
+        A record's MAC is `record`'s, computed from a keyed hash state that has taken
+        the part of the message the op's records share (engine and kind), copied per
+        record: the key's block is hashed once per op, not once per record (a chunk is
+        hundreds of records: the sealing was about half of the loop's CPU in a load)."""
+        key = self.key
+        if key is None:
             return [_spelled(op) for op in ops]
         out: list[list[Any]] = []
-        rec = self.record
         for op in ops:
             code = op[0]
             if code == "p":
                 op = _spelled(op)
                 _, k, tier, conf, exp, ks = op
-                out.append([*op, [rec(engine, k, k16, tier, conf, exp) for k16 in ks]])
+                head = hashlib.blake2b(f"{engine}|{k}|".encode(), key=key, digest_size=8)
+                out.append([*op, _macs(head, ks, f"|{tier}|{conf}|{exp}".encode())])
             elif code in ("R", "E"):
                 kind, conf = op[1] + "x", op[2]
-                entries = [[k, t, e, rec(engine, kind, k, t, conf, e)] for k, t, e in op[3]]
+                head = hashlib.blake2b(f"{engine}|{kind}|".encode(), key=key, digest_size=8)
+                tails: dict[tuple[int, int], bytes] = {}
+                entries = []
+                for k, t, e in op[3]:
+                    tail = tails.get((t, e))
+                    if tail is None:
+                        tail = tails[(t, e)] = f"|{t}|{conf}|{e}".encode()
+                    h = head.copy()
+                    h.update(k.encode() + tail)
+                    entries.append([k, t, e, h.hexdigest()])
                 out.append([code, op[1], conf, entries, *op[4:]])
             else:
                 out.append(_spelled(op))
@@ -258,6 +301,17 @@ class Sealer:
 
     def batch_mac(self, engine: str, mode: str, epoch: int, seq: int, ops_json: str) -> str:
         return self.mac("batch", engine, mode, epoch, seq, ops_json)
+
+
+def _macs(head: Any, keys16: list[str], tail: bytes) -> list[str]:
+    """`Sealer.record` of each key: `head` (a keyed BLAKE2b state that has taken
+    "engine|kind|") copied, then the key and `tail` ("|tier|confirmed|expires")."""
+    out = []
+    for k16 in keys16:
+        h = head.copy()
+        h.update(k16.encode() + tail)
+        out.append(h.hexdigest())
+    return out
 
 
 def _int(v: Any) -> int:
@@ -269,12 +323,44 @@ def _int(v: Any) -> int:
 def _keys16(v: Any) -> list[PrefixKey]:
     if not isinstance(v, list):
         raise InvalidEntry("malformed", "keys are not a list")
+    # a logged chunk's keys (hundreds) checked and converted in a few C passes: every
+    # key exactly 16 lowercase hex digits, the whole run one hex string; anything else
+    # goes the key-by-key way below, which names the bad key (and decides alike)
+    if all(type(k) is str for k in v) and all(len(k) == 16 for k in v):
+        joined = "".join(v)
+        if _HEXRUN.fullmatch(joined):
+            keys = array("Q", bytes.fromhex(joined))
+            if _LITTLE:
+                keys.byteswap()
+            return keys.tolist()  # type: ignore[return-value]  # PrefixKey is an int
     out = []
     for k in v:
         if not isinstance(k, str) or not _HEX16.match(k):
             raise InvalidEntry("malformed", f"bad key16 {k!r}")
         out.append(PrefixKey(int(k, 16)))
     return out
+
+
+_TIER_OF = {int(t): t for t in Tier}
+
+
+def _entries_fast(raw: list[Any]) -> list[tuple[PrefixKey, Tier, int]] | None:
+    """A replace chunk's entries ([key16, tier, expires_ms(, mac)]...) checked and
+    converted with the keys in one pass (`_keys16`); None if any entry is not exactly
+    right (the caller then goes entry by entry and raises on the first bad one)."""
+    if not all(type(e) is list and 3 <= len(e) <= 4 for e in raw):
+        return None
+    tiers = [e[1] for e in raw]
+    exps = [e[2] for e in raw]
+    if not all(type(t) is int and t in _TIER_OF for t in tiers):
+        return None
+    if not all(type(x) is int for x in exps):
+        return None
+    try:
+        keys = _keys16([e[0] for e in raw])
+    except InvalidEntry:
+        return None
+    return list(zip(keys, map(_TIER_OF.__getitem__, tiers), exps, strict=True))
 
 
 def _table(code: Any) -> Table:
@@ -324,11 +410,13 @@ def decode_ops(raw: str) -> list[tuple[Any, ...]]:
         elif (code == "R" and len(op) in (4, 5)) or (code == "E" and len(op) == 4):
             if not isinstance(op[3], list):
                 raise InvalidEntry("malformed", "replace entries are not a list")
-            entries = []
-            for e in op[3]:
-                if not isinstance(e, list) or len(e) not in (3, 4):
-                    raise InvalidEntry("malformed", f"bad replace entry {e!r:.80}")
-                entries.append((_keys16([e[0]])[0], _tier(e[1]), _int(e[2])))
+            entries = _entries_fast(op[3])
+            if entries is None:  # something is wrong: key by key, to name it
+                entries = []
+                for e in op[3]:
+                    if not isinstance(e, list) or len(e) not in (3, 4):
+                        raise InvalidEntry("malformed", f"bad replace entry {e!r:.80}")
+                    entries.append((_keys16([e[0]])[0], _tier(e[1]), _int(e[2])))
             more = _int(op[4]) if len(op) == 5 else 0
             if more < 0:
                 raise InvalidEntry("malformed", "negative chunk count")
@@ -422,8 +510,7 @@ def replay(
         if code == "E" and (engine, op[1]) in staged:
             settle(staged, engine, keep=(engine, op[1]))
             st = staged[(engine, op[1])]
-            for k, t, e in op[3]:
-                st.stager.add((k,), t, loc(e))
+            _stage(st.stager, op[3], loc)
             st.remaining -= 1
             if st.remaining <= 0:
                 staged.pop((engine, op[1])).stager.commit()
@@ -440,8 +527,7 @@ def replay(
                 entries = [(k, t, loc(e)) for k, t, e in op[3]]
                 local.replace_exact(op[1], engine, entries, loc(op[2]))
             else:
-                for k, t, e in op[3]:
-                    stager.add((k,), t, loc(e))
+                _stage(stager, op[3], loc)
                 staged[(engine, op[1])] = StagedReplace(stager, op[4])
         elif code == "E":  # its R was not seen here (a pull came between): plain puts
             now = loc(op[2])
@@ -453,6 +539,21 @@ def replay(
         settle(staged, engine)
     for table, keys in evictions:
         local.remove(table, engine, keys)
+
+
+def _stage(
+    stager: ExactStager, entries: list[tuple[PrefixKey, Tier, int]], loc: Callable[[int], float]
+) -> None:
+    """A replace chunk's entries into `stager` in order, a run of entries alike in tier
+    and expiry per `add` (a chunk's entries nearly all are: a snapshot group's): what
+    an `add` per entry gives (consecutive keys of one expiry share a run either way),
+    without a call per key."""
+    for (t, e), run in groupby(entries, key=_tier_exp):
+        stager.add([k for k, _, _ in run], t, loc(e))
+
+
+def _tier_exp(entry: tuple[PrefixKey, Tier, int]) -> tuple[Tier, int]:
+    return entry[1], entry[2]
 
 
 def weight(op: list[Any]) -> int:

@@ -257,7 +257,17 @@ class RedisStaging:
     replace, which Redis takes in chunks: the same writes as `replace_exact` of every
     piece at once, without its one long stretch (0.8 s of CPU at 180k entries)."""
 
-    __slots__ = ("_done", "_engine", "_entries", "_local", "_now", "_store", "_table")
+    __slots__ = (
+        "_cut",
+        "_done",
+        "_engine",
+        "_entries",
+        "_local",
+        "_now",
+        "_parts",
+        "_store",
+        "_table",
+    )
 
     def __init__(self, store: RedisStore, table: Table, engine: EngineId, now: float) -> None:
         self._store = store
@@ -267,13 +277,32 @@ class RedisStaging:
         self._local: ExactStager = store.local.stage_exact(table, engine, now)
         self._entries = StagedEntries()
         self._done = False
+        self._parts: list[Batch] = []
+        """The replace's `E` chunks cut so far, as `RedisSync.enqueue` would cut them."""
+        self._cut = store.settings.snapshot_chunk_entries
+        """Entries cut into chunks so far (the first chunk's are cut at the commit)."""
 
     def add(self, keys: Sequence[PrefixKey], tier: Tier, expires_at: float) -> None:
         self._local.add(keys, tier, expires_at)
         # typed arrays, not an object per key: entries held until Redis took the last
         # chunk must give the cyclic GC nothing to walk (a list per key: 135 ms CPU of
         # gen-2 passes at 450k keys; a tuple per key in a list: 6.5 ms; see StagedEntries)
-        self._entries.add(keys, int(tier), self._store._clocks.to_wall_ms(expires_at))
+        entries = self._entries
+        entries.add(keys, int(tier), self._store._clocks.to_wall_ms(expires_at))
+        # the chunks a piece completes, cut now (a view each): the commit's turn then
+        # only queues them (cutting a 524k-entry replace there was 1,049 chunks at once)
+        limit, code, engine = (
+            self._store.settings.snapshot_chunk_entries,
+            self._code(),
+            self._engine,
+        )
+        while len(entries) >= self._cut + limit:
+            op = ["E", code, 0, entries[self._cut : self._cut + limit]]  # time: at commit
+            self._parts.append(Batch(engine, "free", ops=[op]))
+            self._cut += limit
+
+    def _code(self) -> str:
+        return TABLE_CODE[self._table]
 
     def reserve(self, keys: int) -> None:
         self._local.reserve(keys)
@@ -284,5 +313,23 @@ class RedisStaging:
         self._done = True
         store = self._store
         self._local.commit()
+        entries, code, limit = self._entries, self._code(), store.settings.snapshot_chunk_entries
         conf_ms = store._clocks.to_wall_ms(self._now)
-        store._op(self._engine, ["R", TABLE_CODE[self._table], conf_ms, self._entries])
+        open_batch = store._open is not None and store._open.engine == self._engine
+        if len(entries) <= limit or open_batch:
+            store._op(self._engine, ["R", code, conf_ms, entries])
+            return
+        # what `RedisSync.enqueue` makes of the whole replace: an `R` chunk with the
+        # count of `E` chunks after it, then those, each sent only if Redis took the `R`
+        parts = self._parts
+        for part in parts:
+            part.ops[0][2] = conf_ms
+        if self._cut < len(entries):
+            parts.append(
+                Batch(self._engine, "free", ops=[["E", code, conf_ms, entries[self._cut :]]])
+            )
+        lead = Batch(self._engine, "free", ops=[["R", code, conf_ms, entries[:limit], len(parts)]])
+        for part in parts:
+            part.lead = lead
+        store.sync.track(self._engine)
+        store.sync.enqueue_parts([lead, *parts])

@@ -200,8 +200,12 @@ class RedisSync:
     def enqueue(self, batch: Batch) -> None:
         """Queue a batch; one over `snapshot_chunk_entries` entries goes as chunks, each
         one script call, in order: later batches stay behind all of them."""
-        for part in self._chunks(batch):
-            self.outbox.append(part)
+        self.enqueue_parts(self._chunks(batch))
+
+    def enqueue_parts(self, parts: list[Batch]) -> None:
+        """Queue a batch already cut in chunks as `enqueue` cuts it (`RedisStaging` cuts
+        a staged replace as its pieces come, so its commit only queues them)."""
+        self.outbox.extend(parts)
         while len(self.outbox) > self.settings.max_pending_writes:
             self.outbox.popleft()
             self.metrics.dropped.inc()

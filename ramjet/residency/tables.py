@@ -73,6 +73,11 @@ from ramjet.types import EngineId, PrefixKey, Tier
 
 Clock = Callable[[], float]
 _DROP_SLICE: Final = 1024
+_MARK_RUN_KEYS: Final = 65_536
+"""Keys of a snapshot's marks per run of their index (a run keeps its keys in one array):
+one run of every key named was an array grown to 8 bytes a key by reallocation, each
+growth a copy of the whole array while it was a heap chunk (up to ~32 MB: a 15.6 MB copy
+was an 11 ms turn at 5M blocks, the once-a-run long turn of the parts at 20M)."""
 """Keys checked per step of a snapshot-in-parts commit over a store that cannot mark."""
 EXPIRE_STEP_S = 0.002
 """CPU seconds one `expire_step` sweeps for, at most about (a step ends after a shard).
@@ -476,7 +481,10 @@ class SnapshotStaging:
             return  # the live write is the new content
         if self._marks is not None:
             if table is Table.GLOBAL:
-                self._marks.put_many(keys, self._mark_run, 0)
+                marks = self._marks
+                if marks.refs[self._mark_run] >= _MARK_RUN_KEYS:
+                    self._mark_run = marks.new_run(self._now, _INF)
+                marks.put_many(keys, self._mark_run, 0)
             else:
                 self._swa_marks.update(keys)
         elif self._staged is not None:
