@@ -25,7 +25,7 @@ store:
   on `asyncio.sleep(0)` and so burns a core whenever the loop would otherwise wait:
   all the time the worker thread parses a frame), plus every other thread's CPU (that
   worker). Each rate is also printed over the process's CPU, the monitor included
-  (how it was measured before 2026-12-07): 10-30 % lower;
+  (how it was measured before 2026-12-07): 5-7 % lower at 20M blocks;
 - the longest event-loop stall (a coroutine yielding in a loop measures the gaps, in CPU
   time of the loop's thread and in wall time) while the expiry sweep drops the 1-hour
   half (`ResidencyTables.expire_step` in steps for the compact store; today's store
