@@ -17,9 +17,15 @@ store:
 - `global_match` p99 over 1,000 fresh views, for a 50k-token prompt (`--block-tokens`
   64: 782 blocks, the first 3/4 resident over three tiers), at 1M blocks and at N
   (target <= 1 ms); every answer checked against the blocks known resident;
-- snapshot apply rate: keys / CPU seconds of `submit_async` of the snapshot's parts
-  (verify, parse, additive apply and staged copy, swap at the last part; target >= 1M
-  blocks/s), and the delta apply rate; the longest loop stall while each runs;
+- snapshot apply rate: keys / the router's CPU seconds in `submit_async` of the
+  snapshot's parts (verify, parse, additive apply, the drop of unnamed blocks at the
+  last part; target >= 1M blocks/s), and the delta apply rate; the longest loop stall
+  while each runs. The router's CPU (`RouterCpu`) is the loop thread's CPU in every
+  event-loop callback but the benchmark's own tasks' (the stall monitor, which spins
+  on `asyncio.sleep(0)` and so burns a core whenever the loop would otherwise wait:
+  all the time the worker thread parses a frame), plus every other thread's CPU (that
+  worker). Each rate is also printed over the process's CPU, the monitor included
+  (how it was measured before 2026-12-07): 5-7 % lower at 20M blocks;
 - the longest event-loop stall (a coroutine yielding in a loop measures the gaps, in CPU
   time of the loop's thread and in wall time) while the expiry sweep drops the 1-hour
   half (`ResidencyTables.expire_step` in steps for the compact store; today's store
@@ -28,6 +34,10 @@ store:
   The snapshot goes through `submit_async`, which verifies and parses a large frame in
   a worker thread (`ReportVerifier.check_async`); the one-step verify + parse CPU of a
   max-size frame is printed on its own. The worker runs `tune_gc()` as the router does.
+
+`RAMJET_TRACE_TURNS_MS=8` prints, per phase, the longest loop iterations, the callbacks
+in them with their thread CPU, GC passes and sampled stacks (`benchmarks/loop_trace.py`);
+its sampling thread's CPU then counts in the rates: judge the rates on a run without it.
 
 `--dict-blocks` (default: N up to 5M) loads today's store with fewer blocks where N would
 not fit beside other work (about 130-150 bytes a block); its per-block figures are still
@@ -47,8 +57,10 @@ import random
 import subprocess
 import sys
 import time
+import weakref
 from array import array
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -101,6 +113,80 @@ class Clock:
         return time.monotonic() + self.offset
 
 
+BENCH_TASKS: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+"""The benchmark's own tasks on the loop (`StallMonitor`'s spinning coroutine, the
+sweeper of `snapshot_during_sweep`): `RouterCpu` leaves their CPU out."""
+
+
+class RouterCpu:
+    """The router's CPU over a window, without the benchmark's: the loop thread's CPU in
+    every event-loop callback but those of `BENCH_TASKS` (`asyncio.Handle._run` timed
+    with the thread's CPU clock), plus the CPU of every other thread of the process
+    (the worker thread that verifies and parses a large frame: process CPU - the loop
+    thread's CPU). Not counted: the loop's own work between callbacks (`select`, a few
+    microseconds an iteration, which the spinning monitor multiplies by thousands).
+    `process_s` is the process CPU of the window, the monitor's spinning included (the
+    figure the rates used to be taken from). With `RAMJET_TRACE_TURNS_MS` set, the
+    tracer's sampling thread is in `threads_s` too."""
+
+    def __init__(self) -> None:
+        self.loop_s = 0.0
+        """CPU of the loop thread's callbacks, the benchmark's tasks left out."""
+        self.threads_s = 0.0
+        """CPU of the process's other threads (verify and parse off the loop)."""
+        self.process_s = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        return self.loop_s + self.threads_s
+
+    @contextmanager
+    def window(self) -> Iterator[RouterCpu]:
+        handle_cls = asyncio.events.Handle
+        orig = handle_cls._run
+        bench = BENCH_TASKS
+
+        def run(h: asyncio.Handle) -> None:
+            owner = getattr(h._callback, "__self__", None)  # type: ignore[attr-defined]
+            if owner is not None and isinstance(owner, asyncio.Task) and owner in bench:
+                orig(h)
+                return
+            c0 = time.thread_time()
+            try:
+                orig(h)
+            finally:
+                self.loop_s += time.thread_time() - c0
+
+        p0, t0 = time.process_time(), time.thread_time()
+        handle_cls._run = run  # type: ignore[method-assign,assignment]
+        try:
+            yield self
+        finally:
+            handle_cls._run = orig  # type: ignore[method-assign]
+            p, t = time.process_time() - p0, time.thread_time() - t0
+            self.process_s += p
+            self.threads_s += max(0.0, p - t)
+
+
+def _tracer(paused: Callable[[], bool]) -> Any:
+    """A `benchmarks/loop_trace.py` tracer started on the running loop when
+    `RAMJET_TRACE_TURNS_MS` is set (its threshold), else None."""
+    trace_ms = float(os.environ.get("RAMJET_TRACE_TURNS_MS", "0"))
+    if not trace_ms:
+        return None
+    try:
+        from benchmarks.loop_trace import LoopTracer
+    except ImportError:  # run as a script without the repository on the path
+        from loop_trace import LoopTracer  # type: ignore[no-redef,import-not-found]
+    return LoopTracer(trace_ms / 1e3, paused).start()
+
+
+def _trace_report(tracer: Any, label: str) -> None:
+    if tracer is not None:
+        tracer.stop()
+        tracer.report(label)
+
+
 class StallMonitor:
     """The longest gap between two turns of a coroutine that only yields."""
 
@@ -133,6 +219,7 @@ class StallMonitor:
 
     async def __aenter__(self) -> StallMonitor:
         self._task = asyncio.create_task(self._run())
+        BENCH_TASKS.add(self._task)
         await asyncio.sleep(0)
         return self
 
@@ -147,11 +234,13 @@ async def sweep_phase(expire_step: Callable[[], bool]) -> dict[str, float]:
     between, until nothing expired is left; its wall time and the loop's longest stall
     (`sweep_s`, `sweep_stall_s`, `sweep_stall_cpu_s`). Shared with the Redis half
     (`residency_scale_redis.py`)."""
+    tracer = _tracer(lambda: False)
     async with StallMonitor() as mon:
         t0 = time.perf_counter()
         while expire_step():
             await asyncio.sleep(0)
         took = time.perf_counter() - t0
+    _trace_report(tracer, "expiry sweep")
     return {"sweep_s": took, "sweep_stall_s": mon.longest, "sweep_stall_cpu_s": mon.longest_cpu}
 
 
@@ -160,9 +249,12 @@ async def snapshot_during_sweep(
 ) -> tuple[T, dict[str, float]]:
     """`apply()` (a snapshot's apply) while the expiry sweep takes a bounded step every
     loop turn (the ingest's tick, every turn instead of every second); its result, and
-    its wall and process CPU time and the loop's longest stall meanwhile (`snapshot2_s`,
-    `snapshot2_cpu_s`, `snapshot_stall_s`, `snapshot_stall_cpu_s`). Shared with the
-    Redis half, whose `apply` also waits for the write queue to reach Redis."""
+    its wall time, the process CPU meanwhile (the sweep's and the stall monitor's
+    included), the router's CPU in the apply (`RouterCpu`: the sweep's and the monitor's
+    tasks left out) and the loop's longest stall meanwhile (`snapshot2_s`,
+    `snapshot2_cpu_s`, `snapshot2_router_cpu_s`, `snapshot_stall_s`,
+    `snapshot_stall_cpu_s`). Shared with the Redis half, whose `apply` also waits for
+    the write queue to reach Redis."""
     done = False
     out: dict[str, float] = {}
 
@@ -171,16 +263,22 @@ async def snapshot_during_sweep(
             expire_step()
             await asyncio.sleep(0)
 
+    tracer = _tracer(lambda: False)
+    meter = RouterCpu()
     async with StallMonitor() as mon:
         sweep = asyncio.create_task(sweeper())
-        t0, c0 = time.perf_counter(), time.process_time()
+        BENCH_TASKS.add(sweep)
+        t0 = time.perf_counter()
         try:
-            res = await apply()
+            with meter.window():
+                res = await apply()
             out["snapshot2_s"] = time.perf_counter() - t0
-            out["snapshot2_cpu_s"] = time.process_time() - c0
+            out["snapshot2_cpu_s"] = meter.process_s
+            out["snapshot2_router_cpu_s"] = meter.cpu_s
         finally:
             done = True
             await sweep
+    _trace_report(tracer, "snapshot + sweep")
     out["snapshot_stall_s"] = mon.longest
     out["snapshot_stall_cpu_s"] = mon.longest_cpu
     return res, out
@@ -280,7 +378,10 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
     first = min(n, max(CHUNK, n // 2))
     parts = -(-first // CHUNK)
     seq0 = ld.seq
-    snap_cpu = snap_wall = stall = stall_cpu = 0.0
+    snap_wall = stall = stall_cpu = 0.0
+    meter = RouterCpu()
+    outside = [True]  # the benchmark's own work between reports: not traced
+    tracer = _tracer(lambda: outside[0])
     # each frame is made outside the stall monitor (the engine makes it, not the router)
     for part in range(parts):
         size = min(CHUNK, first - part * CHUNK)
@@ -296,15 +397,20 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
         del keys, group, body
         gc.collect()  # the frame's making leaves young garbage: not the router's
         async with StallMonitor() as mon:
-            t0, c0 = time.perf_counter(), time.process_time()
-            res = await ld.proc.submit_async(frame)
+            outside[0] = False
+            t0 = time.perf_counter()
+            with meter.window():
+                res = await ld.proc.submit_async(frame)
             snap_wall += time.perf_counter() - t0
-            snap_cpu += time.process_time() - c0
+        outside[0] = True
         stall, stall_cpu = max(stall, mon.longest), max(stall_cpu, mon.longest_cpu)
         checks.append(isinstance(res, Accepted))
         del frame, res
+    _trace_report(tracer, f"{kind} snapshot in parts")
     out["snapshot_s"] = snap_wall
-    out["snapshot_cpu_s"] = snap_cpu
+    out["snapshot_cpu_s"] = meter.cpu_s
+    out["snapshot_loop_cpu_s"] = meter.loop_s
+    out["snapshot_process_cpu_s"] = meter.process_s
     out["snapshot_keys"] = first
     out["snapshot_parts"] = parts
     out["parts_stall_s"] = stall
@@ -316,9 +422,11 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
     # 2. deltas (half host, half SSD) up to n - 6000: up to half of n with a 1-hour TTL,
     # then none; then one of 2000 blocks a tier, no TTL (the prompt's blocks at the end).
     # Each as large as a body may be, applied with `submit_async` (in steps), loop in view
-    loaded, delta_cpu = first, 0.0
+    loaded = first
     bulk = max(first, n - 6000)
     stall = stall_cpu = 0.0
+    meter = RouterCpu()
+    tracer = _tracer(lambda: outside[0])
     while loaded < bulk:
         size = min(CHUNK, bulk - loaded)
         keys = ld.keys(size)
@@ -328,9 +436,10 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
         del keys
         gc.collect()
         async with StallMonitor() as mon:
-            c0 = time.process_time()
-            res = await ld.proc.submit_async(frame)
-            delta_cpu += time.process_time() - c0
+            outside[0] = False
+            with meter.window():
+                res = await ld.proc.submit_async(frame)
+        outside[0] = True
         stall, stall_cpu = max(stall, mon.longest), max(stall_cpu, mon.longest_cpu)
         checks.append(isinstance(res, Accepted))
         del frame, res
@@ -341,7 +450,10 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
             out["p99_1m_s"], ok = ld.match_p99(block_tokens, ld.early)
             out["p99_1m_at"] = loaded
             checks.append(ok)
+    _trace_report(tracer, f"{kind} deltas")
+    delta_cpu = meter.cpu_s
     out["delta_rate"] = (loaded - first) / delta_cpu if delta_cpu else 0.0
+    out["delta_rate_process"] = (loaded - first) / meter.process_s if meter.process_s else 0.0
     out["delta_stall_s"] = stall
     out["delta_stall_cpu_s"] = stall_cpu
     if loaded < n:
@@ -391,6 +503,7 @@ async def worker(kind: str, n: int, block_tokens: int) -> dict[str, Any]:
         lambda: ld.proc.submit_async(frame), ld.tables.expire_step
     )
     out.update(figures)
+    out["snapshot2_keys"] = first
     checks.append(isinstance(res, Accepted) and ld.tables.size(Table.GLOBAL) == first)
     got = ld.tables.store.get_many(Table.GLOBAL, E0, probe, ld.clock(), False)
     checks.append(all(e is not None and e.tier is Tier.HBM for e in got))
@@ -447,7 +560,12 @@ def main() -> None:
     old = run_worker("dict", dict_n, a.block_tokens)
     print(f"  workers: {new['native']}")
     for r in (new, old):
-        r["snapshot2_rate"] = r["snapshot_keys"] / r["snapshot2_cpu_s"]
+        # that snapshot's own keys (524,288): until 2026-12-07 the parts' 10M were
+        # divided by its CPU, a rate ~19x too high
+        r["snapshot2_rate"] = r["snapshot2_keys"] / r["snapshot2_router_cpu_s"]
+        r["snapshot2_rate_process"] = r["snapshot2_keys"] / r["snapshot2_cpu_s"]
+        r["snapshot_rate_process"] = r["snapshot_keys"] / r["snapshot_process_cpu_s"]
+        r["snapshot_loop_share"] = r["snapshot_loop_cpu_s"] / r["snapshot_cpu_s"]
 
     def row(name: str, key: str, fmt: str, scale: float = 1.0, better: str = "lower") -> None:
         n, o = new[key] * scale, old[key] * scale
@@ -465,12 +583,15 @@ def main() -> None:
         f"  {'snapshot apply rate (blocks/CPU-s)':<44} {snap_new:>12,.0f} {snap_old:>12,.0f}"
         f"   {snap_new / snap_old:6.2f}x"
     )
+    row("  the same, process CPU (monitor's spin in it)", "snapshot_rate_process", ",.0f")
+    row("  share of the router's CPU on the loop", "snapshot_loop_share", ".2f")
     print(
         f"  {'snapshot parts (of <= max_keys keys)':<44} {new['snapshot_parts']:>12} {old['snapshot_parts']:>12}"
     )
     row("longest loop stall, snapshot in parts (CPU ms)", "parts_stall_cpu_s", ".1f", 1e3)
     row("  the same, wall (ms)", "parts_stall_s", ".1f", 1e3)
     row("delta apply rate (blocks/CPU-s)", "delta_rate", ",.0f")
+    row("  the same, process CPU (monitor's spin in it)", "delta_rate_process", ",.0f")
     row("longest loop stall, max-size deltas (CPU ms)", "delta_stall_cpu_s", ".1f", 1e3)
     row("  the same, wall (ms)", "delta_stall_s", ".1f", 1e3)
     row("longest loop stall, expiry sweep (CPU ms)", "sweep_stall_cpu_s", ".1f", 1e3)
@@ -479,6 +600,7 @@ def main() -> None:
     row("longest loop stall, snapshot + sweep (CPU ms)", "snapshot_stall_cpu_s", ".1f", 1e3)
     row("  the same, wall (ms)", "snapshot_stall_s", ".1f", 1e3)
     row("  that snapshot's apply (blocks/CPU-s)", "snapshot2_rate", ",.0f")
+    row("  the same, process CPU (sweep, monitor in it)", "snapshot2_rate_process", ",.0f")
     row("verify + parse of one max-size frame (CPU ms)", "verify_parse_cpu_s", ".1f", 1e3)
     print(f"  blocks swept: compact {new['swept']:,}, dict {old['swept']:,}")
     targets = [
