@@ -73,14 +73,15 @@ from ramjet.types import EngineId, PrefixKey, Tier
 
 Clock = Callable[[], float]
 _DROP_SLICE: Final = 1024
+"""Keys checked per step of a snapshot-in-parts commit over a store that cannot mark."""
 _MARK_RUN_KEYS: Final = 65_536
 """Keys of a snapshot's marks per run of their index (a run keeps its keys in one array):
 one run of every key named was an array grown to 8 bytes a key by reallocation, each
 growth a copy of the whole array while it was a heap chunk (up to ~32 MB: a 15.6 MB copy
 was an 11 ms turn at 5M blocks, the once-a-run long turn of the parts at 20M)."""
-"""Keys checked per step of a snapshot-in-parts commit over a store that cannot mark."""
 EXPIRE_STEP_S = 0.002
-"""CPU seconds one `expire_step` sweeps for, at most about (a step ends after a shard).
+"""Wall seconds (`perf_counter`) one `expire_step` sweeps for, checked between the
+store's steps, so a pass ends after the store step that crossed it (one shard in process).
 The apply of a report in steps takes as much a turn (`ramjet.reports.processor.
 STEP_BUDGET_S`): both may run in one loop iteration, so they add up (5 ms here made
 7-8 ms iterations, 10.6 ms at worst, while a snapshot was applied beside a sweep at
