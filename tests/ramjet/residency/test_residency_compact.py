@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -272,6 +273,32 @@ def test_a_reserved_index_holds_what_a_growing_one_does() -> None:
         assert ix.refs[1] == 60_000 - 100 and ix.refs[2] == 100
     reserved.reserve(0)
     assert reserved.grow_slots == 8
+
+
+def test_a_reserved_index_grows_its_shards_by_bounded_steps() -> None:
+    """Toward a large reserved size a shard grows by at most 8x a rehash (its 4,096
+    shards cross their load together: a jump from 8 slots to the share put every shard's
+    new arrays into the same few pieces), and still reaches the reserved share, so the
+    puts do not go back to rehashing at every doubling."""
+    ix = BlockIndex()
+    ix.reserve(20_000_000)
+    share = ix.grow_slots
+    assert share > 8 * 8 * 8
+    rng = random.Random(3)
+    s = 5
+    keys = [(rng.getrandbits(52) << 12) | s for _ in range(share // 2)]  # all in shard 5
+    run = ix.new_run(0.0, 10.0)
+    sizes = [0]
+    for k in keys:
+        ix.put_many([k], run, 0)
+        sh = ix.shards[s]
+        assert sh is not None
+        if len(sh.words) != sizes[-1]:
+            sizes.append(len(sh.words))
+    steps = list(pairwise(sizes[1:]))
+    assert steps and all(new <= 8 * old for old, new in steps)
+    assert sizes[-1] >= share
+    assert len(sizes) - 1 <= 6  # 8 -> 64 -> 512 -> 4096 -> the share: not a doubling each
 
 
 def test_a_long_snapshot_through_the_store_matches_the_dict_store() -> None:
