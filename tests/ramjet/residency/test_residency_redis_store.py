@@ -21,7 +21,7 @@ from redis_server import RedisProcess, redis_server
 from ramjet.residency.config import ResidencyConfig
 from ramjet.residency.index import SHARDS
 from ramjet.residency.redis_link import RedisLink, RedisSettings, RedisUnavailable
-from ramjet.residency.redis_ops import weight
+from ramjet.residency.redis_ops import Batch, _spelled, weight
 from ramjet.residency.redis_store import RedisStore
 from ramjet.residency.redis_sync import PULL_STEP
 from ramjet.residency.store import Table
@@ -616,6 +616,37 @@ async def test_a_queued_staged_replace_gives_the_gc_nothing_per_key(
     finally:
         await a.link.close()
         await b.link.close()
+
+
+async def test_a_staged_replace_is_queued_as_the_sync_chunks_a_whole_one(
+    server: RedisProcess,
+) -> None:
+    """`RedisStaging` cuts its replace into chunks as the pieces come (its commit only
+    queues them); what it queues is what `RedisSync` makes of the same replace queued
+    whole: the same ops in the same chunks, the later chunks led by the first."""
+    a, _ = make(server)
+    try:
+        rng = random.Random(8)
+        limit = a.settings.snapshot_chunk_entries
+        now = a.clock()
+        staging = a.stage_exact(Table.GLOBAL, E0, now)
+        for i in range(5):  # pieces that do not fall on chunk bounds
+            piece = [PrefixKey(rng.getrandbits(64)) for _ in range(limit * 2 // 3 + 7)]
+            staging.add(piece, (Tier.HBM, Tier.SSD)[i % 2], now + 600 + i)
+        whole = staging._entries  # type: ignore[attr-defined]  # the seam under test
+        staging.commit()
+        queued = list(a.sync.outbox)
+        conf_ms = a._clocks.to_wall_ms(now)
+        expected = a.sync._chunks(Batch(E0, "free", ops=[["R", "g", conf_ms, whole]]))
+        assert len(queued) == len(expected) > 2
+        for got, want in zip(queued, expected, strict=True):
+            assert (got.engine, got.mode, got.epoch, got.seq) == (
+                want.engine, want.mode, want.epoch, want.seq,
+            )  # fmt: skip
+            assert [_spelled(op) for op in got.ops] == [_spelled(op) for op in want.ops]
+        assert queued[0].lead is None and all(b.lead is queued[0] for b in queued[1:])
+    finally:
+        await a.link.close()
 
 
 async def test_a_replayed_snapshot_keeps_its_groups_as_runs(server: RedisProcess) -> None:
