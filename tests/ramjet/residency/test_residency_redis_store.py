@@ -64,7 +64,10 @@ async def turns_during(work: Awaitable[None], sample: Callable[[], T]) -> list[T
 
 def make(server: RedisProcess, **kw: object) -> tuple[RedisStore, CollectorRegistry]:
     reg = CollectorRegistry()
-    settings = RedisSettings(url=server.url, timeout_ms=200, breaker_open_ms=50, **kw)  # type: ignore[arg-type]
+    # a timeout well over a loaded CI host's slowest reply (a 20k-key pull timed out at
+    # 200 ms there); the tests of timeouts set their own
+    opts: dict[str, object] = {"timeout_ms": 2_000, "breaker_open_ms": 50, **kw}
+    settings = RedisSettings(url=server.url, **opts)  # type: ignore[arg-type]
     link = RedisLink(settings, reg)
     return RedisStore(link, CFG, engines=(E0, E1), registry=reg), reg
 
