@@ -262,7 +262,8 @@ def test_an_expiry_step_does_one_piece_of_work() -> None:
 
     def state() -> tuple[int, int, int]:
         retired = sum(old.nbytes() for old in store._retired)
-        return retired, sum(8 * len(k) for k in ix.garbage), store.size(Table.GLOBAL)
+        garbage = [8 * len(k) for k in ix.garbage if k is not None]
+        return retired, sum(garbage), store.size(Table.GLOBAL)
 
     done = [0, 0, 0]
     dropped = 0
