@@ -38,7 +38,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import chain, groupby
 from typing import Any
 
 from ramjet.errors import RamjetError
@@ -127,40 +127,58 @@ def replace_op(
     ]
 
 
+STAGED_SEGMENT: int = 65_536
+"""Entries per segment of a `StagedEntries` (its three arrays are kept in segments of
+this many entries): one array grown to a whole snapshot's entries (524k keys: 4 MB of
+keys, 4 MB of expiries) was reallocated every 1/16 of its size, each a copy of the
+whole array in a piece's turn (1.6-2 ms pieces at 200-260k keys, scratch timing of
+1,024-key pieces); a segment's growth copies at most 512 KB."""
+
+
 class StagedEntries:
     """The entries of a replace staged piece by piece (`RedisStaging`), queued until a
-    chunk of them is sent: keys, tiers and expiries (Unix ms) in three typed arrays,
-    11 bytes an entry and nothing the cyclic GC walks. A list of a (key16, tier,
-    expires_ms) tuple per key, held from the first piece until Redis took the last
-    chunk, was walked item by item by every collection that reached it: 6.5 ms of a
-    young pass in the commit's turn at 450k keys (its 900 chunk slices were young), as
-    much per gen-2 pass. Slicing gives a `StagedEntries` that is a view of the same
-    arrays (a chunk of the replace: no copy; a 524k-entry replace cut into 1,049 chunks
-    of copied arrays, two C-heap allocations each, took 2.7-23 ms of the commit's turn);
-    iterating gives (key16, tier, expires_ms) as a replace op's list holds them, made
-    only for the chunk being sent (`Sealer.seal`)."""
+    chunk of them is sent: keys, tiers and expiries (Unix ms) in three typed arrays per
+    segment of `STAGED_SEGMENT` entries, 11 bytes an entry and nothing the cyclic GC
+    walks. A list of a (key16, tier, expires_ms) tuple per key, held from the first
+    piece until Redis took the last chunk, was walked item by item by every collection
+    that reached it: 6.5 ms of a young pass in the commit's turn at 450k keys (its 900
+    chunk slices were young), as much per gen-2 pass. Slicing gives a `StagedEntries`
+    that is a view of the same segments (a chunk of the replace: no copy; a 524k-entry
+    replace cut into 1,049 chunks of copied arrays, two C-heap allocations each, took
+    2.7-23 ms of the commit's turn); iterating gives (key16, tier, expires_ms) as a
+    replace op's list holds them, made only for the chunk being sent (`Sealer.seal`)."""
 
-    __slots__ = ("exps", "hi", "keys", "lo", "tiers")
+    __slots__ = ("hi", "lo", "segs")
 
     def __init__(self) -> None:
-        self.keys: array[int] = array("Q")
-        self.tiers: array[int] = array("B")
-        self.exps: array[int] = array("q")
+        self.segs: list[tuple[array[int], array[int], array[int]]] = []
+        """(keys, tiers, expiries) per segment; every segment but the last is full."""
         self.lo = 0
         self.hi = -1
-        """The view's entries are `lo` .. `hi` - 1 of the arrays; -1: to their end (the
+        """The view's entries are `lo` .. `hi` - 1 of the whole; -1: to its end (the
         staged whole, which `add` extends)."""
 
     def add(self, keys: Sequence[PrefixKey], tier: int, expires_ms: int) -> None:
         if self.hi >= 0:
             raise RuntimeError("a slice of staged entries is a view: add to the whole")
-        n = len(keys)
-        self.keys.extend(keys)
-        self.tiers.extend(array("B", (tier,)) * n)
-        self.exps.extend(array("q", (expires_ms,)) * n)
+        segs = self.segs
+        i, n = 0, len(keys)
+        while i < n:
+            if not segs or len(segs[-1][0]) >= STAGED_SEGMENT:
+                segs.append((array("Q"), array("B"), array("q")))
+            ks, ts, es = segs[-1]
+            take = min(n - i, STAGED_SEGMENT - len(ks))
+            ks.extend(keys[i : i + take] if i or take < n else keys)
+            ts.extend(array("B", (tier,)) * take)
+            es.extend(array("q", (expires_ms,)) * take)
+            i += take
+
+    def _total(self) -> int:
+        segs = self.segs
+        return (len(segs) - 1) * STAGED_SEGMENT + len(segs[-1][0]) if segs else 0
 
     def _end(self) -> int:
-        return len(self.keys) if self.hi < 0 else self.hi
+        return self._total() if self.hi < 0 else self.hi
 
     def __len__(self) -> int:
         return self._end() - self.lo
@@ -168,23 +186,28 @@ class StagedEntries:
     def __getitem__(self, i: slice) -> StagedEntries:
         r = range(self.lo, self._end())[i]
         out = StagedEntries.__new__(StagedEntries)
-        out.keys, out.tiers, out.exps = self.keys, self.tiers, self.exps
         if r.step == 1:
+            out.segs = self.segs
             out.lo, out.hi = r.start, max(r.start, r.stop)
         else:  # not what the chunking takes: a copy
-            out.keys, out.tiers, out.exps = (
-                array("Q", map(self.keys.__getitem__, r)),
-                array("B", map(self.tiers.__getitem__, r)),
-                array("q", map(self.exps.__getitem__, r)),
-            )
-            out.lo, out.hi = 0, -1
+            out.segs, out.lo, out.hi = [], 0, -1
+            for j in r:
+                ks, ts, es = self.segs[j // STAGED_SEGMENT]
+                at = j % STAGED_SEGMENT
+                out.add((PrefixKey(ks[at]),), ts[at], es[at])
         return out
 
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
-        if self.lo == 0 and self.hi < 0:
-            return zip(map(key16, self.keys), self.tiers, self.exps, strict=True)
+        return chain.from_iterable(self._pieces())
+
+    def _pieces(self) -> Iterator[Iterator[tuple[str, int, int]]]:
         lo, hi = self.lo, self._end()
-        return zip(map(key16, self.keys[lo:hi]), self.tiers[lo:hi], self.exps[lo:hi], strict=True)
+        while lo < hi:
+            ks, ts, es = self.segs[lo // STAGED_SEGMENT]
+            a = lo % STAGED_SEGMENT
+            b = min(len(ks), a + hi - lo)
+            yield zip(map(key16, ks[a:b]), ts[a:b], es[a:b], strict=True)
+            lo += b - a
 
 
 def _spelled(op: list[Any]) -> list[Any]:
