@@ -82,6 +82,7 @@ class UpstreamResponse:
         "_eof",
         "_error",
         "_idle_s",
+        "_loop",
         "_sink",
         "_timer",
         "_waiter",
@@ -113,6 +114,7 @@ class UpstreamResponse:
         self._timer: asyncio.TimerHandle | None = None
         self._sink: Callable[[bytes], bool] | None = None
         self._idle_s: float | None = None
+        self._loop = conn.pool.loop  # the sink's clock (`_feed`), no lookup per piece
 
     def set_sink(self, sink: Callable[[bytes], bool] | None) -> None:
         """Offer each later body piece to `sink` first (module docstring, direct relay);
@@ -128,7 +130,7 @@ class UpstreamResponse:
         if sink is not None and not last and not self._buf and sink(data):
             w = self._waiter
             if w is not None and self._idle_s is not None:  # data came: not idle
-                self._deadline = w.get_loop().time() + self._idle_s
+                self._deadline = self._loop.time() + self._idle_s
             return
         self._buf.append(data)
         self._buffered += len(data)
@@ -248,7 +250,10 @@ class _Conn(asyncio.Protocol):
         self._head_lines = 0
         self._head_len = 0  # bytes read since the last head ended, while no head is whole
         self._quiet = 0  # body-state bytes read since the last body byte (framing only)
-        self._pieces: list[bytes] = []  # this read's body pieces, handed over as one
+        # This read's body pieces, handed over as one: the first (an SSE chunk's one piece)
+        # held alone, any later ones in the list.
+        self._piece: bytes | None = None
+        self._pieces: list[bytes] = []
         self._done = False  # this read ended the body
         self._keep_alive = True
         self._until_close = False
@@ -298,11 +303,15 @@ class _Conn(asyncio.Protocol):
             err = exc
         resp = self._resp
         if resp is not None:
-            pieces = self._pieces
-            if pieces:
+            piece = self._piece
+            if piece is not None:
+                self._piece = None
                 self._quiet = 0
-                piece = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-                pieces.clear()
+                more = self._pieces
+                if more:
+                    more.insert(0, piece)
+                    piece = b"".join(more)
+                    more.clear()
                 resp._feed(piece, self._done)
             elif not in_head:
                 self._quiet += len(data)
@@ -401,7 +410,10 @@ class _Conn(asyncio.Protocol):
         return None
 
     def on_body(self, data: bytes) -> None:
-        self._pieces.append(data)
+        if self._piece is None:
+            self._piece = data
+        else:
+            self._pieces.append(data)
 
     def on_message_complete(self) -> None:
         if self._resp is not None:  # not an interim head's end

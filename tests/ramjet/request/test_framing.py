@@ -53,6 +53,15 @@ def test_chunked_pieces_follow_the_head_once_and_end_with_the_terminator() -> No
     assert f.frame(b"", True) == b"0\r\n\r\n"
 
 
+def test_chunk_size_lines_are_hex_at_every_size() -> None:
+    # sizes framed from the table of size lines, at its edge, and past it (formatted)
+    f = _framer(200, None)
+    f.frame(b"", False)
+    for n in (1, 15, 16, 255, 4095, 4096, 4097, 70_000):
+        assert f.frame(b"y" * n, False) == b"%x\r\n" % n + b"y" * n + b"\r\n"
+    assert f.frame(b"z" * 4096, True) == b"1000\r\n" + b"z" * 4096 + b"\r\n0\r\n\r\n"
+
+
 def test_a_length_framed_body_never_exceeds_its_length() -> None:
     f = _framer(200, 5)
     assert not f.chunked and b"Content-Length: 5" in (f.head or b"")
