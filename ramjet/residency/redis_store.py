@@ -203,9 +203,9 @@ class RedisStore:
         return self.local.expire(now)  # Redis expires its copies itself (see expire_step)
 
     def expire_step(self, now: float) -> int:
-        """One bounded step of the mirror's expiry (`MemoryStore.expire_step`: a few
-        shards swept, or a few hundred arrays of an index a full pull or a snapshot
-        replaced freed). Redis's side is bounded already: per-key entries expire by
+        """One bounded step of the mirror's expiry (`MemoryStore.expire_step`: one piece
+        a call, the arrays of an index a full pull or a snapshot replaced freed, else a
+        run's key-list garbage, else a few shards swept). Redis's side is bounded already: per-key entries expire by
         `PXAT`, packed records are dropped a few buckets per script call."""
         return self.local.expire_step(now)
 
