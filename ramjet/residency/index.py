@@ -46,12 +46,18 @@ to the reserved share put every shard's new arrays (11 MB of fresh pages for a
 524k-key snapshot, 430 MB for a 20M one's marks) in the few pieces where they crossed:
 a 9 ms piece of 2,048 keys against a median of 1.4 ms. By steps of at most 8x each
 inserted key pays a bounded share of the growths, about 500 bytes of new arrays."""
-_GARBAGE_KEYS: Final = 8192
 OBJECT_BYTES: Final = 512
 """What `release` counts for an entry of a run heap (a tuple and its float and ints) or
 of the free list: a step of `RELEASE_BYTES` frees 16k of them, about a millisecond.
 At 128 a step freed 65k: 4.2 ms of (float, int, int) tuple deallocations measured alone
 on the 2-core host (3.0 ms for the (int, int) ones), as much as a whole step's budget."""
+ARRAY_BYTES: Final = 32 << 10
+"""What `release` counts for freeing one array beyond its items: glibc's free of one
+chunk among millions (its unlink and consolidation) and the object's own teardown, 2-4 us
+measured compiled; a step of `RELEASE_BYTES` frees at most 256 arrays. A sweep's pass
+empties its expired runs together in its last shards: at 20M blocks thousands of small
+key lists at once, each freed where it died cost 4 us (2.5 ms a shard of 555 runs of
+128 keys at 4M blocks), so every emptied run's list goes to `garbage`."""
 RELEASE_BYTES: Final = 8 << 20
 """Bytes of a dropped index's arrays freed in one step (`BlockIndex.release`): about a
 millisecond; 150 MB at once (38 run arrays of a 20M-block snapshot) was a 25 ms turn."""
@@ -74,15 +80,19 @@ def _free_tail(arrays: list[array[int] | None], budget: int) -> int:
     """Free about `budget` bytes of the key lists at the end of `arrays`: whole lists
     popped, a longer one cut from its end (its memory returned a slice at a time). Returns
     what is left of `budget`: above 0 once `arrays` is empty, at most 0 while some is
-    left."""
+    left. Each array popped counts `ARRAY_BYTES` more, each None `OBJECT_BYTES`."""
     while arrays and budget > 0:
         keys = arrays[-1]
-        held = 0 if keys is None else 8 * len(keys)
-        if keys is not None and held > budget:
+        if keys is None:
+            arrays.pop()
+            budget -= OBJECT_BYTES
+            continue
+        held = 8 * len(keys)
+        if held > budget:
             del keys[len(keys) - budget // 8 :]
             return 0
         arrays.pop()
-        budget -= held
+        budget -= held + ARRAY_BYTES
     return budget
 
 
@@ -131,16 +141,25 @@ class BlockIndex:
         self.seq: array[int] = array("q", [0])
         self.run_keys: list[array[int] | None] = [None]
         self.run_head: array[int] = array("q", [0])
-        self._free: list[int] = []
+        self._free: list[int] = [0]
+        """Ids of runs no block uses, to recycle: a stack of `_free_n` entries in a list
+        as long as `conf` (grown as ids are made), never resized when a run dies."""
+        self._free_n = 0
         self._next_seq = 1
         self._order: list[tuple[int, int]] = []
         """Min-heap of (seq, run), cleaned lazily: the oldest live run first."""
         self._expiry: list[tuple[float, int, int]] = []
         """Min-heap of (expires_at, seq, run), cleaned lazily."""
-        self.garbage: list[array[int] | None] = []
-        """Key lists of runs no block uses any more, left for `release_garbage`: a
-        sweep's pass drops its expired runs together in its last shards, at 20M blocks
-        a few dozen lists of 4 MB (a snapshot part's run), 6-10 ms to free at once."""
+        self._dead: list[array[int] | None] = [None]
+        """Key lists of runs no block uses any more, left for `release_garbage` (the
+        `garbage`): a stack of `_dead_n` entries, in a list as long as `conf` (a run's
+        list is left here once per death), appended to only past that. A sweep's pass
+        drops its expired runs together in its last shards: at 20M blocks a few dozen
+        lists of 4 MB (a snapshot part's run), 6-10 ms to free at once, or thousands of
+        small ones (`ARRAY_BYTES`). And nothing is allocated where they die: growing a
+        list by appends there was a `realloc` of the C heap every few hundred deaths,
+        10-14 ms of `_int_malloc` in one step of a 20M-block Redis mirror."""
+        self._dead_n = 0
 
     # -- runs ---------------------------------------------------------------------------
 
@@ -149,8 +168,9 @@ class BlockIndex:
         while no block uses it) until `close_run`."""
         seq = self._next_seq
         self._next_seq += 1
-        if self._free:
-            run = self._free.pop()
+        if self._free_n:
+            self._free_n -= 1
+            run = self._free[self._free_n]
             self.conf[run] = confirmed_at
             self.exp[run] = expires_at
             self.refs[run] = 1
@@ -167,6 +187,8 @@ class BlockIndex:
             self.seq.append(seq)
             self.run_keys.append(array("Q"))
             self.run_head.append(0)
+            self._free.append(0)  # room for the id when it is free: none made at its death
+            self._dead.append(None)
         heapq.heappush(self._order, (seq, run))
         heapq.heappush(self._expiry, (expires_at, seq, run))
         return run
@@ -180,11 +202,17 @@ class BlockIndex:
         self.refs[run] = n
         if n == 0:
             keys = self.run_keys[run]
-            if keys is not None and len(keys) > _GARBAGE_KEYS:
-                self.garbage.append(keys)  # freed in steps: `release_garbage`
+            if keys is not None:  # freed in steps: `release_garbage`
+                d = self._dead_n
+                if d < len(self._dead):
+                    self._dead[d] = keys
+                else:
+                    self._dead.append(keys)  # an id dead again before its list was freed
+                self._dead_n = d + 1
             self.run_keys[run] = None
             self.seq[run] = 0
-            self._free.append(run)
+            self._free[self._free_n] = run  # one entry per id at most: room for it
+            self._free_n += 1
 
     def _live_run(self, seq: int, run: int) -> bool:
         return self.seq[run] == seq and self.refs[run] > 0
@@ -597,10 +625,33 @@ class BlockIndex:
         held += sum(8 * len(keys) for ks in lists for keys in ks if keys is not None)
         return held + OBJECT_BYTES * (len(self._order) + len(self._expiry) + len(self._free))
 
+    @property
+    def garbage(self) -> list[array[int] | None]:
+        """The key lists left for `release_garbage` (a copy, for inspection)."""
+        return self._dead[: self._dead_n]
+
+    def has_garbage(self) -> bool:
+        """Whether `release_garbage` has work left."""
+        return self._dead_n > 0
+
     def release_garbage(self, budget: int) -> int:
-        """Free about `budget` bytes of `garbage`, a long list cut from its end; returns
-        what is left of `budget` (above 0 once none is left)."""
-        return _free_tail(self.garbage, budget)
+        """Free about `budget` bytes of `garbage` (`ARRAY_BYTES` more a list), a long list
+        cut from its end; returns what is left of `budget` (above 0 once none is left).
+        Its slots stay: a later death takes one without growing the list."""
+        dead = self._dead
+        n = self._dead_n
+        while n and budget > 0:
+            keys = dead[n - 1]
+            held = 0 if keys is None else 8 * len(keys)
+            if keys is not None and held > budget:
+                del keys[len(keys) - budget // 8 :]
+                self._dead_n = n
+                return 0
+            dead[n - 1] = None
+            n -= 1
+            budget -= held + ARRAY_BYTES
+        self._dead_n = n
+        return budget
 
     def release(self, budget: int) -> int:
         """Free about `budget` bytes of this index's arrays, for an index no longer read

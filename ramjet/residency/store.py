@@ -852,7 +852,7 @@ class MemoryStore:
             self.release_step()
             return dropped
         for ix in self._exact.values():
-            if ix.garbage:
+            if ix.has_garbage():
                 ix.release_garbage(self.release_bytes)
                 return dropped
         engines = list(self._exact)
@@ -883,7 +883,9 @@ class MemoryStore:
         (`BlockIndex.garbage`) is left to free."""
         if self._retired:
             return True  # a dropped index left to free (`release_step`)
-        return any(ix.garbage or (ix.count and ix.expiry_due(now)) for ix in self._exact.values())
+        return any(
+            ix.has_garbage() or (ix.count and ix.expiry_due(now)) for ix in self._exact.values()
+        )
 
     def size(self, table: Table) -> int:
         if table is Table.GLOBAL:
