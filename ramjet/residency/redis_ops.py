@@ -67,7 +67,8 @@ class Batch:
     """For a later chunk of a batch cut in chunks: the first chunk. The later chunks are
     sent only if Redis applied the first (`ok`); a refused report or seed drops them."""
     status: str = ""
-    """Redis's answer to this batch once sent (`ok`, `dup`, `stale`, ...)."""
+    """Redis's answer to this batch once sent (`ok`, `dup`, `stale`, ...); `sending`
+    from the moment the sync takes it up (no later write coalesces into it then)."""
     attempts: int = 0
     """Error replies Redis gave this batch (`RedisSettings.max_batch_attempts`)."""
 

@@ -236,10 +236,11 @@ class RedisSync:
         if (
             last is not None
             and last.mode == "free"
+            and not last.status  # not in flight: its ops are sealed as they stand
             and last.engine == engine
             and sum(map(weight, last.ops)) + weight(op) <= self.chunk
         ):
-            last.ops.append(op)  # coalesce: the queue's tail is never in flight
+            last.ops.append(op)  # coalesce: the queue's tail is not in flight
             self.wake.set()
             return
         self.enqueue(Batch(engine, "free", ops=[op]))
@@ -307,6 +308,10 @@ class RedisSync:
             if batch.lead is not None and batch.lead.status != "ok":
                 status = "skipped"  # Redis refused the first chunk: drop the rest
             else:
+                # in flight from here (`queue_free` leaves it alone): a write coalesced
+                # into it once sealed, or while its script call was out, never reached
+                # Redis (the queue's only batch is also its tail)
+                batch.status = "sending"
                 try:
                     status = await self._apply(batch)
                     if status == "missing":

@@ -240,3 +240,40 @@ def test_a_chunk_sealed_in_steps_verifies_and_a_tampered_one_is_rejected() -> No
     with pytest.raises(InvalidEntry) as err:
         replay(MemoryStore({Table.GLOBAL: 10_000, Table.SWA: 10_000}), E0, forged, Clocks(), sealer)
     assert err.value.reason == "mac"
+
+
+@pytest.mark.redis
+async def test_a_write_queued_while_its_batch_is_being_sent_is_not_lost(
+    server: RedisProcess,
+) -> None:
+    """An unsequenced write queued while the queue's only batch (of the same engine) is
+    on its way to Redis goes in a batch of its own: coalesced into the batch in flight
+    (already sealed, or sealed up to where its steps had got) it never reached Redis."""
+    a, b = make(server), make(server)
+    try:
+        now = a.clock()
+        a.put(Table.GLOBAL, E0, [PrefixKey(7_777)], Tier.HBM, now, now + 600, True)
+        await a.sync_once()  # Redis holds the engine (seeded): later batches are applied
+        first = [PrefixKey(k) for k in range(1, 300)]
+        a.put(Table.GLOBAL, E0, first, Tier.HOST, now, now + 600, True)
+        late = [PrefixKey(k) for k in range(1_000, 1_003)]
+        script = a.link.script
+        sent = False
+
+        async def spy(s: Any, k: Any, args: Any) -> Any:
+            nonlocal sent
+            if not sent and len(args) > 5:  # the batch's APPLY, sealed: a write comes
+                sent = True
+                a.put(Table.GLOBAL, E0, late, Tier.SSD, now, now + 600, True)
+            return await script(s, k, args)
+
+        a.link.script = spy  # type: ignore[method-assign,assignment]
+        for _ in range(3):
+            await a.sync_once()
+        assert sent and not a.pending
+        await b.sync_once()
+        for k in first + late:
+            assert b.get(Table.GLOBAL, E0, k, now, False) is not None, k
+    finally:
+        await a.link.close()
+        await b.link.close()
