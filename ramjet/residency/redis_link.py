@@ -26,6 +26,7 @@ gauge `ramjet_redis_degraded` (1 while the breaker is not closed), for an alert.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -66,8 +67,9 @@ class LuaScript:
     name: str
     source: str
 
-    @property
+    @functools.cached_property
     def sha(self) -> str:
+        """Hashed once (it was hashed again on every call: a script is 10 KB)."""
         return hashlib.sha1(self.source.encode()).hexdigest()
 
 

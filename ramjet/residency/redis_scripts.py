@@ -44,6 +44,9 @@ legal on Cluster because the hash tag puts them in KEYS[1]'s slot.
 
 `TAIL` returns (gen, epoch, seq) and the log entries after a stream id in one atomic read,
 so a replica can tell "nothing new" from "log trimmed or Redis restarted: pull in full".
+A page holds at most `count` entries and, past its first entry, at most `max bytes` of
+field values: a reply is taken in by the loop in one piece (parsed in one turn), so its
+size, not only its entry count, is what a turn spends on it.
 """
 
 from __future__ import annotations
@@ -214,19 +217,34 @@ return {'ok', gen, tonumber(ep[1]) or -1, tonumber(ep[2]) or -1}
 TAIL = LuaScript(
     "ramjet_residency_tail",
     r"""
--- KEYS: st, log.  ARGV: after (stream id, or "" for none), count.
--- Returns {gen, epoch, seq, entries, last id}; gen = -1 when st is missing. With
+-- KEYS: st, log.  ARGV: after (stream id, or "" for none), count, max bytes (optional).
+-- Returns {gen, epoch, seq, entries, last id, more}; gen = -1 when st is missing. With
 -- after = "" no entries are read and `last id` is the log's newest id (a pull's start).
+-- The entries stop before the one that would take the page's field values past max
+-- bytes (the first entry always goes); more = 1 when they stopped so.
 local cur = redis.call('HMGET', KEYS[1], 'gen', 'epoch', 'seq')
-if cur[1] == false then return {-1, -1, -1, {}, ''} end
-local entries, last = {}, ''
+if cur[1] == false then return {-1, -1, -1, {}, '', 0} end
+local entries, last, more = {}, '', 0
 if ARGV[1] ~= '' then
-  entries = redis.call('XRANGE', KEYS[2], '(' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))
+  local read = redis.call('XRANGE', KEYS[2], '(' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))
+  local budget = tonumber(ARGV[3] or '')
+  if budget == nil then
+    entries = read
+  else
+    local bytes = 0
+    for _, e in ipairs(read) do
+      local n = #e[1]
+      for j = 1, #e[2] do n = n + #e[2][j] end
+      if #entries > 0 and bytes + n > budget then more = 1; break end
+      entries[#entries + 1] = e
+      bytes = bytes + n
+    end
+  end
 else
   local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
   if #newest > 0 then last = newest[1][1] end
 end
-return {tonumber(cur[1]), tonumber(cur[2]) or -1, tonumber(cur[3]) or -1, entries, last}
+return {tonumber(cur[1]), tonumber(cur[2]) or -1, tonumber(cur[3]) or -1, entries, last, more}
 """,
 )
 
