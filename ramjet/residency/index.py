@@ -51,13 +51,15 @@ OBJECT_BYTES: Final = 512
 of the free list: a step of `RELEASE_BYTES` frees 16k of them, about a millisecond.
 At 128 a step freed 65k: 4.2 ms of (float, int, int) tuple deallocations measured alone
 on the 2-core host (3.0 ms for the (int, int) ones), as much as a whole step's budget."""
+_GARBAGE_KEYS: Final = 8192
+"""A run's key list longer than this goes to `garbage` when the run dies, wherever."""
 ARRAY_BYTES: Final = 32 << 10
 """What `release` counts for freeing one array beyond its items: glibc's free of one
 chunk among millions (its unlink and consolidation) and the object's own teardown, 2-4 us
 measured compiled; a step of `RELEASE_BYTES` frees at most 256 arrays. A sweep's pass
 empties its expired runs together in its last shards: at 20M blocks thousands of small
 key lists at once, each freed where it died cost 4 us (2.5 ms a shard of 555 runs of
-128 keys at 4M blocks), so every emptied run's list goes to `garbage`."""
+128 keys at 4M blocks), so a sweep's emptied runs leave every list to `garbage`."""
 RELEASE_BYTES: Final = 8 << 20
 """Bytes of a dropped index's arrays freed in one step (`BlockIndex.release`): about a
 millisecond; 150 MB at once (38 run arrays of a 20M-block snapshot) was a 25 ms turn."""
@@ -197,12 +199,18 @@ class BlockIndex:
         """The run takes no more blocks: recycled once none uses it."""
         self._release(run)
 
-    def _release(self, run: int) -> None:
+    def _release(self, run: int, bulk: bool = False) -> None:
+        """One block fewer in `run`. At its last, the run's id goes on the free list and
+        its key list to `garbage` when long, or from a `bulk` walk (a sweep, a mark's
+        drop: thousands of runs die in one shard); a put's or a removal's few deaths
+        free a short list where they happen (left to the garbage steps, the lists that
+        replays emptied piled up where nothing stepped the expiry: 1.5 GB more RSS in a
+        20M-block Redis load)."""
         n = self.refs[run] - 1
         self.refs[run] = n
         if n == 0:
             keys = self.run_keys[run]
-            if keys is not None:  # freed in steps: `release_garbage`
+            if keys is not None and (bulk or len(keys) > _GARBAGE_KEYS):
                 d = self._dead_n
                 if d < len(self._dead):
                     self._dead[d] = keys
@@ -610,7 +618,7 @@ class BlockIndex:
                 if w > _TOMB and seq[w >> 2] < mark:
                     words[j] = _TOMB
                     sh.used -= 1
-                    self._release(w >> 2)
+                    self._release(w >> 2, True)
                     dropped += 1
             if dropped > before and ((sh.used * 8 < n and n > _MIN_SLOTS) or sh.used == 0):
                 self._rehash(s, sh)
@@ -694,7 +702,7 @@ class BlockIndex:
                 if w > _TOMB and exp[w >> 2] <= now:
                     words[j] = _TOMB
                     sh.used -= 1
-                    self._release(w >> 2)
+                    self._release(w >> 2, True)
                     dropped += 1
             if dropped and ((sh.used * 8 < n and n > _MIN_SLOTS) or sh.used == 0):
                 self._rehash(s, sh)
