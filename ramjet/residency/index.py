@@ -204,8 +204,9 @@ class BlockIndex:
         its key list to `garbage` when long, or from a `bulk` walk (a sweep, a mark's
         drop: thousands of runs die in one shard); a put's or a removal's few deaths
         free a short list where they happen (left to the garbage steps, the lists that
-        replays emptied piled up where nothing stepped the expiry: 1.5 GB more RSS in a
-        20M-block Redis load)."""
+        replays emptied piled up where nothing stepped the expiry: a 20M-block Redis
+        benchmark's writer read 2,654 MiB RSS after its load and 4,054 at its end,
+        against 2,524 and 3,529 with them freed)."""
         n = self.refs[run] - 1
         self.refs[run] = n
         if n == 0:
