@@ -651,8 +651,9 @@ class BlockIndex:
         n = self._dead_n
         while n and budget > 0:
             keys = dead[n - 1]
-            held = 0 if keys is None else 8 * len(keys)
-            if keys is not None and held > budget:
+            assert keys is not None  # a slot below `_dead_n` always holds a list
+            held = 8 * len(keys)
+            if held > budget:
                 del keys[len(keys) - budget // 8 :]
                 self._dead_n = n
                 return 0

@@ -205,8 +205,9 @@ class RedisStore:
     def expire_step(self, now: float) -> int:
         """One bounded step of the mirror's expiry (`MemoryStore.expire_step`: one piece
         a call, the arrays of an index a full pull or a snapshot replaced freed, else a
-        run's key-list garbage, else a few shards swept). Redis's side is bounded already: per-key entries expire by
-        `PXAT`, packed records are dropped a few buckets per script call."""
+        run's key-list garbage, else a few shards swept). Redis's side is bounded
+        already: per-key entries expire by `PXAT`, packed records are dropped a few
+        buckets per script call."""
         return self.local.expire_step(now)
 
     def sweeping(self, now: float) -> bool:
