@@ -195,6 +195,10 @@ class StallMonitor:
         """Wall seconds (on a loaded machine, preemption is in it)."""
         self.longest_cpu = 0.0
         """CPU seconds the loop's thread spent between two turns: the work that stalled it."""
+        self.longest_cpu_at = 0.0
+        """When that gap ended, on CLOCK_MONOTONIC (`time.perf_counter`): samples of
+        `perf record -a -k CLOCK_MONOTONIC` taken meanwhile can be cut to it (uvloop,
+        which the loop tracer cannot hook)."""
         self.gaps_cpu: array[float] = array("d")
         """Every counted gap's CPU seconds; an array, which the cyclic GC never walks (a
         list of a float per loop turn would lengthen the collections it measures)."""
@@ -210,12 +214,26 @@ class StallMonitor:
             now, cpu = time.perf_counter(), time.thread_time()
             if not self.paused:
                 self.longest = max(self.longest, now - last)
-                self.longest_cpu = max(self.longest_cpu, cpu - last_cpu)
+                if cpu - last_cpu > self.longest_cpu:
+                    self.longest_cpu, self.longest_cpu_at = cpu - last_cpu, now
                 self.gaps_cpu.append(cpu - last_cpu)
                 # the next gap starts after this bookkeeping: growing a gap array of tens
                 # of millions (a 20M load) took 12.6 ms of one turn, not the router's
                 now, cpu = time.perf_counter(), time.thread_time()
             last, last_cpu = now, cpu
+
+    def note(self, phase: str) -> None:
+        """The phase's longest CPU stall and when it ended, on stderr (for perf)."""
+        print(
+            f"  [stall] {phase}: {self.longest_cpu * 1e3:.1f} ms CPU, ended at "
+            f"{self.longest_cpu_at:.4f} s (CLOCK_MONOTONIC)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def reset(self) -> None:
+        """Start a new phase's longest."""
+        self.longest = self.longest_cpu = self.longest_cpu_at = 0.0
 
     async def __aenter__(self) -> StallMonitor:
         self._task = asyncio.create_task(self._run())
@@ -240,6 +258,7 @@ async def sweep_phase(expire_step: Callable[[], bool]) -> dict[str, float]:
         while expire_step():
             await asyncio.sleep(0)
         took = time.perf_counter() - t0
+    mon.note("expiry sweep")
     _trace_report(tracer, "expiry sweep")
     return {"sweep_s": took, "sweep_stall_s": mon.longest, "sweep_stall_cpu_s": mon.longest_cpu}
 
@@ -278,6 +297,7 @@ async def snapshot_during_sweep(
         finally:
             done = True
             await sweep
+    mon.note("snapshot + sweep")
     _trace_report(tracer, "snapshot + sweep")
     out["snapshot_stall_s"] = mon.longest
     out["snapshot_stall_cpu_s"] = mon.longest_cpu

@@ -262,7 +262,8 @@ async def _measure(url: str, n: int, encoding: str, seed: int, part_keys: int) -
             eng.seq = parts - 1
             snapshot_s = time.perf_counter() - t_start
             stall_parts = (mon.longest, mon.longest_cpu)
-            mon.longest = mon.longest_cpu = 0.0  # the deltas' phase from here
+            mon.note("snapshot in parts")
+            mon.reset()  # the deltas' phase from here
             while loaded < n:
                 mon.paused = True
                 size = min(part_keys, n - loaded)
@@ -282,6 +283,7 @@ async def _measure(url: str, n: int, encoding: str, seed: int, part_keys: int) -
                 tracer.stop()
                 tracer.report(f"{encoding} {n:,} load")
         stall_deltas = (mon.longest, mon.longest_cpu)
+        mon.note("deltas")
         write_s = time.perf_counter() - t_start
         checks.append(not proc.in_parts(ENGINE) and proc.trust(ENGINE) is TrustGrade.EXACT)
         expected = n - len(gone) + 10
