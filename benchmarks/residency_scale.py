@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import heapq
 import json
 import os
 import random
@@ -187,6 +188,12 @@ def _trace_report(tracer: Any, label: str) -> None:
         tracer.report(label)
 
 
+TOP = 16
+"""Gaps a `StallMonitor` keeps, longest first, for `--perf` to check for vCPU pauses."""
+STALLS: dict[str, list[tuple[float, float, float]]] = {}
+"""Per phase (`StallMonitor.note`), its monitor's `top` gaps, longest first."""
+
+
 class StallMonitor:
     """The longest gap between two turns of a coroutine that only yields."""
 
@@ -202,6 +209,8 @@ class StallMonitor:
         self.gaps_cpu: array[float] = array("d")
         """Every counted gap's CPU seconds; an array, which the cyclic GC never walks (a
         list of a float per loop turn would lengthen the collections it measures)."""
+        self.top: list[tuple[float, float, float]] = []
+        """The `TOP` longest gaps by CPU, (cpu s, start, end on CLOCK_MONOTONIC): a heap."""
         self.paused = False
         """While True, gaps are not counted (the benchmark's own measuring)."""
         self._stop = False
@@ -216,6 +225,9 @@ class StallMonitor:
                 self.longest = max(self.longest, now - last)
                 if cpu - last_cpu > self.longest_cpu:
                     self.longest_cpu, self.longest_cpu_at = cpu - last_cpu, now
+                if len(self.top) < TOP or cpu - last_cpu > self.top[0][0]:
+                    push = heapq.heappush if len(self.top) < TOP else heapq.heapreplace
+                    push(self.top, (cpu - last_cpu, last, now))
                 self.gaps_cpu.append(cpu - last_cpu)
                 # the next gap starts after this bookkeeping: growing a gap array of tens
                 # of millions (a 20M load) took 12.6 ms of one turn, not the router's
@@ -223,7 +235,9 @@ class StallMonitor:
             last, last_cpu = now, cpu
 
     def note(self, phase: str) -> None:
-        """The phase's longest CPU stall and when it ended, on stderr (for perf)."""
+        """The phase's longest CPU stall and when it ended, on stderr (for perf); its
+        `top` gaps kept in `STALLS[phase]`."""
+        STALLS[phase] = sorted(self.top, reverse=True)
         print(
             f"  [stall] {phase}: {self.longest_cpu * 1e3:.1f} ms CPU, ended at "
             f"{self.longest_cpu_at:.4f} s (CLOCK_MONOTONIC)",
@@ -234,6 +248,7 @@ class StallMonitor:
     def reset(self) -> None:
         """Start a new phase's longest."""
         self.longest = self.longest_cpu = self.longest_cpu_at = 0.0
+        self.top = []
 
     async def __aenter__(self) -> StallMonitor:
         self._task = asyncio.create_task(self._run())
