@@ -39,6 +39,8 @@ skipped above `--keys-max`, 2M by default). `measure_redis(n_blocks, encoding)` 
   where: `benchmarks/loop_trace.py`; the router's loop is uvloop, as `ramjet serve`
   runs it, but asyncio's own under the tracer, which hooks that loop);
   `max_call_ms`: the slowest single Redis call (each must fit `timeout_ms`).
+  `--perf DIR` also prints each phase's longest turns less the time the loop thread's
+  vCPU ran nothing under them (`benchmarks/vcpu_pauses.py`, from `perf record -a`).
 
 Self-check: every report accepted, the snapshot complete, no batch dropped, the writer
 and a freshly pulled replica hold exactly the loaded blocks (minus the removals) and

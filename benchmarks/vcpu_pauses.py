@@ -39,7 +39,7 @@ class PerfRecord:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         cmd = ["perf", "record", "-a", "-F", str(HZ), "-k", "CLOCK_MONOTONIC", "-o", str(self.out)]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:  # perf says when it is recording; without it, nothing is measured
+        try:  # a perf that cannot record (no perf, no right to) exits at once
             assert self._proc.stderr is not None
             self._proc.wait(2.0)
             raise RuntimeError(f"perf record exited: {self._proc.stderr.read().decode()[-300:]}")
