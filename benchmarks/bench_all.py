@@ -106,8 +106,9 @@ BENCHMARKS = (
 )
 """Every benchmark in benchmarks/ is here, and `make bench` runs each one's quick mode.
 Not benchmarks: `loop_trace.py` (the residency benchmarks' loop-turn tracer, turned on
-with `RAMJET_TRACE_TURNS_MS`) and `gpu_check.sh` (the kernel tests and this kernel
-benchmark on a GPU machine). Quick figures are printed, never judged against a target
+with `RAMJET_TRACE_TURNS_MS`), `vcpu_pauses.py` (their `--perf` accounting of vCPU
+pauses) and `gpu_check.sh` (the kernel tests and this kernel benchmark on a GPU
+machine). Quick figures are printed, never judged against a target
 that a quick run's noise could cross: each benchmark's full run judges its targets."""
 
 _FIGURE = re.compile(

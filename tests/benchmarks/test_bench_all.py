@@ -11,8 +11,9 @@ from bench_module import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-NOT_BENCHMARKS = {"bench_all", "loop_trace"}
-"""`loop_trace.py` is the residency benchmarks' loop-turn tracer, not a benchmark."""
+NOT_BENCHMARKS = {"bench_all", "loop_trace", "vcpu_pauses"}
+"""`loop_trace.py` is the residency benchmarks' loop-turn tracer and `vcpu_pauses.py`
+their `--perf` accounting of vCPU pauses: not benchmarks."""
 
 
 B = load_benchmark("bench_all")
