@@ -13,13 +13,21 @@ in ~3,900 requests.
 (start-up state is never garbage, so later passes skip it), and raises the young
 threshold to `gen0` so a pass runs only when garbage actually accumulates. Reference
 cycles are still collected, later; the cost is at most ~`gen0` extra objects alive.
+
+Not higher than 2,500: a young pass costs its loop turn ~0.2 us per object it meets,
+and it meets more than `gen0`. The count is allocations less deallocations, so a
+residency store that replaces long-lived objects (an index shard's arrays at each
+rehash, a run's key list) leaves the new ones in the young list without moving the
+count: at 10,000 the passes met 13-25k objects and took up to 7.6 ms, in turns of
+7-9 ms, while 5M blocks loaded over Redis (`benchmarks/residency_scale_redis.py`,
+traced); at 2,500 the longest was 3.2 ms, and the middle generation's 6.4 ms.
 """
 
 from __future__ import annotations
 
 import gc
 
-GEN0_THRESHOLD = 10_000
+GEN0_THRESHOLD = 2_500
 
 
 def tune_gc(gen0: int = GEN0_THRESHOLD) -> None:
